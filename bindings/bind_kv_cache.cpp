@@ -1,0 +1,51 @@
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "kv_cache.h"
+
+namespace py = pybind11;
+
+namespace pybind11::detail {
+
+// kvmove::Descriptor <-> (addr, nbytes) tuple.
+template <>
+struct type_caster<kvmove::Descriptor> {
+    PYBIND11_TYPE_CASTER(kvmove::Descriptor, const_name("tuple[int, int]"));
+
+    bool load(handle src, bool convert) {
+        make_caster<std::pair<uint64_t, uint64_t>> pair;
+        if (!pair.load(src, convert)) {
+            return false;
+        }
+        auto [addr, nbytes] = cast_op<std::pair<uint64_t, uint64_t>>(pair);
+        value = {addr, nbytes};
+        return true;
+    }
+
+    static handle cast(const kvmove::Descriptor& d, return_value_policy, handle) {
+        return py::make_tuple(d.addr, d.nbytes).release();
+    }
+};
+
+}  // namespace pybind11::detail
+
+namespace kvmove::bindings {
+
+void register_kv_cache(py::module_& m) {
+    py::class_<KVCache>(m, "KVCache", "Untyped core of kvmove.KVCache (layers x blocks x bytes).")
+        .def(py::init<int64_t, int64_t, int64_t, bool>(), py::arg("num_layers"),
+             py::arg("num_blocks"), py::arg("block_nbytes"), py::arg("huge_pages") = false)
+        .def_property_readonly("pool", &KVCache::pool, py::return_value_policy::reference_internal)
+        .def_property_readonly("region", &KVCache::region,
+                               py::return_value_policy::reference_internal)
+        .def_property_readonly("num_layers", &KVCache::num_layers)
+        .def_property_readonly("num_blocks", &KVCache::num_blocks)
+        .def_property_readonly("block_nbytes", &KVCache::block_nbytes,
+                               "Bytes of one block in one layer (K and V).")
+        .def("offset", &KVCache::offset, py::arg("layer"), py::arg("block"),
+             "Byte offset of (layer, block) from the region's start.")
+        .def("descriptors", &KVCache::descriptors, py::arg("block_ids"),
+             py::arg("layers") = py::none(), py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace kvmove::bindings

@@ -1,0 +1,266 @@
+#include "block_pool.h"
+
+#include <algorithm>
+#include <climits>
+
+#include "errors.h"
+
+namespace kvmove {
+
+namespace {
+
+// Sorted copy of ids with each distinct id once and how often it occurs.
+std::vector<std::pair<BlockId, int64_t>> count_ids(const std::vector<BlockId>& ids) {
+    std::vector<BlockId> sorted(ids);
+    std::sort(sorted.begin(), sorted.end());
+    std::vector<std::pair<BlockId, int64_t>> counts;
+    for (BlockId id : sorted) {
+        if (!counts.empty() && counts.back().first == id) {
+            ++counts.back().second;
+        } else {
+            counts.emplace_back(id, 1);
+        }
+    }
+    return counts;
+}
+
+}  // namespace
+
+BlockPool::BlockPool(int64_t num_blocks)
+    : num_blocks_(num_blocks) {
+    KVMOVE_CHECK(num_blocks > 0 && num_blocks <= INT32_MAX, Config,
+                 "num_blocks must be in [1, " << INT32_MAX << "], got " << num_blocks);
+    ref_count_.assign(num_blocks_, 0);
+    hash_.assign(num_blocks_, 0);
+    has_hash_.assign(num_blocks_, false);
+    lru_prev_.assign(num_blocks_ + 1, num_blocks_);
+    lru_next_.assign(num_blocks_ + 1, num_blocks_);
+    insert_free_run(0, num_blocks_);
+}
+
+int64_t BlockPool::num_free() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return num_free_runs_blocks_ + num_cached_;
+}
+
+int64_t BlockPool::num_used() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return num_blocks_ - num_free_runs_blocks_ - num_cached_;
+}
+
+int64_t BlockPool::num_cached() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return num_cached_;
+}
+
+std::optional<std::vector<BlockId>> BlockPool::allocate(int64_t n) {
+    KVMOVE_CHECK(n >= 1, Config, "cannot allocate " << n << " blocks: n must be at least 1");
+    KVMOVE_CHECK(n <= num_blocks_, Config,
+                 "cannot allocate " << n << " blocks: the pool has " << num_blocks_);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (n > num_free_runs_blocks_ + num_cached_) {
+        return std::nullopt;
+    }
+    while (num_free_runs_blocks_ < n) {
+        evict_lru();
+    }
+    std::vector<BlockId> out;
+    out.reserve(n);
+    int64_t remaining = n;
+    while (remaining > 0) {
+        // Best fit: the shortest run that holds the rest; else the longest run whole.
+        auto fit = runs_by_length_.lower_bound({remaining, INT64_MIN});
+        if (fit != runs_by_length_.end()) {
+            take_free_run(fit->second, remaining, out);
+            break;
+        }
+        auto [length, start] = *std::prev(runs_by_length_.end());
+        take_free_run(start, length, out);
+        remaining -= length;
+    }
+    for (BlockId id : out) {
+        ref_count_[id] = 1;
+    }
+    return out;
+}
+
+void BlockPool::free(const std::vector<BlockId>& ids) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto [id, count] : count_ids(ids)) {
+        check_id(id, "free");
+        KVMOVE_CHECK(ref_count_[id] > 0, Block, "cannot free block " << id << ": it is free");
+        KVMOVE_CHECK(ref_count_[id] >= count, Block,
+                     "cannot free block " << id << " " << count
+                                          << " times: its reference count is "
+                                          << ref_count_[id]);
+    }
+    // Released blocks enter the LRU list last-to-first, so the tail of a sequence is evicted
+    // before its head and a cached prefix stays usable as long as possible (as vLLM does).
+    std::vector<BlockId> released;
+    for (auto it = ids.rbegin(); it != ids.rend(); ++it) {
+        if (--ref_count_[*it] > 0) {
+            continue;
+        }
+        if (has_hash_[*it]) {
+            lru_push_back(*it);
+        } else {
+            released.push_back(*it);
+        }
+    }
+    std::sort(released.begin(), released.end());
+    for (auto [start, num] : runs(released)) {
+        insert_free_run(start, num);
+    }
+}
+
+void BlockPool::share(const std::vector<BlockId>& ids) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (BlockId id : ids) {
+        check_id(id, "share");
+        KVMOVE_CHECK(ref_count_[id] > 0, Block,
+                     "cannot share block " << id << ": it is not allocated"
+                                           << (has_hash_[id] ? " (match() revives cached blocks)"
+                                                             : ""));
+    }
+    for (BlockId id : ids) {
+        ++ref_count_[id];
+    }
+}
+
+void BlockPool::commit(const std::vector<BlockId>& ids, const std::vector<BlockHash>& hashes) {
+    KVMOVE_CHECK(ids.size() == hashes.size(), Config,
+                 "cannot commit " << ids.size() << " blocks with " << hashes.size()
+                                  << " hashes: the lengths must match");
+    std::lock_guard<std::mutex> lock(mu_);
+    std::unordered_map<BlockId, BlockHash> seen;
+    for (size_t i = 0; i < ids.size(); ++i) {
+        BlockId id = ids[i];
+        check_id(id, "commit");
+        KVMOVE_CHECK(ref_count_[id] > 0, Block,
+                     "cannot commit block " << id << ": it is not allocated");
+        // A block keeps its hash for life (until evicted); one call may not give it two.
+        auto first = seen.emplace(id, hashes[i]).first;
+        BlockHash expected = has_hash_[id] ? hash_[id] : first->second;
+        KVMOVE_CHECK(hashes[i] == expected, Block,
+                     "cannot commit block " << id << " with hash " << hashes[i]
+                                            << ": it already has hash " << expected);
+    }
+    for (size_t i = 0; i < ids.size(); ++i) {
+        // A hash already cached by another block keeps that block; this one stays untagged
+        // and returns to the free runs when freed (the two hold identical content).
+        if (!has_hash_[ids[i]] && cached_by_hash_.emplace(hashes[i], ids[i]).second) {
+            hash_[ids[i]] = hashes[i];
+            has_hash_[ids[i]] = true;
+        }
+    }
+}
+
+std::vector<BlockId> BlockPool::match(const std::vector<BlockHash>& hashes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<BlockId> out;
+    for (BlockHash h : hashes) {
+        auto it = cached_by_hash_.find(h);
+        if (it == cached_by_hash_.end()) {
+            break;
+        }
+        BlockId id = it->second;
+        if (ref_count_[id] == 0) {
+            lru_unlink(id);
+        }
+        ++ref_count_[id];
+        out.push_back(id);
+    }
+    return out;
+}
+
+int32_t BlockPool::ref_count(BlockId id) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    check_id(id, "query");
+    return ref_count_[id];
+}
+
+std::optional<BlockHash> BlockPool::block_hash(BlockId id) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    check_id(id, "query");
+    return has_hash_[id] ? std::optional<BlockHash>(hash_[id]) : std::nullopt;
+}
+
+void BlockPool::check_id(BlockId id, const char* action) const {
+    KVMOVE_CHECK(id >= 0 && id < num_blocks_, Block,
+                 "cannot " << action << " block " << id << ": ids are in [0, " << num_blocks_
+                           << ")");
+}
+
+void BlockPool::insert_free_run(BlockId start, int64_t num) {
+    num_free_runs_blocks_ += num;
+    auto next = runs_by_start_.lower_bound(start);
+    if (next != runs_by_start_.end() && next->first == start + num) {
+        num += next->second;
+        runs_by_length_.erase({next->second, next->first});
+        next = runs_by_start_.erase(next);
+    }
+    if (next != runs_by_start_.begin()) {
+        auto prev = std::prev(next);
+        if (prev->first + prev->second == start) {
+            start = prev->first;
+            num += prev->second;
+            runs_by_length_.erase({prev->second, prev->first});
+            runs_by_start_.erase(prev);
+        }
+    }
+    runs_by_start_.emplace(start, num);
+    runs_by_length_.emplace(num, start);
+}
+
+// Takes the first num blocks of the free run that begins at start.
+void BlockPool::take_free_run(BlockId start, int64_t num, std::vector<BlockId>& out) {
+    auto run = runs_by_start_.find(start);
+    int64_t length = run->second;
+    runs_by_length_.erase({length, start});
+    runs_by_start_.erase(run);
+    if (length > num) {
+        runs_by_start_.emplace(start + num, length - num);
+        runs_by_length_.emplace(length - num, start + num);
+    }
+    num_free_runs_blocks_ -= num;
+    for (BlockId id = start; id < start + num; ++id) {
+        out.push_back(id);
+    }
+}
+
+void BlockPool::evict_lru() {
+    BlockId id = lru_next_[num_blocks_];
+    lru_unlink(id);
+    cached_by_hash_.erase(hash_[id]);
+    has_hash_[id] = false;
+    insert_free_run(id, 1);
+}
+
+void BlockPool::lru_push_back(BlockId id) {
+    BlockId tail = lru_prev_[num_blocks_];
+    lru_prev_[id] = tail;
+    lru_next_[id] = num_blocks_;
+    lru_next_[tail] = id;
+    lru_prev_[num_blocks_] = id;
+    ++num_cached_;
+}
+
+void BlockPool::lru_unlink(BlockId id) {
+    lru_next_[lru_prev_[id]] = lru_next_[id];
+    lru_prev_[lru_next_[id]] = lru_prev_[id];
+    --num_cached_;
+}
+
+std::vector<BlockRun> runs(const std::vector<BlockId>& ids) {
+    std::vector<BlockRun> out;
+    for (BlockId id : ids) {
+        if (!out.empty() && out.back().first + out.back().second == id) {
+            ++out.back().second;
+        } else {
+            out.emplace_back(id, 1);
+        }
+    }
+    return out;
+}
+
+}  // namespace kvmove

@@ -1,0 +1,69 @@
+#include "kv_cache.h"
+
+#include <climits>
+
+#include "errors.h"
+
+namespace kvmove {
+
+uint64_t KVCache::checked_nbytes(int64_t num_layers, int64_t num_blocks, int64_t block_nbytes) {
+    KVMOVE_CHECK(num_layers > 0 && num_layers <= INT32_MAX, Config,
+                 "num_layers must be in [1, " << INT32_MAX << "], got " << num_layers);
+    KVMOVE_CHECK(num_blocks > 0 && num_blocks <= INT32_MAX, Config,
+                 "num_blocks must be in [1, " << INT32_MAX << "], got " << num_blocks);
+    KVMOVE_CHECK(block_nbytes > 0, Config, "block_nbytes must be positive, got " << block_nbytes);
+    uint64_t total = 0;
+    bool overflow = __builtin_mul_overflow(static_cast<uint64_t>(num_layers),
+                                           static_cast<uint64_t>(num_blocks), &total) ||
+                    __builtin_mul_overflow(total, static_cast<uint64_t>(block_nbytes), &total);
+    KVMOVE_CHECK(!overflow, Config,
+                 num_layers << " layers x " << num_blocks << " blocks x " << block_nbytes
+                            << " bytes overflows 64 bits");
+    return total;
+}
+
+KVCache::KVCache(int64_t num_layers, int64_t num_blocks, int64_t block_nbytes, bool huge_pages)
+    : num_layers_(num_layers),
+      block_nbytes_(static_cast<uint64_t>(block_nbytes)),
+      pool_(num_blocks),
+      region_(checked_nbytes(num_layers, num_blocks, block_nbytes), huge_pages) {}
+
+uint64_t KVCache::offset(int64_t layer, BlockId block) const {
+    return (static_cast<uint64_t>(layer) * num_blocks() + block) * block_nbytes_;
+}
+
+std::vector<Descriptor> KVCache::descriptors(
+    const std::vector<BlockId>& ids, const std::optional<std::vector<int64_t>>& layers) const {
+    for (BlockId id : ids) {
+        KVMOVE_CHECK(id >= 0 && id < num_blocks(), Block,
+                     "block id " << id << " is out of range: ids are in [0, " << num_blocks()
+                                 << ")");
+    }
+    std::vector<int64_t> all_layers;
+    if (!layers) {
+        for (int64_t l = 0; l < num_layers_; ++l) {
+            all_layers.push_back(l);
+        }
+    }
+    const std::vector<int64_t>& wanted = layers ? *layers : all_layers;
+    for (int64_t layer : wanted) {
+        KVMOVE_CHECK(layer >= 0 && layer < num_layers_, Config,
+                     "layer " << layer << " is out of range: layers are in [0, " << num_layers_
+                              << ")");
+    }
+    const std::vector<BlockRun> block_runs = runs(ids);
+    std::vector<Descriptor> out;
+    for (int64_t layer : wanted) {
+        for (auto [start, num] : block_runs) {
+            Descriptor d{region_.addr() + offset(layer, start), num * block_nbytes_};
+            if (!out.empty() && out.back().addr + out.back().nbytes == d.addr) {
+                out.back().nbytes += d.nbytes;
+            } else {
+                out.push_back(d);
+            }
+        }
+    }
+    return out;
+}
+
+}  // namespace kvmove

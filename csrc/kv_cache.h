@@ -1,0 +1,57 @@
+// KVCache: a BlockPool plus the Region its blocks live in, laid out layer-major.
+//
+// Memory order (one "slot" = K and V of one block in one layer, block_nbytes bytes):
+//
+//   region: | layer 0                          | layer 1                          | ...
+//           | block 0 | block 1 | ... | blk N-1 | block 0 | block 1 | ... | blk N-1 |
+//   slot:   | K: block_size x heads x dim | V: block_size x heads x dim |
+//
+//   offset(layer, block) = (layer * num_blocks + block) * block_nbytes
+//
+// so one layer of a run of consecutive blocks is one contiguous byte range: layer-wise
+// streaming sends a whole run of a layer as one operation.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "block_pool.h"
+#include "region.h"
+
+namespace kvmove {
+
+// A contiguous byte range of host or device memory.
+struct Descriptor {
+    uint64_t addr;
+    uint64_t nbytes;
+};
+
+class KVCache {
+public:
+    KVCache(int64_t num_layers, int64_t num_blocks, int64_t block_nbytes, bool huge_pages);
+    KVCache(const KVCache&) = delete;
+    KVCache& operator=(const KVCache&) = delete;
+
+    BlockPool& pool() { return pool_; }
+    Region& region() { return region_; }
+    int64_t num_layers() const { return num_layers_; }
+    int64_t num_blocks() const { return pool_.num_blocks(); }
+    uint64_t block_nbytes() const { return block_nbytes_; }
+    uint64_t offset(int64_t layer, BlockId block) const;
+
+    // Byte ranges holding the given blocks of the given layers (all layers when nullopt), in
+    // layer order then block order, with ranges that touch merged into one.
+    std::vector<Descriptor> descriptors(const std::vector<BlockId>& ids,
+                                        const std::optional<std::vector<int64_t>>& layers) const;
+
+private:
+    static uint64_t checked_nbytes(int64_t num_layers, int64_t num_blocks, int64_t block_nbytes);
+
+    const int64_t num_layers_;
+    const uint64_t block_nbytes_;
+    BlockPool pool_;
+    Region region_;
+};
+
+}  // namespace kvmove

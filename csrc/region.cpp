@@ -1,0 +1,37 @@
+#include "region.h"
+
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "errors.h"
+
+namespace kvmove {
+
+namespace {
+
+constexpr size_t kHugePageBytes = size_t{2} << 20;
+
+}  // namespace
+
+void RegionUnmap::operator()(char* p) const { munmap(p, mapped_nbytes); }
+
+Region::Region(uint64_t nbytes, bool huge_pages) : nbytes_(nbytes), huge_pages_(huge_pages) {
+    KVMOVE_CHECK(nbytes > 0, Config, "region nbytes must be positive, got " << nbytes);
+    // Over-map by one huge page so the data can start on a 2 MiB boundary.
+    size_t mapped = huge_pages ? nbytes + kHugePageBytes : nbytes;
+    KVMOVE_CHECK(mapped >= nbytes, Config, "region nbytes " << nbytes << " overflows");
+    void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    KVMOVE_CHECK(p != MAP_FAILED, Allocation,
+                 "cannot map " << nbytes << " bytes for a region: " << std::strerror(errno));
+    mapping_ = std::unique_ptr<char, RegionUnmap>(static_cast<char*>(p), RegionUnmap{mapped});
+    if (huge_pages) {
+        auto start = reinterpret_cast<uintptr_t>(p);
+        offset_ = ((start + kHugePageBytes - 1) & ~(kHugePageBytes - 1)) - start;
+        // Advisory: a kernel without transparent huge pages keeps 4 KiB pages, which still work.
+        madvise(data(), nbytes, MADV_HUGEPAGE);
+    }
+}
+
+}  // namespace kvmove

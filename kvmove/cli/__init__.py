@@ -1,0 +1,1 @@
+"""kvmove's command-line tools (``kvmove-bench``)."""

@@ -1,0 +1,107 @@
+"""KVCache: paged KV memory for one model, as blocks of a BlockPool.
+
+Memory order, layer-major (``L`` layers, ``N`` blocks, ``B`` = block_size tokens, ``H`` KV
+heads, ``D`` = head_dim)::
+
+    [L, N, 2, B, H, D]
+
+    region  | layer 0                         | layer 1                         | ...
+            | block 0 | block 1 | ... | N-1   | block 0 | block 1 | ... | N-1   |
+    block   | K [B, H, D]  | V [B, H, D]  |
+
+    offset(layer, block) = (layer * N + block) * layout.bytes_per_block_per_layer
+
+Why this order: one layer of a run of consecutive blocks is one contiguous byte range, so
+layer-wise streaming posts one operation per run per layer, and a full transfer of a run is
+``L`` operations however long the run. Keeping K and V of a block together (rather than
+``[L, 2, N, ...]``) halves that count again; per layer it is FlashInfer's paged layout
+``[num_pages, 2, page_size, num_kv_heads, head_dim]`` (NHD), which attention kernels read
+directly. The alternative that makes a block contiguous across layers (``[N, L, ...]``) would
+force a strided send per layer while streaming.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvmove import _C
+from kvmove.layout import KVLayout
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["KVCache"]
+
+# numpy has no bfloat16 or float8: those views carry the raw bits (torch() has the real type).
+_NUMPY_DTYPES: dict[str, Any] = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": np.uint16,
+    "float8": np.uint8,
+}
+_TORCH_DTYPES = {
+    "float32": "float32",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float8": "float8_e4m3fn",
+}
+
+
+class KVCache(_C.KVCache):
+    """Host memory for ``num_blocks`` paged KV blocks of ``layout``, with their BlockPool.
+
+    Args:
+        layout: the model's KV shape.
+        num_blocks: blocks in the pool (the region holds ``num_blocks * layout.bytes_per_block``
+            bytes, zero-filled).
+        huge_pages: align to 2 MiB and ask for transparent huge pages.
+
+    Attributes:
+        pool: the ``BlockPool`` handing out this cache's block ids.
+        region: the ``Region`` holding the bytes.
+    """
+
+    def __init__(self, layout: KVLayout, num_blocks: int, *, huge_pages: bool = False) -> None:
+        super().__init__(layout.num_layers, num_blocks, layout.bytes_per_block_per_layer,
+                         huge_pages)
+        self.layout = layout
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        """``(L, N, 2, B, H, D)``, the memory order above."""
+        lay = self.layout
+        return (lay.num_layers, self.num_blocks, 2, lay.block_size, lay.num_kv_heads,
+                lay.head_dim)
+
+    def numpy(self) -> np.ndarray:
+        """Zero-copy writable view ``[L, N, 2, B, H, D]``; bfloat16 and float8 as raw bits
+        (uint16, uint8)."""
+        raw = np.frombuffer(self.region, dtype=np.uint8)
+        return raw.view(_NUMPY_DTYPES[self.layout.dtype]).reshape(self.shape)
+
+    def torch(self) -> torch.Tensor:
+        """Zero-copy tensor view ``[L, N, 2, B, H, D]`` in the layout's dtype (needs torch)."""
+        import torch
+
+        raw = torch.from_dlpack(np.frombuffer(self.region, dtype=np.uint8))
+        return raw.view(getattr(torch, _TORCH_DTYPES[self.layout.dtype])).view(self.shape)
+
+    def descriptors(
+        self, block_ids: list[int], layers: list[int] | None = None
+    ) -> list[tuple[int, int]]:
+        """``(addr, nbytes)`` ranges holding ``block_ids`` in ``layers`` (all when None).
+
+        Layer order first, then block order; consecutive ids form one range per layer, and
+        ranges that touch (e.g. all blocks of adjacent layers) merge into one.
+
+        Raises:
+            BlockError: a block id out of range.
+            ConfigError: a layer out of range.
+        """
+        return super().descriptors(block_ids, layers)
+
+    def __repr__(self) -> str:
+        return (f"KVCache({self.layout!r}, num_blocks={self.num_blocks}, "
+                f"nbytes={self.region.nbytes}, free={self.pool.num_free})")

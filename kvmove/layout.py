@@ -1,0 +1,112 @@
+"""KV-cache layout arithmetic: how many bytes a token, a block and a prompt take.
+
+``KVLayout`` describes one model's paged KV cache. Its numbers come from the model config:
+
+    bytes_per_token_per_layer = 2 (K and V) * num_kv_heads * head_dim * dtype_bytes
+
+Llama-3.1-8B (32 layers, 8 KV heads, head_dim 128, float16) gives 4,096 B per token per layer,
+131,072 B per token, and 524,288,000 B for a 4,000-token prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvmove.errors import ConfigError
+
+__all__ = ["KVLayout", "DTYPE_BYTES", "PRESETS"]
+
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
+
+# (num_layers, num_kv_heads, head_dim) from each model's Hugging Face config.json:
+# num_hidden_layers, num_key_value_heads, hidden_size / num_attention_heads.
+PRESETS: dict[str, tuple[int, int, int]] = {
+    "llama-3.2-1b": (16, 8, 64),
+    "llama-3.2-3b": (28, 8, 128),
+    "llama-3.1-8b": (32, 8, 128),
+    "llama-3.1-70b": (80, 8, 128),
+    "llama-3.1-405b": (126, 8, 128),
+    "qwen2.5-7b": (28, 4, 128),
+    "qwen2.5-72b": (80, 8, 128),
+    "mistral-7b": (32, 8, 128),
+}
+
+
+def _require_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an int, got {value!r}")
+    if value <= 0:
+        raise ConfigError(f"{name} must be positive, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shape of one model's paged KV cache.
+
+    Args:
+        num_layers: transformer layers, each with its own K and V.
+        num_kv_heads: key/value heads per layer (fewer than query heads under GQA).
+        head_dim: elements per head.
+        dtype: element type, one of ``DTYPE_BYTES`` ("float16", "bfloat16", "float8",
+            "float32").
+        block_size: tokens per block, a power of two (16 as in vLLM).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float16"
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            _require_positive_int(name, getattr(self, name))
+        if self.dtype not in DTYPE_BYTES:
+            raise ConfigError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> KVLayout:
+        """The layout of a known model, e.g. ``KVLayout.preset("llama-3.1-8b", dtype="float8")``."""
+        if name not in PRESETS:
+            raise ConfigError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
+        num_layers, num_kv_heads, head_dim = PRESETS[name]
+        return replace(cls(num_layers, num_kv_heads, head_dim), **overrides)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def bytes_per_token_per_layer(self) -> int:
+        """K and V of one token in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token across all layers."""
+        return self.num_layers * self.bytes_per_token_per_layer
+
+    @property
+    def bytes_per_block_per_layer(self) -> int:
+        """One block of one layer: the unit ``KVCache`` lays out contiguously."""
+        return self.block_size * self.bytes_per_token_per_layer
+
+    @property
+    def bytes_per_block(self) -> int:
+        """One block across all layers."""
+        return self.num_layers * self.bytes_per_block_per_layer
+
+    def bytes_for(self, num_tokens: int) -> int:
+        """Exact KV bytes of ``num_tokens`` tokens (what a transfer of them moves)."""
+        if num_tokens < 0:
+            raise ConfigError(f"num_tokens must be >= 0, got {num_tokens}")
+        return num_tokens * self.bytes_per_token
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens (the last one may be partly filled)."""
+        if num_tokens < 0:
+            raise ConfigError(f"num_tokens must be >= 0, got {num_tokens}")
+        return -(-num_tokens // self.block_size)

@@ -1,0 +1,306 @@
+"""Disaggregation planner: what moving one prompt's KV cache costs on each link, and the advice.
+
+Pure arithmetic, no I/O. For a model layout, a prompt length and a prefill time, ``plan`` gives
+per link the transfer time, its share of the prefill, the part still exposed when layers are
+streamed as they are computed, a ``Verdict``, and advice lines that follow DESIGN.md §1's
+"when to disaggregate" table. Llama-3.1-8B, 4,000 tokens, 200 ms prefill::
+
+    link             GB/s  transfer ms  % of prefill  exposed ms (streamed)  verdict
+    NVLink            900        0.583          0.3%                  0.018  cheap
+    InfiniBand 400G    50        10.49          5.2%                  0.328  cheap
+    Ethernet 25G      3.1       169.13         84.6%                   5.29  too_slow
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvmove.errors import ConfigError
+from kvmove.layout import KVLayout
+
+__all__ = [
+    "CHEAP_SHARE_PCT", "DEFAULT_LINKS", "TOO_SLOW_SHARE_PCT", "Link", "LinkRow", "Plan",
+    "Verdict", "exposed_ms", "merge_links", "parse_link", "plan", "transfer_ms", "verdict_for",
+]
+
+# Verdicts judge the share of the prefill that the *whole* transfer takes, not the part left
+# exposed by streaming, because that share is also the link's duty cycle when a prefill worker
+# runs back to back: streaming hides latency, never bandwidth.
+# - <= 10 %: even unstreamed, TTFT grows by at most a tenth (about the run-to-run noise of TTFT
+#   on a shared cluster), and the link idles 90 % of the time, so concurrent hand-offs rarely
+#   queue behind each other.
+# - > 50 %: unstreamed, TTFT grows by half or more, and a link busy over half the time queues
+#   hand-offs (M/D/1 waits grow as rho / (1 - rho)); the interference disaggregation removes
+#   (ITL p99 stalls) rarely buys that back. Ethernet 25G with Llama-3.1-8B lands at ~85 %.
+# - in between: it pays only with layer-wise streaming and a real ITL p99 problem.
+CHEAP_SHARE_PCT = 10.0
+TOO_SLOW_SHARE_PCT = 50.0
+
+
+def _require_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an int, got {value!r}")
+    if value <= 0:
+        raise ConfigError(f"{name} must be positive, got {value}")
+
+
+def _require_positive_finite(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name} must be positive and finite, got {value!r}")
+
+
+class Verdict(enum.Enum):
+    """How a link's transfer compares with the prefill it follows."""
+
+    CHEAP = "cheap"
+    MARGINAL = "marginal"
+    TOO_SLOW = "too_slow"
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """An interconnect between a prefill and a decode node.
+
+    Args:
+        name: what the user calls it, e.g. "InfiniBand 400G".
+        gbytes_per_s: usable bandwidth in GB/s (1 GB = 1e9 bytes), not Gb/s.
+    """
+
+    name: str
+    gbytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ConfigError(f"link name must be a non-empty string, got {self.name!r}")
+        _require_positive_finite(f"gbytes_per_s of link {self.name!r}", self.gbytes_per_s)
+
+
+# DESIGN.md §1's table: NVLink in a node, 400 Gb/s RDMA, 25 Gb/s Ethernet (after overheads).
+DEFAULT_LINKS: tuple[Link, ...] = (
+    Link("NVLink", 900.0),
+    Link("InfiniBand 400G", 50.0),
+    Link("Ethernet 25G", 3.1),
+)
+
+
+def parse_link(text: str) -> Link:
+    """Parse ``"NAME=GBps"`` (e.g. ``"RoCE 100G=12.5"``) into a ``Link``.
+
+    The last ``=`` splits, so a name may not contain one but may contain spaces.
+    """
+    name, sep, rate = text.rpartition("=")
+    if not sep or not name.strip():
+        raise ConfigError(f"link must look like NAME=GBps (e.g. 'RoCE=12.5'), got {text!r}")
+    try:
+        gbytes_per_s = float(rate)
+    except ValueError:
+        raise ConfigError(
+            f"link bandwidth must be a number of GB/s, got {rate!r} in {text!r}"
+        ) from None
+    return Link(name.strip(), gbytes_per_s)
+
+
+def merge_links(base: tuple[Link, ...], extra: list[Link] | tuple[Link, ...]) -> tuple[Link, ...]:
+    """``base`` plus ``extra``; an extra link named like a base link replaces it in place.
+
+    We replace rather than reject so ``--link NVLink=450`` can correct a default to the
+    bandwidth a user measured.
+    """
+    merged = {link.name: link for link in base}
+    merged.update((link.name, link) for link in extra)
+    return tuple(merged.values())
+
+
+def transfer_ms(nbytes: int, link: Link) -> float:
+    """Milliseconds to move ``nbytes`` at the link's full bandwidth."""
+    return nbytes / (link.gbytes_per_s * 1e9) * 1e3
+
+
+def exposed_ms(transfer_ms: float, prefill_ms: float, num_layers: int) -> float:
+    """Transfer time still running after the prefill ends, under layer-wise streaming.
+
+    Model: L = num_layers equal layers, t = transfer_ms, p = prefill_ms. Layer i's compute ends
+    at (i+1)·p/L; its t/L of transfer starts then, serialized on the link::
+
+        compute |--0--|--1--|--2--|--3--|
+        link          |0|   |1|   |2|   |3|               t <= p: the link keeps up
+        link          |---0---|---1---|---2---|---3---|   t >  p: the link is the bottleneck
+
+    - t <= p: each layer's send ends before the next layer is computed, so only the last
+      layer's t/L sticks out: exposed = t/L.
+    - t > p: from p/L on the link never idles, the last byte lands at p/L + t, so
+      exposed = p/L + t - p = t/L + (t - p)·(L-1)/L.
+
+    Both: exposed = t/L + max(0, t - p)·(L-1)/L. It ignores per-post overhead and assumes the
+    link is this request's alone, so it is a lower bound.
+    """
+    per_layer = transfer_ms / num_layers
+    return per_layer + max(0.0, transfer_ms - prefill_ms) * (num_layers - 1) / num_layers
+
+
+def verdict_for(share_pct: float) -> Verdict:
+    """The verdict for a transfer taking ``share_pct`` percent of the prefill time."""
+    if share_pct <= CHEAP_SHARE_PCT:
+        return Verdict.CHEAP
+    if share_pct <= TOO_SLOW_SHARE_PCT:
+        return Verdict.MARGINAL
+    return Verdict.TOO_SLOW
+
+
+@dataclass(frozen=True, slots=True)
+class LinkRow:
+    """One link's cost for one prompt; times in ms, ``prefill_share_pct`` in percent."""
+
+    link: Link
+    transfer_ms: float
+    prefill_share_pct: float
+    exposed_ms: float
+    verdict: Verdict
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.link.name,
+            "gbytes_per_s": self.link.gbytes_per_s,
+            "transfer_ms": self.transfer_ms,
+            "prefill_share_pct": self.prefill_share_pct,
+            "exposed_ms": self.exposed_ms,
+            "verdict": self.verdict.value,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What moving one prompt's KV cache costs on each link, and what to do about it.
+
+    ``kv_bytes`` counts the prompt's tokens exactly (``layout.bytes_for``), not the padding of
+    its last, partly filled block.
+    """
+
+    model: str | None
+    layout: KVLayout
+    num_tokens: int
+    prefill_ms: float
+    kv_bytes: int
+    bytes_per_token: int
+    num_blocks: int
+    rows: tuple[LinkRow, ...]
+    advice: tuple[str, ...]
+
+    def row(self, name: str) -> LinkRow:
+        """The row of the link called ``name``."""
+        for row in self.rows:
+            if row.link.name == name:
+                return row
+        known = ", ".join(repr(row.link.name) for row in self.rows)
+        raise ConfigError(f"no link named {name!r} in this plan; links: {known}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as plain JSON-ready types."""
+        return {
+            "model": self.model,
+            "layout": asdict(self.layout),
+            "num_tokens": self.num_tokens,
+            "prefill_ms": self.prefill_ms,
+            "kv_bytes": self.kv_bytes,
+            "bytes_per_token": self.bytes_per_token,
+            "num_blocks": self.num_blocks,
+            "thresholds": {"cheap_share_pct": CHEAP_SHARE_PCT,
+                           "too_slow_share_pct": TOO_SLOW_SHARE_PCT},
+            "links": [row.to_dict() for row in self.rows],
+            "advice": list(self.advice),
+        }
+
+
+def plan(
+    layout: KVLayout,
+    num_tokens: int,
+    prefill_ms: float = 200.0,
+    links: tuple[Link, ...] | list[Link] = DEFAULT_LINKS,
+    *,
+    model: str | None = None,
+) -> Plan:
+    """Cost each link for moving ``num_tokens`` tokens of KV cache after a ``prefill_ms`` prefill.
+
+    Args:
+        layout: the model's KV layout, e.g. ``KVLayout.preset("llama-3.1-8b")``.
+        num_tokens: prompt length in tokens, > 0.
+        prefill_ms: time the prefill takes, > 0 and finite.
+        links: links to compare, names unique.
+        model: the model's name, only for display.
+
+    Raises:
+        ConfigError: naming the bad value.
+    """
+    _require_positive_int("num_tokens", num_tokens)
+    _require_positive_finite("prefill_ms", prefill_ms)
+    _require_links(links)
+    kv_bytes = layout.bytes_for(num_tokens)
+    rows = tuple(_row(link, kv_bytes, float(prefill_ms), layout.num_layers) for link in links)
+    return Plan(
+        model=model,
+        layout=layout,
+        num_tokens=num_tokens,
+        prefill_ms=float(prefill_ms),
+        kv_bytes=kv_bytes,
+        bytes_per_token=layout.bytes_per_token,
+        num_blocks=layout.blocks_for(num_tokens),
+        rows=rows,
+        advice=_advice(rows, float(prefill_ms)),
+    )
+
+
+def _row(link: Link, kv_bytes: int, prefill_ms: float, num_layers: int) -> LinkRow:
+    t = transfer_ms(kv_bytes, link)
+    share_pct = t / prefill_ms * 100.0
+    exposed = exposed_ms(t, prefill_ms, num_layers)
+    return LinkRow(link, t, share_pct, exposed, verdict_for(share_pct))
+
+
+def _advice(rows: tuple[LinkRow, ...], prefill_ms: float) -> tuple[str, ...]:
+    """DESIGN.md §1's "when to disaggregate" table, applied to these links' verdicts."""
+    by_verdict = {v: [row for row in rows if row.verdict is v] for v in Verdict}
+    lines = []
+    if slow := by_verdict[Verdict.TOO_SLOW]:
+        lines.append(f"don't disaggregate over {_names(slow)}: the transfer eats the gain "
+                     f"against a {prefill_ms:g} ms prefill (streaming hides latency, not "
+                     f"bandwidth)")
+    if marginal := by_verdict[Verdict.MARGINAL]:
+        lines.append(f"{_names(marginal)}: marginal — disaggregate only with layer-wise "
+                     f"streaming and only if ITL p99 misses its target")
+    if cheap := by_verdict[Verdict.CHEAP]:
+        lines.append(f"{_names(cheap)}: the transfer is cheap — consider disaggregation at scale "
+                     f"(tens of GPUs with RDMA); with few GPUs and moderate traffic chunked "
+                     f"prefill is enough")
+    viable = cheap + marginal
+    if not viable:
+        lines.append("no link here is fast enough: stay colocated, and if ITL p99 misses its "
+                     "target use chunked prefill")
+        return tuple(lines)
+    fastest = min(viable, key=lambda row: row.transfer_ms).link.name
+    lines.append(f"if ITL p99 misses its target: chunked prefill first, then disaggregate "
+                 f"over {fastest}")
+    lines.append(f"extremely skewed input/output lengths: disaggregation over "
+                 f"{', '.join(row.link.name for row in viable)} pays most")
+    return tuple(lines)
+
+
+def _names(rows: list[LinkRow]) -> str:
+    """``"NVLink (0.3% of prefill), InfiniBand 400G (5.2% of prefill)"``."""
+    return ", ".join(f"{row.link.name} ({row.prefill_share_pct:.1f}% of prefill)" for row in rows)
+
+
+def _require_links(links: tuple[Link, ...] | list[Link]) -> None:
+    if not links:
+        raise ConfigError("links must hold at least one Link, got none")
+    names: set[str] = set()
+    for link in links:
+        if not isinstance(link, Link):
+            raise ConfigError(f"links must hold Link objects, got {link!r}")
+        if link.name in names:
+            raise ConfigError(f"link names must be unique, got {link.name!r} twice")
+        names.add(link.name)

@@ -1,0 +1,109 @@
+"""Build of kvmove's compiled core, ``kvmove._C``.
+
+Environment switches:
+    UCX_HOME=<prefix>    build against a site's own UCX (e.g. one with InfiniBand verbs) instead
+                         of the ``libucx-cu13`` wheel. At run time set
+                         ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true`` so the wheel's loader
+                         picks the system libraries too.
+    KVMOVE_CUDA=1        also compile ``csrc/cuda/*.cu`` with nvcc and link cudart statically,
+                         so the module still imports on a machine with no driver.
+    KVMOVE_CUDA_ARCHS    semicolon list of SM versions for nvcc (default "90"); SASS for each,
+                         plus PTX for the last so newer GPUs can JIT it.
+    CUDA_HOME            where the CUDA toolkit lives (default: found from ``nvcc`` on PATH).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
+from setuptools import setup
+
+CUDA_ENABLED = os.environ.get("KVMOVE_CUDA", "0") == "1"
+
+# Compile the C++ sources in parallel (all cores unless KVMOVE_BUILD_JOBS says otherwise).
+ParallelCompile("KVMOVE_BUILD_JOBS").install()
+
+
+def ucx_prefix() -> str:
+    """Where UCX's ``include/`` and ``lib/`` live: ``UCX_HOME`` or the libucx wheel.
+
+    The wheel's pkg-config file records the path it was built in, which does not exist here,
+    so we locate the installed package instead.
+    """
+    if home := os.environ.get("UCX_HOME"):
+        return home
+    import libucx
+
+    return os.path.dirname(libucx.__file__)
+
+
+def cuda_home() -> str:
+    if home := os.environ.get("CUDA_HOME"):
+        return home
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise RuntimeError("KVMOVE_CUDA=1 but nvcc is not on PATH and CUDA_HOME is not set")
+    return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+
+
+def nvcc_arch_flags() -> list[str]:
+    archs = [a.strip() for a in os.environ.get("KVMOVE_CUDA_ARCHS", "90").split(";") if a.strip()]
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    return flags + [f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
+
+
+class BuildExt(build_ext):
+    """pybind11's build_ext, plus nvcc for ``.cu`` sources when KVMOVE_CUDA=1."""
+
+    def build_extension(self, ext):
+        if CUDA_ENABLED:
+            ext.extra_objects += self._compile_cuda(ext)
+        super().build_extension(ext)
+
+    def _compile_cuda(self, ext) -> list[str]:
+        nvcc = os.path.join(cuda_home(), "bin", "nvcc")
+        objects = []
+        for source in sorted(glob.glob("csrc/cuda/*.cu")):
+            obj = os.path.join(self.build_temp, source.replace("/", "_") + ".o")
+            os.makedirs(os.path.dirname(obj), exist_ok=True)
+            cmd = [nvcc, "-c", source, "-o", obj, "-std=c++17", "-O3", "-Xcompiler", "-fPIC",
+                   "-Icsrc", *[f"-I{d}" for d in ext.include_dirs], *nvcc_arch_flags()]
+            self.announce(" ".join(cmd), level=2)
+            subprocess.check_call(cmd)
+            objects.append(obj)
+        return objects
+
+
+def extension() -> Pybind11Extension:
+    ucx = ucx_prefix()
+    sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("bindings/*.cpp"))
+    include_dirs = ["csrc", os.path.join(ucx, "include")]
+    library_dirs = [os.path.join(ucx, "lib")]
+    libraries = ["ucp", "uct", "ucs"]
+    # kvmove/_C.so sits beside libucx/ in site-packages; a site UCX is found via its own lib dir.
+    rpaths = ["$ORIGIN/../libucx/lib"] + ([library_dirs[0]] if "UCX_HOME" in os.environ else [])
+    macros = []
+    if CUDA_ENABLED:
+        cuda = cuda_home()
+        include_dirs.append(os.path.join(cuda, "include"))
+        library_dirs += [os.path.join(cuda, "lib64"), os.path.join(cuda, "lib")]
+        libraries += ["cudart_static", "dl", "rt", "pthread"]
+        macros.append(("KVMOVE_WITH_CUDA", "1"))
+    return Pybind11Extension(
+        "kvmove._C",
+        sources,
+        include_dirs=include_dirs,
+        library_dirs=library_dirs,
+        libraries=libraries,
+        runtime_library_dirs=rpaths,
+        define_macros=macros,
+        cxx_std=17,
+        extra_compile_args=["-O3", "-Wall", "-Wextra"],
+    )
+
+
+setup(ext_modules=[extension()], cmdclass={"build_ext": BuildExt})
