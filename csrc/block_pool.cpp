@@ -7,25 +7,6 @@
 
 namespace kvmove {
 
-namespace {
-
-// Sorted copy of ids with each distinct id once and how often it occurs.
-std::vector<std::pair<BlockId, int64_t>> count_ids(const std::vector<BlockId>& ids) {
-    std::vector<BlockId> sorted(ids);
-    std::sort(sorted.begin(), sorted.end());
-    std::vector<std::pair<BlockId, int64_t>> counts;
-    for (BlockId id : sorted) {
-        if (!counts.empty() && counts.back().first == id) {
-            ++counts.back().second;
-        } else {
-            counts.emplace_back(id, 1);
-        }
-    }
-    return counts;
-}
-
-}  // namespace
-
 BlockPool::BlockPool(int64_t num_blocks)
     : num_blocks_(num_blocks) {
     KVMOVE_CHECK(num_blocks > 0 && num_blocks <= INT32_MAX, Config,
@@ -86,31 +67,51 @@ std::optional<std::vector<BlockId>> BlockPool::allocate(int64_t n) {
 
 void BlockPool::free(const std::vector<BlockId>& ids) {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto [id, count] : count_ids(ids)) {
-        check_id(id, "free");
-        KVMOVE_CHECK(ref_count_[id] > 0, Block, "cannot free block " << id << ": it is free");
-        KVMOVE_CHECK(ref_count_[id] >= count, Block,
-                     "cannot free block " << id << " " << count
-                                          << " times: its reference count is "
-                                          << ref_count_[id]);
-    }
     // Released blocks enter the LRU list last-to-first, so the tail of a sequence is evicted
     // before its head and a cached prefix stays usable as long as possible (as vLLM does).
     std::vector<BlockId> released;
-    for (auto it = ids.rbegin(); it != ids.rend(); ++it) {
-        if (--ref_count_[*it] > 0) {
-            continue;
+    for (size_t i = ids.size(); i-- > 0;) {
+        BlockId id = ids[i];
+        if (id < 0 || id >= num_blocks_ || ref_count_[id] == 0) {
+            undo_free(ids, i + 1);
+            reject_free(ids, id);
         }
-        if (has_hash_[*it]) {
-            lru_push_back(*it);
-        } else {
-            released.push_back(*it);
+        if (--ref_count_[id] == 0) {
+            released.push_back(id);
         }
     }
-    std::sort(released.begin(), released.end());
-    for (auto [start, num] : runs(released)) {
+    std::vector<BlockId> uncached;
+    for (BlockId id : released) {
+        if (has_hash_[id]) {
+            lru_push_back(id);
+        } else {
+            uncached.push_back(id);
+        }
+    }
+    // Usually the ids were one ascending run, now reversed: make runs() see them ascending.
+    std::reverse(uncached.begin(), uncached.end());
+    if (!std::is_sorted(uncached.begin(), uncached.end())) {
+        std::sort(uncached.begin(), uncached.end());
+    }
+    for (auto [start, num] : runs(uncached)) {
         insert_free_run(start, num);
     }
+}
+
+// Restores the references free() dropped for ids[from..] before it met a bad id.
+void BlockPool::undo_free(const std::vector<BlockId>& ids, size_t from) {
+    for (size_t i = from; i < ids.size(); ++i) {
+        ++ref_count_[ids[i]];
+    }
+}
+
+void BlockPool::reject_free(const std::vector<BlockId>& ids, BlockId id) const {
+    check_id(id, "free");
+    auto count = std::count(ids.begin(), ids.end(), id);
+    KVMOVE_CHECK(ref_count_[id] > 0, Block, "cannot free block " << id << ": it is free");
+    KVMOVE_FAIL(Block, "cannot free block " << id << " " << count
+                                            << " times: its reference count is "
+                                            << ref_count_[id]);
 }
 
 void BlockPool::share(const std::vector<BlockId>& ids) {

@@ -64,6 +64,8 @@ public:
 
 private:
     void check_id(BlockId id, const char* action) const;
+    void undo_free(const std::vector<BlockId>& ids, size_t from);
+    [[noreturn]] void reject_free(const std::vector<BlockId>& ids, BlockId id) const;
     void insert_free_run(BlockId start, int64_t num);
     void take_free_run(BlockId start, int64_t num, std::vector<BlockId>& out);
     void evict_lru();
