@@ -9,7 +9,7 @@ Environment switches:
                          so the module still imports on a machine with no driver.
     KVMOVE_CUDA_ARCHS    semicolon list of SM versions for nvcc (default "90"); SASS for each,
                          plus PTX for the last so newer GPUs can JIT it.
-    CUDA_HOME            where the CUDA toolkit lives (default: found from ``nvcc`` on PATH).
+    CUDA_HOME            where the CUDA toolkit lives (default: /usr/local/cuda, else from nvcc).
 """
 
 from __future__ import annotations
@@ -42,12 +42,17 @@ def ucx_prefix() -> str:
 
 
 def cuda_home() -> str:
-    if home := os.environ.get("CUDA_HOME"):
-        return home
+    """The CUDA toolkit: CUDA_HOME or CUDA_PATH, else /usr/local/cuda, else nvcc's prefix.
+
+    nvcc on PATH may be a wrapper script, so a candidate counts only if it has the headers.
+    """
     nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        raise RuntimeError("KVMOVE_CUDA=1 but nvcc is not on PATH and CUDA_HOME is not set")
-    return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda",
+                  nvcc and os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))]
+    for home in filter(None, candidates):
+        if os.path.isfile(os.path.join(home, "include", "cuda_runtime_api.h")):
+            return home
+    raise RuntimeError(f"KVMOVE_CUDA=1 but no CUDA toolkit found in {candidates}; set CUDA_HOME")
 
 
 def nvcc_arch_flags() -> list[str]:
