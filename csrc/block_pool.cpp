@@ -7,26 +7,33 @@
 
 namespace kvmove {
 
-BlockPool::BlockPool(int64_t num_blocks)
-    : num_blocks_(num_blocks) {
+namespace {
+
+int64_t checked_num_blocks(int64_t num_blocks) {
     KVMOVE_CHECK(num_blocks > 0 && num_blocks <= INT32_MAX, Config,
                  "num_blocks must be in [1, " << INT32_MAX << "], got " << num_blocks);
+    return num_blocks;
+}
+
+}  // namespace
+
+BlockPool::BlockPool(int64_t num_blocks)
+    : num_blocks_(checked_num_blocks(num_blocks)), free_runs_(num_blocks_) {
     ref_count_.assign(num_blocks_, 0);
     hash_.assign(num_blocks_, 0);
     has_hash_.assign(num_blocks_, false);
     lru_prev_.assign(num_blocks_ + 1, num_blocks_);
     lru_next_.assign(num_blocks_ + 1, num_blocks_);
-    insert_free_run(0, num_blocks_);
 }
 
 int64_t BlockPool::num_free() const {
     std::lock_guard<std::mutex> lock(mu_);
-    return num_free_runs_blocks_ + num_cached_;
+    return free_runs_.num_free() + num_cached_;
 }
 
 int64_t BlockPool::num_used() const {
     std::lock_guard<std::mutex> lock(mu_);
-    return num_blocks_ - num_free_runs_blocks_ - num_cached_;
+    return num_blocks_ - free_runs_.num_free() - num_cached_;
 }
 
 int64_t BlockPool::num_cached() const {
@@ -39,26 +46,15 @@ std::optional<std::vector<BlockId>> BlockPool::allocate(int64_t n) {
     KVMOVE_CHECK(n <= num_blocks_, Config,
                  "cannot allocate " << n << " blocks: the pool has " << num_blocks_);
     std::lock_guard<std::mutex> lock(mu_);
-    if (n > num_free_runs_blocks_ + num_cached_) {
+    if (n > free_runs_.num_free() + num_cached_) {
         return std::nullopt;
     }
-    while (num_free_runs_blocks_ < n) {
+    while (free_runs_.num_free() < n) {
         evict_lru();
     }
     std::vector<BlockId> out;
     out.reserve(n);
-    int64_t remaining = n;
-    while (remaining > 0) {
-        // Best fit: the shortest run that holds the rest; else the longest run whole.
-        auto fit = runs_by_length_.lower_bound({remaining, INT64_MIN});
-        if (fit != runs_by_length_.end()) {
-            take_free_run(fit->second, remaining, out);
-            break;
-        }
-        auto [length, start] = *std::prev(runs_by_length_.end());
-        take_free_run(start, length, out);
-        remaining -= length;
-    }
+    free_runs_.take(n, out);
     for (BlockId id : out) {
         ref_count_[id] = 1;
     }
@@ -94,7 +90,7 @@ void BlockPool::free(const std::vector<BlockId>& ids) {
         std::sort(uncached.begin(), uncached.end());
     }
     for (auto [start, num] : runs(uncached)) {
-        insert_free_run(start, num);
+        free_runs_.insert(start, num);
     }
 }
 
@@ -192,49 +188,12 @@ void BlockPool::check_id(BlockId id, const char* action) const {
                            << ")");
 }
 
-void BlockPool::insert_free_run(BlockId start, int64_t num) {
-    num_free_runs_blocks_ += num;
-    auto next = runs_by_start_.lower_bound(start);
-    if (next != runs_by_start_.end() && next->first == start + num) {
-        num += next->second;
-        runs_by_length_.erase({next->second, next->first});
-        next = runs_by_start_.erase(next);
-    }
-    if (next != runs_by_start_.begin()) {
-        auto prev = std::prev(next);
-        if (prev->first + prev->second == start) {
-            start = prev->first;
-            num += prev->second;
-            runs_by_length_.erase({prev->second, prev->first});
-            runs_by_start_.erase(prev);
-        }
-    }
-    runs_by_start_.emplace(start, num);
-    runs_by_length_.emplace(num, start);
-}
-
-// Takes the first num blocks of the free run that begins at start.
-void BlockPool::take_free_run(BlockId start, int64_t num, std::vector<BlockId>& out) {
-    auto run = runs_by_start_.find(start);
-    int64_t length = run->second;
-    runs_by_length_.erase({length, start});
-    runs_by_start_.erase(run);
-    if (length > num) {
-        runs_by_start_.emplace(start + num, length - num);
-        runs_by_length_.emplace(length - num, start + num);
-    }
-    num_free_runs_blocks_ -= num;
-    for (BlockId id = start; id < start + num; ++id) {
-        out.push_back(id);
-    }
-}
-
 void BlockPool::evict_lru() {
     BlockId id = lru_next_[num_blocks_];
     lru_unlink(id);
     cached_by_hash_.erase(hash_[id]);
     has_hash_[id] = false;
-    insert_free_run(id, 1);
+    free_runs_.insert(id, 1);
 }
 
 void BlockPool::lru_push_back(BlockId id) {

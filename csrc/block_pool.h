@@ -9,8 +9,9 @@
 //                                         allocate() when free runs are not enough
 //   used     ref_count  > 0            -> owned by one or more requests
 //
-// Contiguity: free blocks are kept as maximal runs of consecutive ids. allocate(n) takes the
-// smallest run that holds n (best fit), else the largest runs whole until the rest fits one.
+// Contiguity: free blocks are kept as maximal runs of consecutive ids (FreeRuns). allocate(n)
+// takes the shortest run that holds n (best fit), else the longest runs whole until the rest
+// fits one.
 // Transfers coalesce blocks adjacent on both sides into one operation, so fewer runs mean
 // fewer posted operations.
 //
@@ -19,13 +20,13 @@
 #pragma once
 
 #include <cstdint>
-#include <map>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <unordered_map>
 #include <utility>
 #include <vector>
+
+#include "free_runs.h"
 
 namespace kvmove {
 
@@ -66,8 +67,6 @@ private:
     void check_id(BlockId id, const char* action) const;
     void undo_free(const std::vector<BlockId>& ids, size_t from);
     [[noreturn]] void reject_free(const std::vector<BlockId>& ids, BlockId id) const;
-    void insert_free_run(BlockId start, int64_t num);
-    void take_free_run(BlockId start, int64_t num, std::vector<BlockId>& out);
     void evict_lru();
     void lru_push_back(BlockId id);
     void lru_unlink(BlockId id);
@@ -82,10 +81,7 @@ private:
     std::vector<BlockId> lru_prev_;
     std::vector<BlockId> lru_next_;
     int64_t num_cached_ = 0;
-    // Free runs, indexed by start and by (length, start).
-    std::map<BlockId, int64_t> runs_by_start_;
-    std::set<std::pair<int64_t, BlockId>> runs_by_length_;
-    int64_t num_free_runs_blocks_ = 0;
+    FreeRuns free_runs_;
 };
 
 // Consecutive ascending ids grouped into runs, in the order given:
