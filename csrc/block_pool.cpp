@@ -42,7 +42,8 @@ int64_t BlockPool::num_cached() const {
 }
 
 std::optional<std::vector<BlockId>> BlockPool::allocate(int64_t n) {
-    KVMOVE_CHECK(n >= 1, Config, "cannot allocate " << n << " blocks: n must be at least 1");
+    KVMOVE_CHECK(n >= 1, Config,
+                 "cannot allocate " << n << " blocks: n must be in [1, " << num_blocks_ << "]");
     KVMOVE_CHECK(n <= num_blocks_, Config,
                  "cannot allocate " << n << " blocks: the pool has " << num_blocks_);
     std::lock_guard<std::mutex> lock(mu_);
