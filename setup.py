@@ -62,7 +62,15 @@ def nvcc_arch_flags() -> list[str]:
 
 
 class BuildExt(build_ext):
-    """pybind11's build_ext, plus nvcc for ``.cu`` sources when KVMOVE_CUDA=1."""
+    """pybind11's build_ext, plus nvcc for ``.cu`` sources when KVMOVE_CUDA=1.
+
+    Always rebuilds: setuptools skips an extension whose objects are newer than its sources,
+    which would silently keep a CPU-only build after switching KVMOVE_CUDA on.
+    """
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.force = True
 
     def build_extension(self, ext):
         if CUDA_ENABLED:

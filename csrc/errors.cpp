@@ -16,6 +16,8 @@ const char* error_class_name(ErrorKind kind) {
             return "TransferError";
         case ErrorKind::Peer:
             return "PeerError";
+        case ErrorKind::Metadata:
+            return "MetadataError";
         case ErrorKind::Timeout:
             return "TimeoutError";
         case ErrorKind::Ucx:

@@ -17,6 +17,7 @@ enum class ErrorKind {
     Allocation,  // the OS or driver refused memory
     Transfer,
     Peer,
+    Metadata,    // peer metadata that is truncated, forged or of another version
     Timeout,
     Ucx,
     Cuda,

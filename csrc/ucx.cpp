@@ -1,9 +1,140 @@
 #include "ucx.h"
 
-#include <ucp/api/ucp.h>
+#include <ucs/debug/log_def.h>
+
+#include <chrono>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <sstream>
 
 namespace kvmove {
 
+namespace {
+
+struct ConfigDeleter {
+    void operator()(ucp_config_t* c) const { ucp_config_release(c); }
+};
+
+// UCX prints its log to stdout by default, which corrupts the output of CLIs that print JSON.
+// This handler takes every message UCX's level lets through and writes it to stderr instead.
+ucs_log_func_rc_t log_to_stderr(const char* file, unsigned line, const char*,
+                                ucs_log_level_t level, const ucs_log_component_config_t*,
+                                const char* format, va_list ap) {
+    char message[1024];
+    std::vsnprintf(message, sizeof message, format, ap);
+    const char* base = std::strrchr(file, '/');
+    std::fprintf(stderr, "[ucx %s] %s:%u %s\n", ucs_log_level_names[level],
+                 base != nullptr ? base + 1 : file, line, message);
+    return UCS_LOG_FUNC_RC_STOP;
+}
+
+}  // namespace
+
 std::string ucx_version() { return ucp_get_version_string(); }
+
+ContextPtr make_context(const std::string& transports, double keepalive_seconds) {
+    static std::once_flag log_handler_installed;
+    std::call_once(log_handler_installed, [] { ucs_log_push_handler(&log_to_stderr); });
+    ucp_config_t* raw = nullptr;
+    KVMOVE_UCX_CHECK(ucp_config_read(nullptr, nullptr, &raw), "cannot read UCX configuration");
+    std::unique_ptr<ucp_config_t, ConfigDeleter> config(raw);
+    if (!transports.empty()) {
+        KVMOVE_UCX_CHECK(ucp_config_modify(config.get(), "TLS", transports.c_str()),
+                         "cannot select UCX transports '" << transports << "'");
+    }
+    std::ostringstream keepalive;
+    keepalive << keepalive_seconds << "s";
+    KVMOVE_UCX_CHECK(ucp_config_modify(config.get(), "KEEPALIVE_INTERVAL", keepalive.str().c_str()),
+                     "cannot set UCX keepalive interval " << keepalive.str());
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+    params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+    params.mt_workers_shared = 0;
+    ucp_context_h context = nullptr;
+    KVMOVE_UCX_CHECK(ucp_init(&params, config.get(), &context),
+                     "cannot initialise UCX with transports '" << transports << "'");
+    return ContextPtr(context);
+}
+
+WorkerPtr make_worker(ucp_context_h context) {
+    ucp_worker_params_t params{};
+    params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    params.thread_mode = UCS_THREAD_MODE_SERIALIZED;
+    ucp_worker_h worker = nullptr;
+    KVMOVE_UCX_CHECK(ucp_worker_create(context, &params, &worker), "cannot create a UCX worker");
+    return WorkerPtr(worker);
+}
+
+std::vector<uint8_t> worker_address(ucp_worker_h worker) {
+    ucp_address_t* addr = nullptr;
+    size_t nbytes = 0;
+    KVMOVE_UCX_CHECK(ucp_worker_get_address(worker, &addr, &nbytes),
+                     "cannot get the UCX worker address");
+    auto bytes = reinterpret_cast<const uint8_t*>(addr);
+    std::vector<uint8_t> out(bytes, bytes + nbytes);
+    ucp_worker_release_address(worker, addr);
+    return out;
+}
+
+MemoryRegistration::MemoryRegistration(ucp_context_h context, void* addr, size_t nbytes)
+    : context_(context) {
+    ucp_mem_map_params_t params{};
+    params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+    params.address = addr;
+    params.length = nbytes;
+    KVMOVE_UCX_CHECK(ucp_mem_map(context_, &params, &memh_),
+                     "cannot register " << nbytes << " bytes at " << addr << " with UCX");
+    void* rkey = nullptr;
+    size_t rkey_nbytes = 0;
+    ucs_status_t status = ucp_rkey_pack(context_, memh_, &rkey, &rkey_nbytes);
+    if (status != UCS_OK) {
+        ucp_mem_unmap(context_, memh_);
+        KVMOVE_UCX_CHECK(status, "cannot pack the remote key of a " << nbytes << "-byte region");
+    }
+    auto bytes = static_cast<const uint8_t*>(rkey);
+    packed_rkey_.assign(bytes, bytes + rkey_nbytes);
+    ucp_rkey_buffer_release(rkey);
+}
+
+MemoryRegistration::~MemoryRegistration() { ucp_mem_unmap(context_, memh_); }
+
+Endpoint::Endpoint(ucp_worker_h worker, const std::vector<uint8_t>& address, bool peer_errors,
+                   ucp_err_handler_cb_t on_error, void* error_arg)
+    : worker_(worker) {
+    ucp_ep_params_t params{};
+    params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                        UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    params.address = reinterpret_cast<const ucp_address_t*>(address.data());
+    params.err_mode = peer_errors ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+    params.err_handler.cb = on_error;
+    params.err_handler.arg = error_arg;
+    KVMOVE_UCX_CHECK(ucp_ep_create(worker_, &params, &ep_), "cannot create a UCX endpoint");
+}
+
+Endpoint::~Endpoint() {
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t request = ucp_ep_close_nbx(ep_, &param);
+    if (request == nullptr || UCS_PTR_IS_ERR(request)) {
+        return;
+    }
+    // A forced close completes locally; bound the wait anyway so teardown never hangs.
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (ucp_request_check_status(request) == UCS_INPROGRESS &&
+           std::chrono::steady_clock::now() < deadline) {
+        ucp_worker_progress(worker_);
+    }
+    ucp_request_free(request);
+}
+
+RkeyPtr Endpoint::unpack_rkey(const std::vector<uint8_t>& packed) const {
+    ucp_rkey_h rkey = nullptr;
+    KVMOVE_UCX_CHECK(ucp_ep_rkey_unpack(ep_, packed.data(), &rkey),
+                     "cannot unpack a " << packed.size() << "-byte remote key");
+    return RkeyPtr(rkey);
+}
 
 }  // namespace kvmove

@@ -1,11 +1,84 @@
-// UCX: what kvmove knows about the UCX library it runs on.
+// UCX: RAII owners for UCP handles, the check macro, and what kvmove knows of the library.
+//
+// Each handle has exactly one owner; an Agent declares them in dependency order (context,
+// worker, memory registration, endpoints, remote keys) so they are destroyed in reverse:
+// keys and endpoints before the worker, the worker before the context.
 #pragma once
 
+#include <ucp/api/ucp.h>
+
+#include <memory>
 #include <string>
+#include <vector>
+
+#include "errors.h"
+
+// KVMOVE_UCX_CHECK(ucp_call(...), "what failed " << value): throws UCXError with UCX's status
+// string unless the call returned UCS_OK.
+#define KVMOVE_UCX_CHECK(expr, stream_expr)                                              \
+    do {                                                                                 \
+        ucs_status_t kvmove_ucx_status_ = (expr);                                        \
+        KVMOVE_CHECK(kvmove_ucx_status_ == UCS_OK, Ucx,                                  \
+                     stream_expr << ": " #expr " returned "                              \
+                                 << ucs_status_string(kvmove_ucx_status_));               \
+    } while (0)
 
 namespace kvmove {
 
 // The version of the libucp actually loaded, e.g. "1.22.0".
 std::string ucx_version();
+
+struct ContextDeleter {
+    void operator()(ucp_context_h c) const { ucp_cleanup(c); }
+};
+struct WorkerDeleter {
+    void operator()(ucp_worker_h w) const { ucp_worker_destroy(w); }
+};
+struct RkeyDeleter {
+    void operator()(ucp_rkey_h k) const { ucp_rkey_destroy(k); }
+};
+using ContextPtr = std::unique_ptr<std::remove_pointer_t<ucp_context_h>, ContextDeleter>;
+using WorkerPtr = std::unique_ptr<std::remove_pointer_t<ucp_worker_h>, WorkerDeleter>;
+using RkeyPtr = std::unique_ptr<std::remove_pointer_t<ucp_rkey_h>, RkeyDeleter>;
+
+// A UCP context with RMA and active messages. transports: UCX_TLS syntax, empty = UCX's choice.
+ContextPtr make_context(const std::string& transports, double keepalive_seconds);
+// A worker whose calls the caller serializes (UCS_THREAD_MODE_SERIALIZED).
+WorkerPtr make_worker(ucp_context_h context);
+std::vector<uint8_t> worker_address(ucp_worker_h worker);
+
+// Memory registered with a context, and its packed remote key.
+class MemoryRegistration {
+public:
+    MemoryRegistration(ucp_context_h context, void* addr, size_t nbytes);
+    ~MemoryRegistration();
+    MemoryRegistration(const MemoryRegistration&) = delete;
+    MemoryRegistration& operator=(const MemoryRegistration&) = delete;
+
+    const std::vector<uint8_t>& packed_rkey() const { return packed_rkey_; }
+
+private:
+    ucp_context_h context_;
+    ucp_mem_h memh_ = nullptr;
+    std::vector<uint8_t> packed_rkey_;
+};
+
+// An endpoint to a peer's worker. Closing force-flushes nothing: outstanding operations are
+// cancelled, which is what a dead or removed peer needs.
+class Endpoint {
+public:
+    Endpoint(ucp_worker_h worker, const std::vector<uint8_t>& address, bool peer_errors,
+             ucp_err_handler_cb_t on_error, void* error_arg);
+    ~Endpoint();
+    Endpoint(const Endpoint&) = delete;
+    Endpoint& operator=(const Endpoint&) = delete;
+
+    ucp_ep_h get() const { return ep_; }
+    RkeyPtr unpack_rkey(const std::vector<uint8_t>& packed) const;
+
+private:
+    ucp_worker_h worker_;
+    ucp_ep_h ep_ = nullptr;
+};
 
 }  // namespace kvmove

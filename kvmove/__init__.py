@@ -16,6 +16,7 @@ libucx.load_library()
 
 from kvmove import _C  # noqa: E402
 from kvmove._C import BlockPool, Region, block_hashes, runs  # noqa: E402
+from kvmove.agent import Agent, Transfer, TransferState, TransferStats  # noqa: E402
 from kvmove.kv_cache import KVCache  # noqa: E402
 from kvmove.layout import KVLayout  # noqa: E402
 from kvmove.runtime import CudaStatus, cuda_available, cuda_status, ucx_version  # noqa: E402
@@ -23,11 +24,15 @@ from kvmove.runtime import CudaStatus, cuda_available, cuda_status, ucx_version 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Agent",
     "BlockPool",
     "CudaStatus",
     "KVCache",
     "KVLayout",
     "Region",
+    "Transfer",
+    "TransferState",
+    "TransferStats",
     "block_hashes",
     "cuda_available",
     "cuda_status",

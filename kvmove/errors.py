@@ -19,6 +19,7 @@ __all__ = [
     "OutOfBlocksError",
     "TransferError",
     "PeerError",
+    "MetadataError",
     "TimeoutError",
     "UCXError",
     "CudaError",
@@ -52,6 +53,10 @@ class TransferError(KVMoveError):
 
 class PeerError(KVMoveError):
     """A peer is unknown, unreachable, dead, or sent malformed metadata."""
+
+
+class MetadataError(PeerError, ValueError):
+    """Peer metadata is truncated, forged, or of an unknown format version."""
 
 
 class TimeoutError(KVMoveError, builtins.TimeoutError):

@@ -1,0 +1,113 @@
+#include <pybind11/stl.h>
+
+#include "agent.h"
+#include "bindings.h"
+#include "ids.h"
+
+namespace py = pybind11;
+
+namespace kvmove::bindings {
+
+namespace {
+
+// bytes <-> std::vector<uint8_t> for metadata, which is binary, not a list of ints.
+std::vector<uint8_t> to_vector(const py::bytes& b) {
+    std::string_view view(b);
+    return {view.begin(), view.end()};
+}
+
+py::bytes to_bytes(const std::vector<uint8_t>& v) {
+    return {reinterpret_cast<const char*>(v.data()), v.size()};
+}
+
+py::tuple to_notification(const std::pair<std::string, std::string>& n) {
+    return py::make_tuple(n.first, py::bytes(n.second));
+}
+
+}  // namespace
+
+void register_agent(py::module_& m) {
+    using release = py::call_guard<py::gil_scoped_release>;
+    py::enum_<TransferState>(m, "TransferState")
+        .value("PENDING", TransferState::Pending)
+        .value("DONE", TransferState::Done)
+        .value("FAILED", TransferState::Failed);
+
+    py::class_<TransferStats>(m, "TransferStats")
+        .def_readonly("nbytes", &TransferStats::nbytes)
+        .def_readonly("num_ops", &TransferStats::num_ops, "RMA operations posted (coalesced).")
+        .def_readonly("post_seconds", &TransferStats::post_seconds)
+        .def_readonly("complete_seconds", &TransferStats::complete_seconds)
+        .def("__repr__", [](const TransferStats& s) {
+            return py::str("TransferStats(nbytes={}, num_ops={}, post_seconds={:.6f}, "
+                           "complete_seconds={:.6f})")
+                .format(s.nbytes, s.num_ops, s.post_seconds, s.complete_seconds);
+        });
+
+    py::class_<Transfer, std::shared_ptr<Transfer>>(m, "Transfer")
+        .def_property_readonly("peer", &Transfer::peer)
+        .def_property_readonly("state", &Transfer::state)
+        .def_property_readonly("stats", &Transfer::stats)
+        .def_property_readonly("error", &Transfer::error)
+        .def("wait", &Transfer::wait, py::arg("timeout"), release());
+
+    py::class_<KVShape>(m, "KVShape")
+        .def(py::init([](int64_t layers, int64_t heads, int64_t dim, int64_t block, std::string dt) {
+                 return KVShape{layers, heads, dim, block, std::move(dt)};
+             }),
+             py::arg("num_layers"), py::arg("num_kv_heads"), py::arg("head_dim"),
+             py::arg("block_size"), py::arg("dtype"));
+
+    py::class_<Agent>(m, "Agent")
+        .def(py::init([](std::string name, KVCache& cache, const KVShape& shape,
+                         std::string transports, bool peer_errors, double peer_timeout) {
+                 return std::make_unique<Agent>(std::move(name), cache, shape,
+                                                AgentConfig{std::move(transports), peer_errors,
+                                                            peer_timeout});
+             }),
+             py::arg("name"), py::arg("cache"), py::arg("shape"), py::arg("transports"),
+             py::arg("peer_errors"), py::arg("peer_timeout"), py::keep_alive<1, 3>(), release())
+        .def_property_readonly("name", &Agent::name)
+        .def("metadata", [](const Agent& a) { return to_bytes(a.metadata()); })
+        .def("add_peer", [](Agent& a, const py::bytes& meta) { return a.add_peer(to_vector(meta)); },
+             py::arg("metadata"))
+        .def("remove_peer", &Agent::remove_peer, py::arg("name"), release())
+        .def_property_readonly("peers", &Agent::peers)
+        .def("write",
+             [](Agent& a, const std::string& peer, const Ids& local, const Ids& remote,
+                const std::optional<std::vector<int64_t>>& layers,
+                const std::optional<std::string>& notify) {
+                 return a.write(peer, local.values, remote.values, layers, notify);
+             },
+             py::arg("peer"), py::arg("local_ids"), py::arg("remote_ids"),
+             py::arg("layers") = py::none(), py::arg("notify") = py::none(), release())
+        .def("read",
+             [](Agent& a, const std::string& peer, const Ids& local, const Ids& remote,
+                const std::optional<std::vector<int64_t>>& layers,
+                const std::optional<std::string>& notify) {
+                 return a.read(peer, local.values, remote.values, layers, notify);
+             },
+             py::arg("peer"), py::arg("local_ids"), py::arg("remote_ids"),
+             py::arg("layers") = py::none(), py::arg("notify") = py::none(), release())
+        .def("notifications",
+             [](Agent& a) {
+                 py::list out;
+                 for (const auto& n : a.notifications()) {
+                     out.append(to_notification(n));
+                 }
+                 return out;
+             })
+        .def("wait_notification",
+             [](Agent& a, double timeout) {
+                 std::pair<std::string, std::string> n;
+                 {
+                     py::gil_scoped_release nogil;
+                     n = a.wait_notification(timeout);
+                 }
+                 return to_notification(n);
+             },
+             py::arg("timeout"))
+        .def("close", &Agent::close, release());
+}
+
+}  // namespace kvmove::bindings

@@ -1,0 +1,401 @@
+#include "agent.h"
+
+#include <poll.h>
+
+#include <algorithm>
+#include <chrono>
+
+namespace kvmove {
+
+namespace {
+
+constexpr unsigned kNotifyAmId = 0x4B56;  // "KV"
+constexpr int kIdleSpins = 2000;          // progress calls with nothing done before sleeping
+constexpr int kSleepMs = 100;             // longest sleep; stop_ is checked at least this often
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::string status_text(ucs_status_t status) { return ucs_status_string(status); }
+
+}  // namespace
+
+struct Agent::Peer {
+    Agent* agent;
+    AgentMetadata meta;
+    CacheGeometry geometry;
+    std::string failure;  // why the peer is dead; empty while alive
+    // Declared last so they are destroyed first: the key before its endpoint.
+    std::unique_ptr<Endpoint> endpoint;
+    RkeyPtr rkey;
+};
+
+// A transfer between posting and completion; UCX callbacks get a pointer to it.
+struct Agent::InFlight {
+    Agent* agent;
+    std::shared_ptr<Transfer> transfer;
+    Peer* peer;
+    std::optional<std::string> notify;
+};
+
+Agent::Agent(std::string name, KVCache& cache, KVShape shape, AgentConfig config)
+    : name_(std::move(name)), cache_(cache), shape_(std::move(shape)), config_(std::move(config)) {
+    KVMOVE_CHECK(!name_.empty() && name_.size() <= kMaxAgentNameBytes, Config,
+                 "agent name must be 1.." << kMaxAgentNameBytes << " bytes, got " << name_.size());
+    KVMOVE_CHECK(shape_.num_layers == cache.num_layers(), Config,
+                 "shape has " << shape_.num_layers << " layers, the cache " << cache.num_layers());
+    KVMOVE_CHECK(config_.peer_timeout_seconds > 0, Config,
+                 "peer_timeout must be positive, got " << config_.peer_timeout_seconds);
+    context_ = make_context(config_.transports, config_.peer_timeout_seconds);
+    worker_ = make_worker(context_.get());
+    registration_ = std::make_unique<MemoryRegistration>(context_.get(), cache.region().data(),
+                                                         cache.region().nbytes());
+    KVMOVE_UCX_CHECK(ucp_worker_get_efd(worker_.get(), &event_fd_), "cannot get the worker's fd");
+    ucp_am_handler_param_t am{};
+    am.field_mask =
+        UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    am.id = kNotifyAmId;
+    am.cb = &Agent::on_notification;
+    am.arg = this;
+    KVMOVE_UCX_CHECK(ucp_worker_set_am_recv_handler(worker_.get(), &am),
+                     "cannot install the notification handler");
+    AgentMetadata meta{name_, worker_address(worker_.get()), cache.region().addr(),
+                       cache.region().nbytes(), registration_->packed_rkey(), cache.num_blocks(),
+                       cache.block_nbytes(), shape_};
+    metadata_ = encode(meta);
+    progress_thread_ = std::thread([this] { progress_loop(); });
+}
+
+Agent::~Agent() { close(); }
+
+void Agent::close() {
+    if (closed_.exchange(true)) {
+        return;
+    }
+    stop_ = true;
+    ucp_worker_signal(worker_.get());
+    progress_thread_.join();
+    std::lock_guard<std::mutex> lock(worker_mu_);
+    for (auto& [t, entry] : in_flight_) {
+        t->fail(ErrorKind::Transfer, "agent '" + name_ + "' closed");
+    }
+    peers_.clear();  // endpoints close and cancel what is left before in_flight_ goes
+    in_flight_.clear();
+    flushed_.clear();
+    registration_.reset();
+    worker_.reset();
+    context_.reset();
+}
+
+void Agent::check_open() const {
+    KVMOVE_CHECK(!closed_, Config, "agent '" << name_ << "' is closed");
+}
+
+std::string Agent::add_peer(const std::vector<uint8_t>& metadata) {
+    check_open();
+    AgentMetadata meta = decode(metadata);
+    std::lock_guard<std::mutex> lock(worker_mu_);
+    KVMOVE_CHECK(peers_.count(meta.name) == 0, Peer,
+                 "peer '" << meta.name << "' is already added to agent '" << name_ << "'");
+    auto peer = std::make_unique<Peer>();
+    peer->agent = this;
+    peer->geometry = {meta.region_addr, meta.shape.num_layers, meta.num_blocks, meta.block_nbytes};
+    peer->endpoint = std::make_unique<Endpoint>(worker_.get(), meta.worker_address,
+                                                config_.peer_errors, &Agent::on_peer_error,
+                                                peer.get());
+    try {
+        peer->rkey = peer->endpoint->unpack_rkey(meta.packed_rkey);
+    } catch (const Error& e) {
+        KVMOVE_FAIL(Metadata, "bad agent metadata from '" << meta.name << "': " << e.what());
+    }
+    peer->meta = std::move(meta);
+    std::string peer_name = peer->meta.name;
+    peers_.emplace(peer_name, std::move(peer));
+    return peer_name;
+}
+
+void Agent::remove_peer(const std::string& name) {
+    std::lock_guard<std::mutex> lock(worker_mu_);
+    auto it = peers_.find(name);
+    KVMOVE_CHECK(it != peers_.end(), Peer, "unknown peer '" << name << "' for agent '" << name_ << "'");
+    fail_peer_transfers(it->second.get(), "peer '" + name + "' was removed");
+    peers_.erase(it);
+}
+
+std::vector<std::string> Agent::peers() const {
+    std::lock_guard<std::mutex> lock(worker_mu_);
+    std::vector<std::string> out;
+    for (const auto& [name, peer] : peers_) {
+        out.push_back(name);
+    }
+    return out;
+}
+
+std::shared_ptr<Transfer> Agent::write(const std::string& peer,
+                                       const std::vector<BlockId>& local_ids,
+                                       const std::vector<BlockId>& remote_ids,
+                                       const std::optional<std::vector<int64_t>>& layers,
+                                       const std::optional<std::string>& notify) {
+    return start(Direction::Put, peer, local_ids, remote_ids, layers, notify);
+}
+
+std::shared_ptr<Transfer> Agent::read(const std::string& peer,
+                                      const std::vector<BlockId>& local_ids,
+                                      const std::vector<BlockId>& remote_ids,
+                                      const std::optional<std::vector<int64_t>>& layers,
+                                      const std::optional<std::string>& notify) {
+    return start(Direction::Get, peer, local_ids, remote_ids, layers, notify);
+}
+
+std::shared_ptr<Transfer> Agent::start(Direction direction, const std::string& peer_name,
+                                       const std::vector<BlockId>& local_ids,
+                                       const std::vector<BlockId>& remote_ids,
+                                       const std::optional<std::vector<int64_t>>& layers,
+                                       const std::optional<std::string>& notify) {
+    check_open();
+    std::vector<int64_t> all_layers;
+    for (int64_t l = 0; !layers && l < shape_.num_layers; ++l) {
+        all_layers.push_back(l);
+    }
+    const std::vector<int64_t>& wanted = layers ? *layers : all_layers;
+    std::unique_lock<std::mutex> lock(worker_mu_);
+    Peer& peer = live_peer(peer_name);
+    validate(peer, direction, local_ids, remote_ids, wanted, notify);
+    auto t0 = std::chrono::steady_clock::now();
+    CacheGeometry local{cache_.region().addr(), cache_.num_layers(), cache_.num_blocks(),
+                        cache_.block_nbytes()};
+    std::vector<RmaOp> ops = plan_ops(local_ids, remote_ids, wanted, local, peer.geometry);
+    auto transfer = std::make_shared<Transfer>(
+        peer_name, local_ids.size() * wanted.size() * cache_.block_nbytes(), ops.size());
+    post_ops(direction, peer, ops, *transfer);
+    if (transfer->state() == TransferState::Pending) {
+        post_flush(peer, transfer, notify);
+    }
+    transfer->posted(seconds_since(t0));
+    lock.unlock();
+    ucp_worker_signal(worker_.get());
+    return transfer;
+}
+
+Agent::Peer& Agent::live_peer(const std::string& name) {
+    auto it = peers_.find(name);
+    KVMOVE_CHECK(it != peers_.end(), Peer, "unknown peer '" << name << "' for agent '" << name_ << "'");
+    KVMOVE_CHECK(it->second->failure.empty(), Peer,
+                 "peer '" << name << "' failed: " << it->second->failure);
+    return *it->second;
+}
+
+void Agent::validate(const Peer& peer, Direction direction, const std::vector<BlockId>& local_ids,
+                     const std::vector<BlockId>& remote_ids, const std::vector<int64_t>& layers,
+                     const std::optional<std::string>& notify) const {
+    const std::string& name = peer.meta.name;
+    std::string difference = shape_difference(shape_, peer.meta.shape, name);
+    KVMOVE_CHECK(difference.empty(), Config, "KV layouts differ: " << difference);
+    KVMOVE_CHECK(local_ids.size() == remote_ids.size(), Config,
+                 "cannot pair " << local_ids.size() << " local blocks with " << remote_ids.size()
+                                << " remote blocks of '" << name << "'");
+    for (BlockId id : local_ids) {
+        KVMOVE_CHECK(id >= 0 && id < cache_.num_blocks(), Block,
+                     "local block " << id << " is out of range: ids are in [0, "
+                                    << cache_.num_blocks() << ")");
+    }
+    for (BlockId id : remote_ids) {
+        KVMOVE_CHECK(id >= 0 && id < peer.meta.num_blocks, Block,
+                     "block " << id << " of '" << name << "' is out of range: ids are in [0, "
+                              << peer.meta.num_blocks << ")");
+    }
+    // Two copies into one destination block would race; reject them.
+    std::vector<BlockId> targets = direction == Direction::Put ? remote_ids : local_ids;
+    std::sort(targets.begin(), targets.end());
+    auto dup = std::adjacent_find(targets.begin(), targets.end());
+    KVMOVE_CHECK(dup == targets.end(), Block,
+                 "destination block " << (dup == targets.end() ? 0 : *dup)
+                                      << " appears twice: each may be written once per transfer");
+    for (int64_t layer : layers) {
+        KVMOVE_CHECK(layer >= 0 && layer < shape_.num_layers, Config,
+                     "layer " << layer << " is out of range: layers are in [0, "
+                              << shape_.num_layers << ")");
+    }
+    KVMOVE_CHECK(!notify || notify->size() <= kMaxNotifyBytes, Config,
+                 "notification of " << notify->size() << " bytes exceeds the limit of "
+                                    << kMaxNotifyBytes);
+}
+
+void Agent::post_ops(Direction direction, Peer& peer, const std::vector<RmaOp>& ops,
+                     Transfer& transfer) {
+    ucp_request_param_t param{};  // no callback: the flush that follows reports completion
+    for (const RmaOp& op : ops) {
+        void* local = reinterpret_cast<void*>(op.local_addr);
+        ucs_status_ptr_t request =
+            direction == Direction::Put
+                ? ucp_put_nbx(peer.endpoint->get(), local, op.nbytes, op.remote_addr,
+                              peer.rkey.get(), &param)
+                : ucp_get_nbx(peer.endpoint->get(), local, op.nbytes, op.remote_addr,
+                              peer.rkey.get(), &param);
+        if (UCS_PTR_IS_ERR(request)) {
+            transfer.fail(ErrorKind::Transfer, "posting " + std::to_string(op.nbytes) +
+                                                   " bytes failed: " +
+                                                   status_text(UCS_PTR_STATUS(request)));
+            return;
+        }
+        if (request != nullptr) {
+            ucp_request_free(request);  // completes in the background; the flush waits for it
+        }
+    }
+}
+
+void Agent::post_flush(Peer& peer, std::shared_ptr<Transfer> transfer,
+                       const std::optional<std::string>& notify) {
+    Transfer* key = transfer.get();
+    auto entry = std::make_unique<InFlight>(InFlight{this, std::move(transfer), &peer, notify});
+    InFlight* raw = entry.get();
+    in_flight_.emplace(key, std::move(entry));
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.cb.send = &Agent::on_flush;
+    param.user_data = raw;
+    ucs_status_ptr_t request = ucp_ep_flush_nbx(peer.endpoint->get(), &param);
+    if (request == nullptr || UCS_PTR_IS_ERR(request)) {
+        complete_flush(raw, UCS_PTR_STATUS(request));
+        drain_flushed();
+    }
+}
+
+void Agent::on_flush(void* request, ucs_status_t status, void* user_data) {
+    ucp_request_free(request);
+    auto entry = static_cast<InFlight*>(user_data);
+    entry->agent->complete_flush(entry, status);
+}
+
+// Every byte of the transfer is now in place on the destination side.
+void Agent::complete_flush(InFlight* entry, ucs_status_t status) {
+    if (status != UCS_OK) {
+        finish(entry, status);
+    } else if (entry->notify) {
+        flushed_.push_back(entry);  // sent by drain_flushed(), outside UCX's callback
+    } else {
+        finish(entry, UCS_OK);
+    }
+}
+
+void Agent::drain_flushed() {
+    std::vector<InFlight*> ready;
+    ready.swap(flushed_);
+    for (InFlight* entry : ready) {
+        send_notification(entry);
+    }
+}
+
+void Agent::send_notification(InFlight* entry) {
+    ucp_request_param_t param{};
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    param.cb.send = &Agent::on_notify_sent;
+    param.user_data = entry;
+    // Eager: the receiver's handler sees the whole payload at once, never a rendezvous.
+    param.flags = UCP_AM_SEND_FLAG_EAGER;
+    const std::string& payload = *entry->notify;
+    ucs_status_ptr_t request =
+        ucp_am_send_nbx(entry->peer->endpoint->get(), kNotifyAmId, name_.data(), name_.size(),
+                        payload.data(), payload.size(), &param);
+    if (request == nullptr || UCS_PTR_IS_ERR(request)) {
+        finish(entry, UCS_PTR_STATUS(request));
+    }
+}
+
+void Agent::on_notify_sent(void* request, ucs_status_t status, void* user_data) {
+    ucp_request_free(request);
+    auto entry = static_cast<InFlight*>(user_data);
+    entry->agent->finish(entry, status);
+}
+
+void Agent::finish(InFlight* entry, ucs_status_t status) {
+    if (status == UCS_OK) {
+        entry->transfer->finish();
+    } else {
+        bool peer_gone = status == UCS_ERR_ENDPOINT_TIMEOUT || status == UCS_ERR_CONNECTION_RESET ||
+                         status == UCS_ERR_UNREACHABLE || status == UCS_ERR_CANCELED;
+        entry->transfer->fail(peer_gone ? ErrorKind::Peer : ErrorKind::Transfer,
+                              "UCX reported " + status_text(status));
+    }
+    in_flight_.erase(entry->transfer.get());
+}
+
+void Agent::on_peer_error(void* arg, ucp_ep_h, ucs_status_t status) {
+    auto peer = static_cast<Peer*>(arg);
+    peer->failure = "UCX reported " + status_text(status);
+    peer->agent->fail_peer_transfers(peer, "peer '" + peer->meta.name + "' failed: " +
+                                               peer->failure);
+}
+
+void Agent::fail_peer_transfers(const Peer* peer, const std::string& reason) {
+    for (auto& [transfer, entry] : in_flight_) {
+        if (entry->peer == peer) {
+            transfer->fail(ErrorKind::Peer, reason);
+        }
+    }
+}
+
+ucs_status_t Agent::on_notification(void* arg, const void* header, size_t header_nbytes,
+                                    void* data, size_t nbytes, const ucp_am_recv_param_t*) {
+    auto agent = static_cast<Agent*>(arg);
+    {
+        std::lock_guard<std::mutex> lock(agent->notify_mu_);
+        agent->received_.emplace_back(std::string(static_cast<const char*>(header), header_nbytes),
+                                      std::string(static_cast<const char*>(data), nbytes));
+    }
+    agent->notify_cv_.notify_all();
+    return UCS_OK;  // the payload was copied; UCX may release it
+}
+
+std::vector<std::pair<std::string, std::string>> Agent::notifications() {
+    std::lock_guard<std::mutex> lock(notify_mu_);
+    std::vector<std::pair<std::string, std::string>> out(received_.begin(), received_.end());
+    received_.clear();
+    return out;
+}
+
+std::pair<std::string, std::string> Agent::wait_notification(double timeout_seconds) {
+    KVMOVE_CHECK(timeout_seconds >= 0, Config,
+                 "timeout must be >= 0 seconds, got " << timeout_seconds);
+    std::unique_lock<std::mutex> lock(notify_mu_);
+    bool got = notify_cv_.wait_for(lock, std::chrono::duration<double>(timeout_seconds),
+                                   [this] { return !received_.empty() || closed_; });
+    KVMOVE_CHECK(got && !received_.empty(), Timeout,
+                 "no notification for agent '" << name_ << "' within " << timeout_seconds
+                                               << " s" << (closed_ ? " (agent closed)" : ""));
+    auto out = std::move(received_.front());
+    received_.pop_front();
+    return out;
+}
+
+void Agent::progress_loop() {
+    ucp_worker_h worker = worker_.get();
+    int idle = 0;
+    while (!stop_) {
+        unsigned progressed = 0;
+        {
+            std::lock_guard<std::mutex> lock(worker_mu_);
+            progressed = ucp_worker_progress(worker);
+            drain_flushed();
+        }
+        if (progressed > 0 || ++idle < kIdleSpins) {
+            idle = progressed > 0 ? 0 : idle;
+            std::this_thread::yield();
+            continue;
+        }
+        idle = 0;
+        ucs_status_t armed = UCS_OK;
+        {
+            std::lock_guard<std::mutex> lock(worker_mu_);
+            armed = ucp_worker_arm(worker);
+        }
+        if (armed == UCS_OK) {
+            pollfd fd{event_fd_, POLLIN, 0};
+            poll(&fd, 1, kSleepMs);
+        }
+    }
+}
+
+}  // namespace kvmove

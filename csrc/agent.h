@@ -1,0 +1,129 @@
+// Agent: one UCX worker serving one KVCache — peers, one-sided block transfers, notifications.
+//
+// Threads: a background progress thread drives the worker (over tcp a put is emulated with
+// messages, so the target must progress even while its user is idle); user threads post
+// transfers. One mutex serializes every worker call; UCX callbacks run inside
+// ucp_worker_progress with that mutex held and never take it themselves. When idle, the
+// progress thread sleeps on the worker's event fd (ucp_worker_arm), and posting threads wake
+// it with ucp_worker_signal.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "kv_cache.h"
+#include "metadata.h"
+#include "transfer.h"
+#include "ucx.h"
+
+namespace kvmove {
+
+struct AgentConfig {
+    std::string transports;            // UCX_TLS syntax; "" lets UCX choose
+    bool peer_errors = true;           // UCP_ERR_HANDLING_MODE_PEER (drops posix/sysv shm)
+    double peer_timeout_seconds = 10;  // UCX keepalive: how long a silent peer lives
+};
+
+constexpr size_t kMaxNotifyBytes = 64 * 1024;
+
+class Agent {
+public:
+    Agent(std::string name, KVCache& cache, KVShape shape, AgentConfig config);
+    ~Agent();
+    Agent(const Agent&) = delete;
+    Agent& operator=(const Agent&) = delete;
+
+    const std::string& name() const { return name_; }
+    std::vector<uint8_t> metadata() const { return metadata_; }
+    std::string add_peer(const std::vector<uint8_t>& metadata);
+    void remove_peer(const std::string& name);
+    std::vector<std::string> peers() const;
+
+    // One-sided put (write) or get (read) of local_ids[i] <-> remote_ids[i] in the given
+    // layers (all when nullopt); notify is delivered to the peer once the data is in place.
+    std::shared_ptr<Transfer> write(const std::string& peer, const std::vector<BlockId>& local_ids,
+                                    const std::vector<BlockId>& remote_ids,
+                                    const std::optional<std::vector<int64_t>>& layers,
+                                    const std::optional<std::string>& notify);
+    std::shared_ptr<Transfer> read(const std::string& peer, const std::vector<BlockId>& local_ids,
+                                   const std::vector<BlockId>& remote_ids,
+                                   const std::optional<std::vector<int64_t>>& layers,
+                                   const std::optional<std::string>& notify);
+
+    // Received (peer name, payload) pairs, oldest first; drains the queue.
+    std::vector<std::pair<std::string, std::string>> notifications();
+    std::pair<std::string, std::string> wait_notification(double timeout_seconds);
+
+    // Stops progress, fails pending transfers, releases UCX objects. Idempotent.
+    void close();
+
+private:
+    struct Peer;
+    struct InFlight;
+    enum class Direction { Put, Get };
+
+    std::shared_ptr<Transfer> start(Direction direction, const std::string& peer,
+                                    const std::vector<BlockId>& local_ids,
+                                    const std::vector<BlockId>& remote_ids,
+                                    const std::optional<std::vector<int64_t>>& layers,
+                                    const std::optional<std::string>& notify);
+    Peer& live_peer(const std::string& name);
+    void validate(const Peer& peer, Direction direction, const std::vector<BlockId>& local_ids,
+                  const std::vector<BlockId>& remote_ids, const std::vector<int64_t>& layers,
+                  const std::optional<std::string>& notify) const;
+    void post_ops(Direction direction, Peer& peer, const std::vector<RmaOp>& ops,
+                  Transfer& transfer);
+    void post_flush(Peer& peer, std::shared_ptr<Transfer> transfer,
+                    const std::optional<std::string>& notify);
+    void complete_flush(InFlight* entry, ucs_status_t status);
+    void drain_flushed();
+    void send_notification(InFlight* entry);
+    void finish(InFlight* entry, ucs_status_t status);
+    void fail_peer_transfers(const Peer* peer, const std::string& reason);
+    void progress_loop();
+    void check_open() const;
+
+    static void on_flush(void* request, ucs_status_t status, void* user_data);
+    static void on_notify_sent(void* request, ucs_status_t status, void* user_data);
+    static ucs_status_t on_notification(void* arg, const void* header, size_t header_nbytes,
+                                        void* data, size_t nbytes,
+                                        const ucp_am_recv_param_t* param);
+    static void on_peer_error(void* arg, ucp_ep_h ep, ucs_status_t status);
+
+    const std::string name_;
+    KVCache& cache_;
+    const KVShape shape_;
+    const AgentConfig config_;
+    // UCX objects in dependency order: destroyed bottom-up.
+    ContextPtr context_;
+    WorkerPtr worker_;
+    std::unique_ptr<MemoryRegistration> registration_;
+    std::vector<uint8_t> metadata_;
+    int event_fd_ = -1;
+
+    mutable std::mutex worker_mu_;  // every worker call, peers_, in_flight_, deferred_
+    std::map<std::string, std::unique_ptr<Peer>> peers_;
+    std::unordered_map<Transfer*, std::unique_ptr<InFlight>> in_flight_;
+    std::vector<InFlight*> flushed_;  // flushes done, notification still to send
+
+    std::mutex notify_mu_;
+    std::condition_variable notify_cv_;
+    std::deque<std::pair<std::string, std::string>> received_;
+
+    std::atomic<bool> stop_{false};
+    std::atomic<bool> closed_{false};
+    std::thread progress_thread_;
+};
+
+}  // namespace kvmove

@@ -1,0 +1,166 @@
+#include "metadata.h"
+
+#include <cstring>
+#include <sstream>
+
+#include "block_hash.h"
+#include "errors.h"
+
+namespace kvmove {
+
+namespace {
+
+constexpr char kMagic[4] = {'K', 'V', 'M', 'V'};
+constexpr size_t kHeaderBytes = 12;
+constexpr size_t kMaxBlobBytes = 1 << 16;
+
+class Writer {
+public:
+    template <typename T>
+    void put(T value) {
+        auto p = reinterpret_cast<const uint8_t*>(&value);
+        out.insert(out.end(), p, p + sizeof(T));
+    }
+    template <typename Len>
+    void blob(const void* data, size_t nbytes) {
+        put(static_cast<Len>(nbytes));
+        auto p = static_cast<const uint8_t*>(data);
+        out.insert(out.end(), p, p + nbytes);
+    }
+    std::vector<uint8_t> out;
+};
+
+class Reader {
+public:
+    Reader(const uint8_t* data, size_t nbytes) : p_(data), end_(data + nbytes) {}
+
+    template <typename T>
+    T get(const char* field) {
+        need(sizeof(T), field);
+        T value;
+        std::memcpy(&value, p_, sizeof(T));
+        p_ += sizeof(T);
+        return value;
+    }
+    template <typename Len>
+    std::vector<uint8_t> blob(const char* field, size_t min_nbytes, size_t max_nbytes) {
+        size_t nbytes = get<Len>(field);
+        KVMOVE_CHECK(nbytes >= min_nbytes && nbytes <= max_nbytes, Metadata,
+                     "bad agent metadata: " << field << " is " << nbytes << " bytes, must be in ["
+                                            << min_nbytes << ", " << max_nbytes << "]");
+        need(nbytes, field);
+        std::vector<uint8_t> out(p_, p_ + nbytes);
+        p_ += nbytes;
+        return out;
+    }
+    int64_t count(const char* field) {
+        auto v = get<uint32_t>(field);
+        KVMOVE_CHECK(v > 0 && v <= INT32_MAX, Metadata,
+                     "bad agent metadata: " << field << " is " << v << ", must be in [1, "
+                                            << INT32_MAX << "]");
+        return v;
+    }
+    size_t left() const { return static_cast<size_t>(end_ - p_); }
+
+private:
+    void need(size_t nbytes, const char* field) const {
+        KVMOVE_CHECK(nbytes <= left(), Metadata,
+                     "bad agent metadata: truncated at " << field << " (needs " << nbytes
+                                                         << " bytes, " << left() << " left)");
+    }
+    const uint8_t* p_;
+    const uint8_t* end_;
+};
+
+std::string text(const std::vector<uint8_t>& bytes, const char* field) {
+    for (uint8_t c : bytes) {
+        KVMOVE_CHECK(c >= 0x20 && c < 0x7f, Metadata,
+                     "bad agent metadata: " << field << " has non-printable byte " << int(c));
+    }
+    return std::string(bytes.begin(), bytes.end());
+}
+
+}  // namespace
+
+std::vector<uint8_t> encode(const AgentMetadata& meta) {
+    Writer body;
+    body.blob<uint8_t>(meta.name.data(), meta.name.size());
+    body.blob<uint32_t>(meta.worker_address.data(), meta.worker_address.size());
+    body.put<uint64_t>(meta.region_addr);
+    body.put<uint64_t>(meta.region_nbytes);
+    body.blob<uint32_t>(meta.packed_rkey.data(), meta.packed_rkey.size());
+    body.put<uint32_t>(static_cast<uint32_t>(meta.shape.num_layers));
+    body.put<uint32_t>(static_cast<uint32_t>(meta.num_blocks));
+    body.put<uint64_t>(meta.block_nbytes);
+    body.put<uint32_t>(static_cast<uint32_t>(meta.shape.num_kv_heads));
+    body.put<uint32_t>(static_cast<uint32_t>(meta.shape.head_dim));
+    body.put<uint32_t>(static_cast<uint32_t>(meta.shape.block_size));
+    body.blob<uint8_t>(meta.shape.dtype.data(), meta.shape.dtype.size());
+    Writer out;
+    out.out.insert(out.out.end(), kMagic, kMagic + 4);
+    out.put<uint16_t>(kMetadataVersion);
+    out.put<uint16_t>(0);
+    out.blob<uint32_t>(body.out.data(), body.out.size());
+    out.put<uint64_t>(xxh64(body.out.data(), body.out.size(), 0));
+    return out.out;
+}
+
+AgentMetadata decode(const std::vector<uint8_t>& bytes) {
+    KVMOVE_CHECK(bytes.size() >= kHeaderBytes && std::memcmp(bytes.data(), kMagic, 4) == 0,
+                 Metadata, "bad agent metadata: not kvmove metadata (" << bytes.size()
+                                                                        << " bytes, no KVMV magic)");
+    Reader header(bytes.data() + 4, bytes.size() - 4);
+    auto version = header.get<uint16_t>("version");
+    KVMOVE_CHECK(version == kMetadataVersion, Metadata,
+                 "bad agent metadata: format version " << version << ", this kvmove reads "
+                                                       << kMetadataVersion);
+    KVMOVE_CHECK(header.get<uint16_t>("reserved") == 0, Metadata,
+                 "bad agent metadata: reserved field is not 0");
+    std::vector<uint8_t> body = header.blob<uint32_t>("body", 1, 4 * kMaxBlobBytes);
+    auto checksum = header.get<uint64_t>("checksum");
+    KVMOVE_CHECK(header.left() == 0, Metadata,
+                 "bad agent metadata: " << header.left() << " bytes after the checksum");
+    KVMOVE_CHECK(checksum == xxh64(body.data(), body.size(), 0), Metadata,
+                 "bad agent metadata: checksum mismatch (corrupted in transit?)");
+
+    Reader r(body.data(), body.size());
+    AgentMetadata m;
+    m.name = text(r.blob<uint8_t>("name", 1, kMaxAgentNameBytes), "name");
+    m.worker_address = r.blob<uint32_t>("worker_address", 1, kMaxBlobBytes);
+    m.region_addr = r.get<uint64_t>("region_addr");
+    m.region_nbytes = r.get<uint64_t>("region_nbytes");
+    m.packed_rkey = r.blob<uint32_t>("packed_rkey", 1, kMaxBlobBytes);
+    m.shape.num_layers = r.count("num_layers");
+    m.num_blocks = r.count("num_blocks");
+    m.block_nbytes = r.get<uint64_t>("block_nbytes");
+    m.shape.num_kv_heads = r.count("num_kv_heads");
+    m.shape.head_dim = r.count("head_dim");
+    m.shape.block_size = r.count("block_size");
+    m.shape.dtype = text(r.blob<uint8_t>("dtype", 1, 32), "dtype");
+    KVMOVE_CHECK(r.left() == 0, Metadata, "bad agent metadata: " << r.left() << " trailing bytes");
+    unsigned __int128 expected = static_cast<unsigned __int128>(m.shape.num_layers) *
+                                 static_cast<uint64_t>(m.num_blocks) * m.block_nbytes;
+    KVMOVE_CHECK(m.block_nbytes > 0 && expected == m.region_nbytes, Metadata,
+                 "bad agent metadata: region_nbytes " << m.region_nbytes << " != "
+                                                      << m.shape.num_layers << " layers x "
+                                                      << m.num_blocks << " blocks x "
+                                                      << m.block_nbytes << " bytes");
+    return m;
+}
+
+std::string shape_difference(const KVShape& here, const KVShape& there, const std::string& peer) {
+    std::ostringstream os;
+    auto field = [&](const char* name, const auto& a, const auto& b) {
+        if (os.tellp() == 0 && a != b) {
+            os << name << ": " << a << " here, " << b << " at '" << peer << "'";
+        }
+    };
+    field("num_layers", here.num_layers, there.num_layers);
+    field("num_kv_heads", here.num_kv_heads, there.num_kv_heads);
+    field("head_dim", here.head_dim, there.head_dim);
+    field("dtype", here.dtype, there.dtype);
+    field("block_size", here.block_size, there.block_size);
+    return os.str();
+}
+
+}  // namespace kvmove

@@ -1,0 +1,51 @@
+// AgentMetadata: what one agent tells another to reach its KV cache, as versioned bytes.
+//
+// Wire format (little-endian):
+//
+//   "KVMV" | u16 version | u16 reserved (0) | u32 body_nbytes | body | u64 xxh64(body)
+//   body = str8 name | bytes32 worker_address | u64 region_addr | u64 region_nbytes
+//        | bytes32 packed_rkey | u32 num_layers | u32 num_blocks | u64 block_nbytes
+//        | u32 num_kv_heads | u32 head_dim | u32 block_size | str8 dtype
+//
+// decode() checks every length against what is left, every count against its limit, the
+// checksum and that nothing trails, and throws MetadataError naming the field. The checksum
+// turns accidental corruption inside the opaque UCX address and key (which UCX cannot
+// validate) into an error instead of a crash; it is not a defence against a forger.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kvmove {
+
+// The model-level shape both sides of a transfer must agree on.
+struct KVShape {
+    int64_t num_layers = 0;
+    int64_t num_kv_heads = 0;
+    int64_t head_dim = 0;
+    int64_t block_size = 0;
+    std::string dtype;
+};
+
+struct AgentMetadata {
+    std::string name;
+    std::vector<uint8_t> worker_address;
+    uint64_t region_addr = 0;
+    uint64_t region_nbytes = 0;
+    std::vector<uint8_t> packed_rkey;
+    int64_t num_blocks = 0;
+    uint64_t block_nbytes = 0;
+    KVShape shape;
+};
+
+constexpr uint16_t kMetadataVersion = 1;
+constexpr size_t kMaxAgentNameBytes = 255;
+
+std::vector<uint8_t> encode(const AgentMetadata& meta);
+AgentMetadata decode(const std::vector<uint8_t>& bytes);
+
+// "" when equal, else the first differing field: "num_kv_heads: 8 here, 4 at 'decode-0'".
+std::string shape_difference(const KVShape& here, const KVShape& there, const std::string& peer);
+
+}  // namespace kvmove

@@ -1,0 +1,94 @@
+"""Agent: moves KV blocks between this process's KVCache and its peers' (see docs/transfer.md).
+
+The byte-moving core is C++ (``csrc/agent.h``): one UCX worker, a progress thread, one-sided
+put/get of coalesced block runs, notifications by active message. This module adds the
+Python side: construction from a ``KVCache``, the metadata side channel (``listen`` /
+``connect``), and the context-manager protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvmove import _C
+from kvmove.bootstrap import MetadataServer, exchange
+from kvmove.errors import ConfigError
+from kvmove.kv_cache import KVCache
+
+__all__ = ["Agent", "Transfer", "TransferState", "TransferStats"]
+
+Transfer = _C.Transfer
+TransferState = _C.TransferState
+TransferStats = _C.TransferStats
+
+ERROR_MODES = ("peer", "none")
+
+
+class Agent(_C.Agent):
+    """One UCX endpoint set for one ``KVCache``: peers, transfers and notifications.
+
+    Args:
+        name: how peers address this agent (1..255 printable bytes, unique among them).
+        cache: the KV memory to register and expose to peers.
+        transports: UCX transport list (``"tcp"``, ``"sm"``, ``"posix,cma"``, or a sequence of
+            names); ``None`` lets UCX choose.
+        error_mode: ``"peer"`` detects a dead peer and fails its transfers with ``PeerError``
+            (UCX then drops the posix/sysv shared-memory transports; tcp and cma remain);
+            ``"none"`` keeps shared memory, and waits still end at their deadlines.
+        peer_timeout: seconds of silence after which UCX declares a peer dead (keepalive).
+
+    Methods from the core: ``metadata()``, ``add_peer(bytes) -> name``, ``remove_peer(name)``,
+    ``peers``, ``write(peer, local_ids, remote_ids, layers=None, notify=None) -> Transfer``,
+    ``read(...)``, ``notifications()``, ``wait_notification(timeout)``.
+    """
+
+    def __init__(self, name: str, cache: KVCache, *, transports: str | Sequence[str] | None = None,
+                 error_mode: str = "peer", peer_timeout: float = 10.0) -> None:
+        if error_mode not in ERROR_MODES:
+            raise ConfigError(f"error_mode must be one of {ERROR_MODES}, got {error_mode!r}")
+        if not isinstance(cache, KVCache):
+            raise ConfigError(f"cache must be a kvmove.KVCache, got {type(cache).__name__}")
+        if transports is not None and not isinstance(transports, str):
+            transports = ",".join(transports)
+        lay = cache.layout
+        shape = _C.KVShape(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size,
+                           lay.dtype)
+        super().__init__(name, cache, shape, transports or "", error_mode == "peer",
+                         float(peer_timeout))
+        self.cache = cache
+        self._server: MetadataServer | None = None
+
+    def listen(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+        """Serves metadata exchange on ``host:port`` (0 = any free port) until ``close()``.
+
+        Each agent that ``connect``s becomes a peer here, and receives this agent's metadata.
+        """
+        if self._server is not None:
+            raise ConfigError(f"agent {self.name!r} already listens on {self._server.address}")
+        self._server = MetadataServer(self.metadata(), self.add_peer, host, port)
+        return self._server.address
+
+    def connect(self, host: str, port: int, timeout: float = 10.0) -> str:
+        """Exchanges metadata with an agent listening at ``host:port``; returns its name.
+
+        Raises:
+            PeerError: no answer within ``timeout`` seconds, or the other side refused us.
+            MetadataError: its answer is not valid metadata.
+        """
+        return self.add_peer(exchange(self.metadata(), host, port, timeout))
+
+    def close(self) -> None:
+        """Stops listening and progress, fails pending transfers, releases UCX. Idempotent."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        super().close()
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Agent({self.name!r}, peers={self.peers})"
