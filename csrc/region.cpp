@@ -22,7 +22,11 @@ Region::Region(uint64_t nbytes, bool huge_pages) : nbytes_(nbytes), huge_pages_(
     // Over-map by one huge page so the data can start on a 2 MiB boundary.
     size_t mapped = huge_pages ? nbytes + kHugePageBytes : nbytes;
     KVMOVE_CHECK(mapped >= nbytes, Config, "region nbytes " << nbytes << " overflows");
-    void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    // MAP_POPULATE faults every page in now: a KV cache is written by transfers from other
+    // processes, and first-touch faults there cost 5x on the first transfer (measured: a
+    // 524 MB write took 2.6 s into fresh pages, 0.55 s into touched ones).
+    void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     KVMOVE_CHECK(p != MAP_FAILED, Allocation,
                  "cannot map " << nbytes << " bytes for a region: " << std::strerror(errno));
     mapping_ = std::unique_ptr<char, RegionUnmap>(static_cast<char*>(p), RegionUnmap{mapped});

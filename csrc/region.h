@@ -1,7 +1,7 @@
 // Region: one page-aligned span of host memory with a single owner.
 //
-// The bytes behind a KVCache. Anonymous mmap gives page alignment and zero-filled pages that
-// are committed on first touch; huge_pages=true aligns to 2 MiB and asks for transparent huge
+// The bytes behind a KVCache. Anonymous mmap gives page alignment and zero-filled pages,
+// populated up front (see region.cpp); huge_pages=true aligns to 2 MiB and asks for transparent huge
 // pages (madvise), which cuts TLB misses when a transfer sweeps gigabytes.
 #pragma once
 
