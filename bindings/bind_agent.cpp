@@ -11,10 +11,7 @@ namespace kvmove::bindings {
 namespace {
 
 // bytes <-> std::vector<uint8_t> for metadata, which is binary, not a list of ints.
-std::vector<uint8_t> to_vector(const py::bytes& b) {
-    std::string_view view(b);
-    return {view.begin(), view.end()};
-}
+std::vector<uint8_t> to_vector(const std::string& b) { return {b.begin(), b.end()}; }
 
 py::bytes to_bytes(const std::vector<uint8_t>& v) {
     return {reinterpret_cast<const char*>(v.data()), v.size()};
@@ -22,6 +19,19 @@ py::bytes to_bytes(const std::vector<uint8_t>& v) {
 
 py::tuple to_notification(const std::pair<std::string, std::string>& n) {
     return py::make_tuple(n.first, py::bytes(n.second));
+}
+
+using StartFn = std::shared_ptr<Transfer> (Agent::*)(
+    const std::string&, const std::vector<BlockId>&, const std::vector<BlockId>&,
+    const std::optional<std::vector<int64_t>>&, const std::optional<std::string>&);
+
+// write/read with block-id lists read by the fast Ids caster.
+auto transfer_method(StartFn start) {
+    return [start](Agent& a, const std::string& peer, const Ids& local, const Ids& remote,
+                   const std::optional<std::vector<int64_t>>& layers,
+                   const std::optional<std::string>& notify) {
+        return (a.*start)(peer, local.values, remote.values, layers, notify);
+    };
 }
 
 }  // namespace
@@ -69,26 +79,17 @@ void register_agent(py::module_& m) {
              py::arg("peer_errors"), py::arg("peer_timeout"), py::keep_alive<1, 3>(), release())
         .def_property_readonly("name", &Agent::name)
         .def("metadata", [](const Agent& a) { return to_bytes(a.metadata()); })
-        .def("add_peer", [](Agent& a, const py::bytes& meta) { return a.add_peer(to_vector(meta)); },
-             py::arg("metadata"))
+        .def("add_peer",
+             [](Agent& a, const std::string& meta) { return a.add_peer(to_vector(meta)); },
+             py::arg("metadata"), release())
         .def("remove_peer", &Agent::remove_peer, py::arg("name"), release())
         .def_property_readonly("peers", &Agent::peers)
-        .def("write",
-             [](Agent& a, const std::string& peer, const Ids& local, const Ids& remote,
-                const std::optional<std::vector<int64_t>>& layers,
-                const std::optional<std::string>& notify) {
-                 return a.write(peer, local.values, remote.values, layers, notify);
-             },
-             py::arg("peer"), py::arg("local_ids"), py::arg("remote_ids"),
-             py::arg("layers") = py::none(), py::arg("notify") = py::none(), release())
-        .def("read",
-             [](Agent& a, const std::string& peer, const Ids& local, const Ids& remote,
-                const std::optional<std::vector<int64_t>>& layers,
-                const std::optional<std::string>& notify) {
-                 return a.read(peer, local.values, remote.values, layers, notify);
-             },
-             py::arg("peer"), py::arg("local_ids"), py::arg("remote_ids"),
-             py::arg("layers") = py::none(), py::arg("notify") = py::none(), release())
+        .def("write", transfer_method(&Agent::write), py::arg("peer"), py::arg("local_ids"),
+             py::arg("remote_ids"), py::arg("layers") = py::none(), py::arg("notify") = py::none(),
+             release(), "One-sided put of local_ids[i] -> remote_ids[i] (see docs/transfer.md).")
+        .def("read", transfer_method(&Agent::read), py::arg("peer"), py::arg("local_ids"),
+             py::arg("remote_ids"), py::arg("layers") = py::none(), py::arg("notify") = py::none(),
+             release(), "One-sided get of remote_ids[i] -> local_ids[i] (see docs/transfer.md).")
         .def("notifications",
              [](Agent& a) {
                  py::list out;

@@ -93,9 +93,9 @@ void Agent::check_open() const {
 }
 
 std::string Agent::add_peer(const std::vector<uint8_t>& metadata) {
-    check_open();
     AgentMetadata meta = decode(metadata);
     std::lock_guard<std::mutex> lock(worker_mu_);
+    check_open();
     KVMOVE_CHECK(peers_.count(meta.name) == 0, Peer,
                  "peer '" << meta.name << "' is already added to agent '" << name_ << "'");
     auto peer = std::make_unique<Peer>();
@@ -117,6 +117,7 @@ std::string Agent::add_peer(const std::vector<uint8_t>& metadata) {
 
 void Agent::remove_peer(const std::string& name) {
     std::lock_guard<std::mutex> lock(worker_mu_);
+    check_open();
     auto it = peers_.find(name);
     KVMOVE_CHECK(it != peers_.end(), Peer, "unknown peer '" << name << "' for agent '" << name_ << "'");
     fail_peer_transfers(it->second.get(), "peer '" + name + "' was removed");
@@ -153,13 +154,13 @@ std::shared_ptr<Transfer> Agent::start(Direction direction, const std::string& p
                                        const std::vector<BlockId>& remote_ids,
                                        const std::optional<std::vector<int64_t>>& layers,
                                        const std::optional<std::string>& notify) {
-    check_open();
     std::vector<int64_t> all_layers;
     for (int64_t l = 0; !layers && l < shape_.num_layers; ++l) {
         all_layers.push_back(l);
     }
     const std::vector<int64_t>& wanted = layers ? *layers : all_layers;
-    std::unique_lock<std::mutex> lock(worker_mu_);
+    std::lock_guard<std::mutex> lock(worker_mu_);
+    check_open();  // under the lock: close() tears the worker down holding it
     Peer& peer = live_peer(peer_name);
     validate(peer, direction, local_ids, remote_ids, wanted, notify);
     auto t0 = std::chrono::steady_clock::now();
@@ -173,8 +174,7 @@ std::shared_ptr<Transfer> Agent::start(Direction direction, const std::string& p
         post_flush(peer, transfer, notify);
     }
     transfer->posted(seconds_since(t0));
-    lock.unlock();
-    ucp_worker_signal(worker_.get());
+    ucp_worker_signal(worker_.get());  // wake the progress thread if it sleeps
     return transfer;
 }
 
