@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvmove.errors import ConfigError
+from kvmove.validation import require_positive_int
 
 __all__ = ["KVLayout", "DTYPE_BYTES", "PRESETS"]
 
@@ -31,13 +32,6 @@ PRESETS: dict[str, tuple[int, int, int]] = {
     "qwen2.5-72b": (80, 8, 128),
     "mistral-7b": (32, 8, 128),
 }
-
-
-def _require_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an int, got {value!r}")
-    if value <= 0:
-        raise ConfigError(f"{name} must be positive, got {value}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +55,7 @@ class KVLayout:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
-            _require_positive_int(name, getattr(self, name))
+            require_positive_int(name, getattr(self, name))
         if self.dtype not in DTYPE_BYTES:
             raise ConfigError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.block_size & (self.block_size - 1):

@@ -14,12 +14,12 @@ streamed as they are computed, a ``Verdict``, and advice lines that follow DESIG
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvmove.errors import ConfigError
 from kvmove.layout import KVLayout
+from kvmove.validation import require_positive_finite, require_positive_int
 
 __all__ = [
     "CHEAP_SHARE_PCT", "DEFAULT_LINKS", "TOO_SLOW_SHARE_PCT", "Link", "LinkRow", "Plan",
@@ -38,20 +38,6 @@ __all__ = [
 # - in between: it pays only with layer-wise streaming and a real ITL p99 problem.
 CHEAP_SHARE_PCT = 10.0
 TOO_SLOW_SHARE_PCT = 50.0
-
-
-def _require_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an int, got {value!r}")
-    if value <= 0:
-        raise ConfigError(f"{name} must be positive, got {value}")
-
-
-def _require_positive_finite(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name} must be positive and finite, got {value!r}")
 
 
 class Verdict(enum.Enum):
@@ -77,7 +63,7 @@ class Link:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise ConfigError(f"link name must be a non-empty string, got {self.name!r}")
-        _require_positive_finite(f"gbytes_per_s of link {self.name!r}", self.gbytes_per_s)
+        require_positive_finite(f"gbytes_per_s of link {self.name!r}", self.gbytes_per_s)
 
 
 # DESIGN.md §1's table: NVLink in a node, 400 Gb/s RDMA, 25 Gb/s Ethernet (after overheads).
@@ -236,8 +222,8 @@ def plan(
     Raises:
         ConfigError: naming the bad value.
     """
-    _require_positive_int("num_tokens", num_tokens)
-    _require_positive_finite("prefill_ms", prefill_ms)
+    require_positive_int("num_tokens", num_tokens)
+    require_positive_finite("prefill_ms", prefill_ms)
     _require_links(links)
     kv_bytes = layout.bytes_for(num_tokens)
     rows = tuple(_row(link, kv_bytes, float(prefill_ms), layout.num_layers) for link in links)
