@@ -78,6 +78,7 @@ void register_agent(py::module_& m) {
              py::arg("name"), py::arg("cache"), py::arg("shape"), py::arg("transports"),
              py::arg("peer_errors"), py::arg("peer_timeout"), py::keep_alive<1, 3>(), release())
         .def_property_readonly("name", &Agent::name)
+        .def_property_readonly("closed", &Agent::closed)
         .def("metadata", [](const Agent& a) { return to_bytes(a.metadata()); })
         .def("add_peer",
              [](Agent& a, const std::string& meta) { return a.add_peer(to_vector(meta)); },

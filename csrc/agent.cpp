@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 
 namespace kvmove {
 
@@ -43,10 +44,16 @@ Agent::Agent(std::string name, KVCache& cache, KVShape shape, AgentConfig config
     : name_(std::move(name)), cache_(cache), shape_(std::move(shape)), config_(std::move(config)) {
     KVMOVE_CHECK(!name_.empty() && name_.size() <= kMaxAgentNameBytes, Config,
                  "agent name must be 1.." << kMaxAgentNameBytes << " bytes, got " << name_.size());
+    for (char c : name_) {
+        KVMOVE_CHECK(c >= 0x20 && c < 0x7f, Config,
+                     "agent name must be printable ASCII (peers reject anything else), '"
+                         << name_ << "' has byte " << int(static_cast<unsigned char>(c)));
+    }
     KVMOVE_CHECK(shape_.num_layers == cache.num_layers(), Config,
                  "shape has " << shape_.num_layers << " layers, the cache " << cache.num_layers());
-    KVMOVE_CHECK(config_.peer_timeout_seconds > 0, Config,
-                 "peer_timeout must be positive, got " << config_.peer_timeout_seconds);
+    KVMOVE_CHECK(std::isfinite(config_.peer_timeout_seconds) && config_.peer_timeout_seconds > 0,
+                 Config,
+                 "peer_timeout must be positive and finite, got " << config_.peer_timeout_seconds);
     context_ = make_context(config_.transports, config_.peer_timeout_seconds);
     worker_ = make_worker(context_.get());
     registration_ = std::make_unique<MemoryRegistration>(context_.get(), cache.region().data(),
@@ -76,6 +83,7 @@ void Agent::close() {
     stop_ = true;
     ucp_worker_signal(worker_.get());
     progress_thread_.join();
+    notify_cv_.notify_all();  // wake wait_notification() callers: nothing more will come
     std::lock_guard<std::mutex> lock(worker_mu_);
     for (auto& [t, entry] : in_flight_) {
         t->fail(ErrorKind::Transfer, "agent '" + name_ + "' closed");
@@ -101,9 +109,13 @@ std::string Agent::add_peer(const std::vector<uint8_t>& metadata) {
     auto peer = std::make_unique<Peer>();
     peer->agent = this;
     peer->geometry = {meta.region_addr, meta.shape.num_layers, meta.num_blocks, meta.block_nbytes};
-    peer->endpoint = std::make_unique<Endpoint>(worker_.get(), meta.worker_address,
-                                                config_.peer_errors, &Agent::on_peer_error,
-                                                peer.get());
+    try {
+        peer->endpoint = std::make_unique<Endpoint>(worker_.get(), meta.worker_address,
+                                                    config_.peer_errors, &Agent::on_peer_error,
+                                                    peer.get());
+    } catch (const Error& e) {
+        KVMOVE_FAIL(Peer, "cannot reach peer '" << meta.name << "': " << e.what());
+    }
     try {
         peer->rkey = peer->endpoint->unpack_rkey(meta.packed_rkey);
     } catch (const Error& e) {
@@ -120,7 +132,7 @@ void Agent::remove_peer(const std::string& name) {
     check_open();
     auto it = peers_.find(name);
     KVMOVE_CHECK(it != peers_.end(), Peer, "unknown peer '" << name << "' for agent '" << name_ << "'");
-    fail_peer_transfers(it->second.get(), "peer '" + name + "' was removed");
+    fail_peer_transfers(it->second.get(), "the peer was removed");
     peers_.erase(it);
 }
 
@@ -235,7 +247,7 @@ void Agent::post_ops(Direction direction, Peer& peer, const std::vector<RmaOp>& 
                               peer.rkey.get(), &param);
         if (UCS_PTR_IS_ERR(request)) {
             transfer.fail(ErrorKind::Transfer, "posting " + std::to_string(op.nbytes) +
-                                                   " bytes failed: " +
+                                                   " bytes: " +
                                                    status_text(UCS_PTR_STATUS(request)));
             return;
         }
@@ -325,8 +337,7 @@ void Agent::finish(InFlight* entry, ucs_status_t status) {
 void Agent::on_peer_error(void* arg, ucp_ep_h, ucs_status_t status) {
     auto peer = static_cast<Peer*>(arg);
     peer->failure = "UCX reported " + status_text(status);
-    peer->agent->fail_peer_transfers(peer, "peer '" + peer->meta.name + "' failed: " +
-                                               peer->failure);
+    peer->agent->fail_peer_transfers(peer, "the peer failed: " + peer->failure);
 }
 
 void Agent::fail_peer_transfers(const Peer* peer, const std::string& reason) {

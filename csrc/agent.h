@@ -45,6 +45,7 @@ public:
     Agent& operator=(const Agent&) = delete;
 
     const std::string& name() const { return name_; }
+    bool closed() const { return closed_; }
     std::vector<uint8_t> metadata() const { return metadata_; }
     std::string add_peer(const std::vector<uint8_t>& metadata);
     void remove_peer(const std::string& name);

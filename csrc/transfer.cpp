@@ -75,8 +75,7 @@ void Transfer::wait(double timeout_seconds) const {
                                    << " s (" << stats_.nbytes << " bytes in " << stats_.num_ops
                                    << " ops)");
     if (state_ == TransferState::Failed) {
-        throw_error(error_kind_, "transfer with '" + peer_ + "' failed: " + error_, __FILE__,
-                    __LINE__);
+        throw Error(error_kind_, error_);
     }
 }
 
@@ -94,7 +93,7 @@ void Transfer::fail(ErrorKind kind, const std::string& reason) {
             return;
         }
         error_kind_ = kind;
-        error_ = reason;
+        error_ = "transfer with '" + peer_ + "' failed: " + reason;
     }
     complete(TransferState::Failed);
 }

@@ -58,7 +58,7 @@ public:
     const std::string& peer() const { return peer_; }
     TransferState state() const;
     TransferStats stats() const;
-    std::string error() const;
+    std::string error() const;  // "transfer with 'peer' failed: reason", or empty
     // Returns once DONE; throws the failure (TransferError/PeerError) once FAILED, or
     // TimeoutError when timeout_seconds pass first.
     void wait(double timeout_seconds) const;

@@ -14,6 +14,7 @@ from kvmove import _C
 from kvmove.bootstrap import MetadataServer, exchange
 from kvmove.errors import ConfigError
 from kvmove.kv_cache import KVCache
+from kvmove.validation import require_positive_finite
 
 __all__ = ["Agent", "Transfer", "TransferState", "TransferStats"]
 
@@ -63,6 +64,8 @@ class Agent(_C.Agent):
 
         Each agent that ``connect``s becomes a peer here, and receives this agent's metadata.
         """
+        if self.closed:
+            raise ConfigError(f"agent {self.name!r} is closed")
         if self._server is not None:
             raise ConfigError(f"agent {self.name!r} already listens on {self._server.address}")
         self._server = MetadataServer(self.metadata(), self.add_peer, host, port)
@@ -75,6 +78,7 @@ class Agent(_C.Agent):
             PeerError: no answer within ``timeout`` seconds, or the other side refused us.
             MetadataError: its answer is not valid metadata.
         """
+        require_positive_finite("connect timeout", timeout)
         return self.add_peer(exchange(self.metadata(), host, port, timeout))
 
     def close(self) -> None:
