@@ -13,6 +13,7 @@ namespace {
 constexpr unsigned kNotifyAmId = 0x4B56;  // "KV"
 constexpr int kIdleSpins = 2000;          // progress calls with nothing done before sleeping
 constexpr int kSleepMs = 100;             // longest sleep; stop_ is checked at least this often
+constexpr double kCloseSeconds = 2.0;     // how long close() lets pending work finish
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -32,7 +33,9 @@ struct Agent::Peer {
     RkeyPtr rkey;
 };
 
-// A transfer between posting and completion; UCX callbacks get a pointer to it.
+// A transfer between posting and completion; UCX callbacks get a pointer to it, so it lives
+// until UCX is done with it (finish(), or the worker's destruction), even if its peer goes
+// first: then peer is null.
 struct Agent::InFlight {
     Agent* agent;
     std::shared_ptr<Transfer> transfer;
@@ -85,14 +88,29 @@ void Agent::close() {
     progress_thread_.join();
     notify_cv_.notify_all();  // wake wait_notification() callers: nothing more will come
     std::lock_guard<std::mutex> lock(worker_mu_);
+    // Let transfers already posted finish (bounded), then fail what is left. Endpoints to
+    // live peers close gracefully: a peer whose emulated puts (tcp) are still unacknowledged
+    // when our connection vanishes can abort inside UCX 1.22 (its sw-RMA ack path treats the
+    // error as fatal), so we never leave one behind when we can help it.
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(kCloseSeconds);
+    while (!in_flight_.empty() && std::chrono::steady_clock::now() < deadline) {
+        ucp_worker_progress(worker_.get());
+        drain_flushed();
+    }
     for (auto& [t, entry] : in_flight_) {
         t->fail(ErrorKind::Transfer, "agent '" + name_ + "' closed");
     }
-    peers_.clear();  // endpoints close and cancel what is left before in_flight_ goes
+    for (auto& [name, peer] : peers_) {
+        double left = std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count();
+        peer->rkey.reset();
+        peer->endpoint->close(!peer->failure.empty(), std::max(left, 0.05));
+        detach_transfers(peer.get());
+    }
+    peers_.clear();
+    worker_.reset();  // may still complete requests: their callbacks need in_flight_ entries
     in_flight_.clear();
     flushed_.clear();
     registration_.reset();
-    worker_.reset();
     context_.reset();
 }
 
@@ -132,7 +150,11 @@ void Agent::remove_peer(const std::string& name) {
     check_open();
     auto it = peers_.find(name);
     KVMOVE_CHECK(it != peers_.end(), Peer, "unknown peer '" << name << "' for agent '" << name_ << "'");
-    fail_peer_transfers(it->second.get(), "the peer was removed");
+    Peer& peer = *it->second;
+    fail_peer_transfers(&peer, "the peer was removed");
+    peer.rkey.reset();
+    peer.endpoint->close(!peer.failure.empty(), kCloseSeconds);
+    detach_transfers(&peer);
     peers_.erase(it);
 }
 
@@ -291,6 +313,14 @@ void Agent::complete_flush(InFlight* entry, ucs_status_t status) {
     }
 }
 
+void Agent::detach_transfers(const Peer* peer) {
+    for (auto& [transfer, entry] : in_flight_) {
+        if (entry->peer == peer) {
+            entry->peer = nullptr;
+        }
+    }
+}
+
 void Agent::drain_flushed() {
     std::vector<InFlight*> ready;
     ready.swap(flushed_);
@@ -300,6 +330,10 @@ void Agent::drain_flushed() {
 }
 
 void Agent::send_notification(InFlight* entry) {
+    if (entry->peer == nullptr) {
+        finish(entry, UCS_ERR_CANCELED);  // the peer was removed after the flush
+        return;
+    }
     ucp_request_param_t param{};
     param.op_attr_mask =
         UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;

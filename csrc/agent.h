@@ -92,6 +92,7 @@ private:
     void send_notification(InFlight* entry);
     void finish(InFlight* entry, ucs_status_t status);
     void fail_peer_transfers(const Peer* peer, const std::string& reason);
+    void detach_transfers(const Peer* peer);
     void progress_loop();
     void check_open() const;
 

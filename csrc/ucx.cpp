@@ -113,21 +113,26 @@ Endpoint::Endpoint(ucp_worker_h worker, const std::vector<uint8_t>& address, boo
     KVMOVE_UCX_CHECK(ucp_ep_create(worker_, &params, &ep_), "cannot create a UCX endpoint");
 }
 
-Endpoint::~Endpoint() {
+Endpoint::~Endpoint() { close(true, 5.0); }
+
+void Endpoint::close(bool force, double timeout_seconds) {
+    if (ep_ == nullptr) {
+        return;
+    }
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     ucs_status_ptr_t request = ucp_ep_close_nbx(ep_, &param);
+    ep_ = nullptr;
     if (request == nullptr || UCS_PTR_IS_ERR(request)) {
         return;
     }
-    // A forced close completes locally; bound the wait anyway so teardown never hangs.
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_seconds);
     while (ucp_request_check_status(request) == UCS_INPROGRESS &&
            std::chrono::steady_clock::now() < deadline) {
         ucp_worker_progress(worker_);
     }
-    ucp_request_free(request);
+    ucp_request_free(request);  // released by UCX when done, if it is not yet
 }
 
 RkeyPtr Endpoint::unpack_rkey(const std::vector<uint8_t>& packed) const {

@@ -63,8 +63,7 @@ private:
     std::vector<uint8_t> packed_rkey_;
 };
 
-// An endpoint to a peer's worker. Closing force-flushes nothing: outstanding operations are
-// cancelled, which is what a dead or removed peer needs.
+// An endpoint to a peer's worker.
 class Endpoint {
 public:
     Endpoint(ucp_worker_h worker, const std::vector<uint8_t>& address, bool peer_errors,
@@ -75,6 +74,10 @@ public:
 
     ucp_ep_h get() const { return ep_; }
     RkeyPtr unpack_rkey(const std::vector<uint8_t>& packed) const;
+    // Graceful (force = false) flushes outstanding operations and says goodbye, so the peer
+    // never acknowledges into a vanished connection; force cancels them, for a dead peer.
+    // Progresses the worker until done or timeout_seconds pass. Idempotent.
+    void close(bool force, double timeout_seconds);
 
 private:
     ucp_worker_h worker_;

@@ -1,0 +1,185 @@
+"""Two "hosts": one agent per network namespace, joined only by a veth pair.
+
+Namespace A holds the sender (``peers.py send``), namespace B the receiver (``peers.py
+receive``), each started with ``ip netns exec``. UCX is confined to tcp on the veth
+(``UCX_TLS=tcp``, ``UCX_NET_DEVICES=<veth>``) so nothing can go over shared memory or
+loopback; the metadata side channel listens on B's veth address. The receiver reports the
+sha256 of its whole cache, which must equal the reference computed here, and B's veth must
+have received at least the bytes moved.
+
+Needs root and ``ip netns``; skips cleanly otherwise. The namespaces (and the veth pair with
+them) are always deleted, and both processes always killed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+_HERE = Path(__file__).resolve().parent
+if str(_HERE) not in sys.path:
+    sys.path.insert(0, str(_HERE))
+from peers import pattern  # noqa: E402
+
+PEERS_SCRIPT = _HERE / "peers.py"
+# Same geometry as peers.py's script defaults: 4 layers x 64 blocks x 512 B.
+NUM_LAYERS, NUM_BLOCKS, BLOCK = 4, 64, 512
+DEADLINE = 25.0  # the whole exchange, seconds
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10,
+                          check=check)
+
+
+class Namespaces:
+    """ns_a <-veth-> ns_b, 10.231.S.1/24 in A and 10.231.S.2/24 in B."""
+
+    def __init__(self) -> None:
+        pid = os.getpid()
+        self.ns_a, self.ns_b = f"kvm-a-{pid}", f"kvm-b-{pid}"
+        self.dev_a, self.dev_b = f"kvma{pid}", f"kvmb{pid}"  # < 16 chars for any pid
+        subnet = pid % 250 + 1
+        self.addr_a, self.addr_b = f"10.231.{subnet}.1", f"10.231.{subnet}.2"
+
+    def create(self) -> None:
+        _ip("netns", "add", self.ns_a)
+        _ip("netns", "add", self.ns_b)
+        _ip("link", "add", self.dev_a, "type", "veth", "peer", "name", self.dev_b)
+        for ns, dev, addr in ((self.ns_a, self.dev_a, self.addr_a),
+                              (self.ns_b, self.dev_b, self.addr_b)):
+            _ip("link", "set", dev, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "link", "set", dev, "up")
+
+    def destroy(self) -> None:
+        # Deleting a namespace deletes the veth end inside it (and so the pair); the link
+        # delete covers a failure between creating the pair and moving it.
+        _ip("link", "del", self.dev_a, check=False)
+        for ns in (self.ns_a, self.ns_b):
+            _ip("netns", "del", ns, check=False)
+
+    def rx_bytes_b(self) -> int:
+        out = _ip("-n", self.ns_b, "-j", "-s", "link", "show", "dev", self.dev_b).stdout
+        return int(json.loads(out)[0]["stats64"]["rx"]["bytes"])
+
+
+@pytest.fixture
+def namespaces():
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2 ('ip') is not installed")
+    ns = Namespaces()
+    try:
+        ns.create()
+    except subprocess.CalledProcessError as e:
+        ns.destroy()
+        pytest.skip(f"cannot build two namespaces joined by veth: {' '.join(e.cmd)}: "
+                    f"{e.stderr.strip()}")
+    try:
+        yield ns
+    finally:
+        ns.destroy()
+        leftover = _ip("netns", "list").stdout
+        assert ns.ns_a not in leftover and ns.ns_b not in leftover, leftover
+
+
+class NsProcess:
+    """``peers.py ROLE ...`` inside a namespace, tcp on its veth only."""
+
+    def __init__(self, ns: str, dev: str, role: str, *args: str) -> None:
+        env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": dev,
+               "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, str(PEERS_SCRIPT), role, *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.lines: list[str] = []
+
+    def read_line(self, prefix: str, deadline: float) -> str:
+        """The first stdout line starting with ``prefix``, before ``deadline``."""
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
+            if ready:
+                line = self.proc.stdout.readline()
+                if not line:  # EOF: the process ended without saying it
+                    break
+                self.lines.append(line.rstrip("\n"))
+                if line.startswith(prefix):
+                    return line[len(prefix):].strip()
+        raise AssertionError(f"no {prefix!r} line: {self.describe()}")
+
+    def finish(self, deadline: float) -> str:
+        """Waits for exit before ``deadline``; returns the rest of stdout; asserts exit 0."""
+        try:
+            out, err = self.proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"did not exit in time: {self.describe()}") from None
+        self.lines += out.splitlines()
+        assert self.proc.returncode == 0, f"exit {self.proc.returncode}: {err[-3000:]}"
+        return out
+
+    def describe(self) -> str:
+        self.kill()
+        _, err = self.proc.communicate(timeout=5)
+        return f"exit {self.proc.returncode}; stdout {self.lines}; stderr {err[-3000:]}"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def field(lines: list[str], prefix: str) -> str:
+    found = [line[len(prefix):].strip() for line in lines if line.startswith(prefix)]
+    assert found, f"no {prefix!r} in {lines}"
+    return found[0]
+
+
+def test_write_between_two_namespaces_over_veth(namespaces):
+    ns = namespaces
+    deadline = time.monotonic() + DEADLINE
+    seed = 7
+    # A's blocks 0..47 go to a shuffled set of 48 of B's 64 blocks.
+    remote_ids = np.random.default_rng(seed).permutation(NUM_BLOCKS)[:48].tolist()
+    expected = np.zeros((NUM_LAYERS, NUM_BLOCKS, BLOCK), dtype=np.uint8)
+    expected[:, remote_ids] = pattern(seed, NUM_LAYERS, NUM_BLOCKS, BLOCK)[:, :48]
+    nbytes = 48 * NUM_LAYERS * BLOCK
+
+    rx_before = ns.rx_bytes_b()
+    receiver = NsProcess(ns.ns_b, ns.dev_b, "receive", "--host", ns.addr_b, "--port", "47001",
+                         "--timeout", "20")
+    sender = None
+    try:
+        host, port = receiver.read_line("READY", deadline).split()
+        assert (host, port) == (ns.addr_b, "47001")
+        sender = NsProcess(ns.ns_a, ns.dev_a, "send", "--host", ns.addr_b, "--port", port,
+                           "--seed", str(seed), "--remote-ids", ",".join(map(str, remote_ids)),
+                           "--timeout", "15")
+        sender.finish(deadline)
+        receiver.finish(deadline)
+    finally:
+        receiver.kill()
+        if sender is not None:
+            sender.kill()
+
+    assert field(sender.lines, "PEER") == "host-b"
+    assert field(sender.lines, "STATE").endswith("DONE")
+    assert int(field(sender.lines, "NBYTES")) == nbytes
+    assert field(receiver.lines, "NOTIFY") == "host-a two-hosts"
+    assert field(receiver.lines, "PEERS") == "host-a"
+    assert field(receiver.lines, "SHA256") == hashlib.sha256(expected.tobytes()).hexdigest()
+    # Everything crossed the veth: B received at least the KV bytes (plus headers).
+    assert ns.rx_bytes_b() - rx_before >= nbytes
