@@ -308,12 +308,6 @@ def test_cli_plan_json(bench: Bench) -> None:
                                                         "Ethernet 25G"]
 
 
-def test_cli_without_subcommand_runs_plan(bench: Bench) -> None:
-    result = bench()
-    assert result.returncode == 0, result.stderr
-    assert "524,288,000 B" in result.stdout and "Ethernet 25G" in result.stdout
-
-
 @pytest.mark.parametrize(
     ("args", "value"),
     [(["plan", "--model", "llama-9"], "llama-9"),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 
@@ -39,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KVMoveError as error:  # a transfer, the peer process or UCX failed
         print(f"{parser.prog} {args.command}: error: {error}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `kvmove-bench --json | head`: the reader left; so do we, quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
 
 
@@ -65,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
 
 # --sweep also runs ucx_perftest at these message sizes, so the plot has a baseline curve.
 SWEEP_MESSAGE_SIZES = (4096, 65536, 1 << 20, 16 << 20)
+# A WRITE row and the ucp_put_bw curve it is compared with share a color; READ and ucp_get too.
+_COLORS = {"write": "tab:blue", "ucp_put_bw": "tab:blue", "read": "tab:orange",
+           "ucp_get": "tab:orange"}
 
 
 def _add_transfer(commands: argparse._SubParsersAction) -> None:
@@ -85,9 +92,10 @@ def _add_transfer(commands: argparse._SubParsersAction) -> None:
                      "'none' keeps shared memory (default peer, as kvmove.Agent)")
     sub.add_argument("--scatter", action="store_true",
                      help="add rows with blocks scattered at random over both caches")
+    sweep_sizes = "/".join(map(str, bench_transfer.SWEEP_BLOCK_SIZES))
     sub.add_argument("--sweep", action="store_true",
-                     help=f"rows for block sizes {'/'.join(map(str, bench_transfer.SWEEP_BLOCK_SIZES))}"
-                     " and ucx_perftest at more message sizes")
+                     help=f"rows for block sizes {sweep_sizes}, and ucx_perftest at more "
+                     "message sizes")
     sub.add_argument("--iters", type=int, default=3,
                      help="timed iterations per row, after one warm-up; the best is shown "
                      "(default 3)")
@@ -102,7 +110,7 @@ def _add_transfer(commands: argparse._SubParsersAction) -> None:
 def _run_transfer(args: argparse.Namespace) -> int:
     config = _transfer_config(args)
     if args.plot:
-        _require_matplotlib()
+        _check_plot(args.plot)
     report = _run_with_progress(config, show=args.sweep)
     if args.plot:
         _plot(report, args.plot)
@@ -127,7 +135,11 @@ def _transfer_config(args: argparse.Namespace) -> BenchConfig:
         perftest_sizes=SWEEP_MESSAGE_SIZES if args.sweep else (), timeout=args.timeout)
 
 
-def _require_matplotlib() -> None:
+def _check_plot(path: str) -> None:
+    """Before measuring: ``path``'s folder there, and matplotlib importable."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"--plot {path!r}: no folder {folder!r} to write it in")
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -238,26 +250,26 @@ def _plot(report: BenchReport, path: str) -> None:
         points = sorted((p.message_nbytes, p.gbytes_per_s) for p in report.perftest_bw
                         if p.test == test and p.available)
         if points:
-            ax.plot(*zip(*points), "--o", alpha=0.6, label=f"ucx_perftest {test}")
-    for op in ("write", "read"):
-        for placement in report.config.placements:
-            rows = [r for r in report.rows if r.op == op and r.placement == placement]
-            ax.scatter([r.op_nbytes for r in rows], [r.gbytes_per_s for r in rows], s=60,
-                       label=f"kvmove {op} ({placement})")
-            for r in rows:
-                ax.annotate(f"bs {r.block_size}", (r.op_nbytes, r.gbytes_per_s), fontsize=7,
-                            xytext=(4, 4), textcoords="offset points")
+            ax.plot(*zip(*points), "--", color=_COLORS[test], alpha=0.5,
+                    label=f"ucx_perftest {test}")
+    for row in report.rows:
+        ax.scatter(row.op_nbytes, row.gbytes_per_s, s=50, color=_COLORS[row.op],
+                   marker="o" if row.placement == "allocator" else "s",
+                   label=f"kvmove {row.op} ({row.placement})")
+        ax.annotate(f"bs {row.block_size}", (row.op_nbytes, row.gbytes_per_s), fontsize=7,
+                    xytext=(4, 4), textcoords="offset points")
     ax.axhline(max(report.memcpy.values()), linestyle=":", color="gray", label="memcpy")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("bytes per operation (kvmove: mean per posted op)")
     ax.set_ylabel("GB/s")
-    ax.set_title(f"{report.config.model}, {report.config.num_tokens:,} tokens, "
-                 f"transports {report.config.transports or 'auto'}")
-    ax.legend(fontsize=8)
+    ax.set_title(f"{report.config.model}, {report.config.num_tokens:,} tokens, transports "
+                 f"{report.config.transports or 'by UCX'}, error mode {report.config.error_mode}")
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))  # one entry per label, not per row
+    ax.legend(unique.values(), unique.keys(), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
 
 
 # --- plan -----------------------------------------------------------------------------------

@@ -1,0 +1,239 @@
+"""The two sides of ``kvmove-bench transfer``: a ``Side`` (cache + agent + the data pattern
+that lets every byte be verified) here, and a ``Peer`` process driving another ``Side`` over
+a ``multiprocessing`` Pipe, every reply with a deadline."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from typing import Any
+
+import numpy as np
+
+from kvmove.agent import Agent
+from kvmove.bench_report import BenchError
+from kvmove.errors import ConfigError, KVMoveError
+from kvmove.kv_cache import KVCache
+from kvmove.layout import KVLayout
+
+__all__ = ["FAR", "NEAR", "Peer", "STOP", "Side", "connect_pair", "ping", "stop_echo"]
+
+NEAR, FAR = "bench-near", "bench-far"
+_WIPE = np.uint64(0xA5A5A5A5A5A5A5A5)
+_PEER_IDLE_SECONDS = 600.0  # a peer without commands this long assumes we are gone
+STOP = b"stop"  # the notification that ends Side.echo
+
+
+# --- the data pattern -----------------------------------------------------------------------
+
+def _words(cache: KVCache) -> np.ndarray:
+    """The cache as writable uint64 words ``[L, N, words per block per layer]``."""
+    lay = cache.layout
+    raw = np.frombuffer(cache.region, dtype=np.uint8)
+    return raw.view(np.uint64).reshape(lay.num_layers, cache.num_blocks, -1)
+
+
+def _base(seed: int, num_words: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 2**64 - 1, size=num_words, dtype=np.uint64, endpoint=True)
+
+
+def _keys(seed: int, layer: int, src_ids: np.ndarray) -> np.ndarray:
+    """One 64-bit key per (layer, source block): splitmix64 of (seed, layer, id)."""
+    x = src_ids.astype(np.uint64) + np.uint64(((seed & 0xFFFF) << 48) | ((layer + 1) << 32))
+    x = x * np.uint64(0x9E3779B97F4A7C15)
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+class Side:
+    """One process's cache and agent, and the pattern operations on its blocks."""
+
+    def __init__(self, name: str, layout: KVLayout, num_blocks: int,
+                 agent_kwargs: dict[str, Any]) -> None:
+        if layout.bytes_per_block_per_layer % 8:
+            raise ConfigError(f"bytes per block per layer must be a multiple of 8, got "
+                              f"{layout.bytes_per_block_per_layer}")
+        self.cache = KVCache(layout, num_blocks)
+        self.words = _words(self.cache)
+        try:
+            self.agent = Agent(name, self.cache, **agent_kwargs)
+        except KVMoveError as error:
+            raise BenchError(f"cannot create agent {name!r} with {agent_kwargs}: "
+                             f"{error}") from error
+        self._held: list[int] = []
+
+    def place(self, num_blocks: int, placement: str, seed: int) -> list[int]:
+        """Owns ``num_blocks`` blocks placed as ``placement`` (releasing the previous ones)."""
+        pool = self.cache.pool
+        if self._held:
+            pool.free(self._held)
+        if placement == "allocator":
+            self._held = pool.allocate(num_blocks)
+        else:
+            every = pool.allocate(self.cache.num_blocks)
+            order = np.random.default_rng(seed).permutation(len(every))
+            self._held = [every[i] for i in order[:num_blocks]]
+            pool.free([every[i] for i in order[num_blocks:]])
+        return list(self._held)
+
+    def fill(self, ids: list[int], seed: int) -> None:
+        base, ids_arr = _base(seed, self.words.shape[2]), np.asarray(ids)
+        for layer in range(self.words.shape[0]):
+            self.words[layer, ids_arr] = base ^ _keys(seed, layer, ids_arr)[:, None]
+
+    def wipe(self, ids: list[int]) -> None:
+        self.words[:, np.asarray(ids)] = _WIPE
+
+    def mismatches(self, ids: list[int], src_ids: list[int], seed: int) -> int:
+        """(layer, block) pairs of ``ids`` not holding the pattern of ``src_ids`` (same order)."""
+        base, ids_arr, src_arr = _base(seed, self.words.shape[2]), np.asarray(ids), \
+            np.asarray(src_ids)
+        bad = 0
+        for layer in range(self.words.shape[0]):
+            expected = base ^ _keys(seed, layer, src_arr)[:, None]
+            got = self.words[layer, ids_arr]
+            if not np.array_equal(got, expected):
+                bad += int(np.count_nonzero((got != expected).any(axis=1)))
+        return bad
+
+    def check_after_notification(self, tag: bytes, ids: list[int], src_ids: list[int],
+                                 seed: int, timeout: float) -> int:
+        """Waits for the notification ``tag``, then counts ``mismatches``."""
+        peer, payload = self.agent.wait_notification(timeout)
+        if bytes(payload) != tag:
+            raise BenchError(f"expected notification {tag!r}, got {bytes(payload)!r} "
+                             f"from {peer!r}")
+        return self.mismatches(ids, src_ids, seed)
+
+    def echo(self, local_id: int, remote_id: int, timeout: float) -> int:
+        """Answers each notification with a one-block write of layer 0 and a notification,
+        until the payload is ``STOP``; returns how many it answered."""
+        answered = 0
+        while True:
+            peer, payload = self.agent.wait_notification(timeout)
+            if bytes(payload) == STOP:
+                return answered
+            self.agent.write(peer, [local_id], [remote_id], layers=[0],
+                             notify=b"pong").wait(timeout)
+            answered += 1
+
+    def close(self) -> None:
+        self.agent.close()
+
+
+_PEER_COMMANDS = ("place", "fill", "wipe", "mismatches", "check_after_notification", "echo")
+
+
+def _peer_main(conn: Any) -> None:
+    """The peer process: ``("setup", args)`` builds a ``Side`` (replacing the last one) and
+    answers its listen address; other commands call that ``Side``; ``None`` or EOF ends it.
+    Every reply is ``("ok", value)`` or ``("err", message)``."""
+    side: Side | None = None
+    try:
+        while conn.poll(_PEER_IDLE_SECONDS):
+            message = conn.recv()
+            if message is None:
+                break
+            command, args = message
+            try:
+                if command == "setup":
+                    if side is not None:
+                        side.close()
+                    side = None
+                    side = Side(*args)
+                    conn.send(("ok", side.agent.listen()))
+                elif command in _PEER_COMMANDS and side is not None:
+                    conn.send(("ok", getattr(side, command)(*args)))
+                else:
+                    raise BenchError(f"unknown peer command {command!r} (or no setup yet)")
+            except Exception as error:  # the parent reports it; the peer keeps serving
+                conn.send(("err", f"{type(error).__name__}: {error}"))
+    except (EOFError, OSError):
+        pass
+    finally:
+        if side is not None:
+            side.close()
+
+
+class Peer:
+    """Parent-side handle of the peer process; every reply has a deadline."""
+
+    def __init__(self, timeout: float) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.timeout = timeout
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_peer_main, args=(child,), name="kvmove-bench-peer",
+                                   daemon=True)
+        self.process.start()
+        child.close()
+
+    def call(self, command: str, *args: Any) -> Any:
+        self.send(command, *args)
+        return self.reply(command)
+
+    def send(self, command: str, *args: Any) -> None:
+        try:
+            self.conn.send((command, args))
+        except OSError as error:
+            raise BenchError(f"peer process gone before {command!r}: {error}") from None
+
+    def reply(self, command: str) -> Any:
+        deadline = time.monotonic() + self.timeout
+        while not self.conn.poll(0.05):
+            if not self.process.is_alive():
+                raise BenchError(f"peer process died during {command!r} (exit code "
+                                 f"{self.process.exitcode})")
+            if time.monotonic() > deadline:
+                raise BenchError(f"peer process did not answer {command!r} within "
+                                 f"{self.timeout:g} s")
+        try:
+            status, value = self.conn.recv()
+        except (EOFError, OSError):
+            self.process.join(1)
+            raise BenchError(f"peer process died during {command!r} (exit code "
+                             f"{self.process.exitcode})") from None
+        if status == "err":
+            raise BenchError(f"peer process failed in {command!r}: {value}")
+        return value
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
+            self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        self.conn.close()
+
+
+def ping(agent: Agent, peer: str, local_id: int, remote_id: int, timeout: float) -> None:
+    """One round trip with a peer running ``Side.echo``: a one-block write of layer 0 with a
+    notification, answered the same way."""
+    transfer = agent.write(peer, [local_id], [remote_id], layers=[0], notify=b"ping")
+    agent.wait_notification(timeout)
+    transfer.wait(timeout)
+
+
+def stop_echo(agent: Agent, peer: str, local_id: int, remote_id: int, timeout: float) -> None:
+    agent.write(peer, [local_id], [remote_id], layers=[0], notify=STOP).wait(timeout)
+
+
+def connect_pair(peer: Peer, layout: KVLayout, num_blocks: int, agent_kwargs: dict[str, Any],
+                 timeout: float) -> Side:
+    """A fresh ``Side`` named ``FAR`` in the peer process and one named ``NEAR`` here, each
+    with ``num_blocks`` blocks, connected through the peer's metadata listener."""
+    address = peer.call("setup", FAR, layout, num_blocks, agent_kwargs)
+    near = Side(NEAR, layout, num_blocks, agent_kwargs)
+    try:
+        near.agent.connect(*address, timeout=timeout)
+    except BaseException:
+        near.close()
+        raise
+    return near

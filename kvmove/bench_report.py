@@ -1,0 +1,205 @@
+"""``kvmove-bench transfer``'s configuration and results: what to measure, and the rows and
+baselines a run produced, as plain data the CLI formats (text or ``--json``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvmove import perftest
+from kvmove.agent import ERROR_MODES
+from kvmove.errors import ConfigError, KVMoveError
+from kvmove.layout import KVLayout
+from kvmove.plan import DEFAULT_LINKS, transfer_ms
+
+__all__ = ["BenchConfig", "BenchError", "BenchReport", "PERFTEST_TEST", "PLACEMENTS",
+           "RoundTrip", "SWEEP_BLOCK_SIZES", "TransferRow"]
+
+PLACEMENTS = ("allocator", "scatter")
+SWEEP_BLOCK_SIZES = (16, 32, 64, 128)
+# The ucx_perftest test each operation is compared against.
+PERFTEST_TEST = {"write": "ucp_put_bw", "read": "ucp_get"}
+
+
+class BenchError(KVMoveError):
+    """The benchmark's peer process failed, died, or did not answer in time."""
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """What ``run`` measures.
+
+    Args:
+        model: a ``KVLayout`` preset.
+        num_tokens: prompt length; ``blocks_for(num_tokens)`` whole blocks move.
+        block_sizes: tokens per block, one set of rows each (``SWEEP_BLOCK_SIZES`` sweeps).
+        placements: subset of ``PLACEMENTS``.
+        transports: UCX transport list for both agents and ``ucx_perftest`` (None: UCX's).
+        error_mode: the agents' ``error_mode``; ``"peer"`` also runs ``ucx_perftest -e``.
+        iters: timed iterations per row (plus one warm-up); the best is reported.
+        spare_factor: each cache holds this many times the blocks moved.
+        round_trips: timed one-block write + notification ping-pongs.
+        perftest_sizes: extra ``ucp_put_bw`` message sizes (the rows' op sizes always run).
+        timeout: deadline in seconds of every wait (transfer, peer reply, ucx_perftest).
+        seed: for the data pattern and the scattered placement.
+    """
+
+    model: str = "llama-3.1-8b"
+    num_tokens: int = 4000
+    block_sizes: tuple[int, ...] = (16,)
+    placements: tuple[str, ...] = ("allocator",)
+    transports: str | None = None
+    error_mode: str = "peer"
+    iters: int = 3
+    spare_factor: int = 2
+    round_trips: int = 200
+    perftest_sizes: tuple[int, ...] = ()
+    timeout: float = 60.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_tokens", "iters", "spare_factor", "round_trips"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if not self.block_sizes:
+            raise ConfigError("block_sizes must hold at least one block size, got none")
+        for block_size in self.block_sizes:
+            self.layout(block_size)  # validates model and block_size
+        if not self.placements or set(self.placements) - set(PLACEMENTS):
+            raise ConfigError(f"placements must be some of {PLACEMENTS}, got {self.placements}")
+        if self.error_mode not in ERROR_MODES:
+            raise ConfigError(f"error_mode must be one of {ERROR_MODES}, got {self.error_mode!r}")
+        if self.transports is not None and not self.transports.strip():
+            raise ConfigError(f"transports must be a UCX transport list or None, got "
+                              f"{self.transports!r}")
+        if any(size <= 0 for size in self.perftest_sizes):
+            raise ConfigError(f"perftest_sizes must be positive, got {self.perftest_sizes}")
+        if not (isinstance(self.timeout, (int, float)) and 0 < self.timeout < math.inf):
+            raise ConfigError(f"timeout must be positive and finite, got {self.timeout!r}")
+
+    def layout(self, block_size: int) -> KVLayout:
+        return KVLayout.preset(self.model, block_size=block_size)
+
+    @property
+    def agent_kwargs(self) -> dict[str, Any]:
+        return {"transports": self.transports, "error_mode": self.error_mode}
+
+
+@dataclass(frozen=True, slots=True)
+class TransferRow:
+    """One configuration's best timed iteration. Seconds are wall time from the ``write`` or
+    ``read`` call until ``wait`` returned; ``post_seconds`` is the part spent posting."""
+
+    op: str
+    placement: str
+    block_size: int
+    nbytes: int
+    num_blocks: int
+    num_ops: int
+    post_seconds: float
+    total_seconds: float
+    complete_seconds: float
+    iter_seconds: tuple[float, ...]
+    warmup_seconds: float
+    mismatched_blocks: int
+
+    @property
+    def verified(self) -> bool:
+        return self.mismatched_blocks == 0
+
+    @property
+    def op_nbytes(self) -> int:
+        """Mean bytes per posted operation (one coalesced run of one or more layers)."""
+        return self.nbytes // self.num_ops
+
+    @property
+    def gbytes_per_s(self) -> float:
+        return self.nbytes / self.total_seconds / 1e9
+
+    @property
+    def post_share_pct(self) -> float:
+        return self.post_seconds / self.total_seconds * 100.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "verified": self.verified, "op_nbytes": self.op_nbytes,
+                "gbytes_per_s": self.gbytes_per_s, "post_share_pct": self.post_share_pct}
+
+
+@dataclass(frozen=True, slots=True)
+class RoundTrip:
+    """One block of one layer written with a notification, answered the same way.
+
+    ``one_way_us`` is half the median round trip, as ``ucp_put_lat`` reports its ping-pong.
+    """
+
+    nbytes: int
+    iterations: int
+    rtt_us: float
+
+    @property
+    def one_way_us(self) -> float:
+        return self.rtt_us / 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "one_way_us": self.one_way_us}
+
+
+@dataclass(frozen=True, slots=True)
+class BenchReport:
+    """Everything one ``run`` measured; ``to_dict`` is ``kvmove-bench transfer --json``."""
+
+    config: BenchConfig
+    rows: tuple[TransferRow, ...]
+    round_trip: RoundTrip
+    memcpy: dict[int, float]  # nbytes -> GB/s
+    perftest_bw: tuple[perftest.PerftestResult, ...]
+    perftest_lat: tuple[perftest.PerftestResult, ...]
+    wall_seconds: float
+
+    @property
+    def verified(self) -> bool:
+        return all(row.verified for row in self.rows)
+
+    def memcpy_pct(self, row: TransferRow) -> float:
+        return row.gbytes_per_s / self.memcpy[row.nbytes] * 100.0
+
+    def perftest_for(self, row: TransferRow) -> perftest.PerftestResult:
+        """The ``ucp_put_bw`` (write) or ``ucp_get`` (read) baseline at the row's op size."""
+        test = PERFTEST_TEST[row.op]
+        return next(p for p in self.perftest_bw
+                    if p.test == test and p.message_nbytes == row.op_nbytes)
+
+    def perftest_pct(self, row: TransferRow) -> float | None:
+        baseline = self.perftest_for(row)
+        return row.gbytes_per_s / baseline.gbytes_per_s * 100.0 if baseline.available else None
+
+    def links(self) -> list[dict[str, Any]]:
+        """The first allocator rows' bytes over the article's links and as measured here."""
+        rows = [r for r in self.rows if r.placement == self.config.placements[0]
+                and r.block_size == self.config.block_sizes[0]]
+        links = [{"name": link.name, "gbytes_per_s": link.gbytes_per_s,
+                  "transfer_ms": transfer_ms(rows[0].nbytes, link), "measured": False}
+                 for link in DEFAULT_LINKS]
+        return links + [{"name": f"this machine, {r.op} ({r.placement})",
+                         "gbytes_per_s": r.gbytes_per_s, "transfer_ms": r.total_seconds * 1e3,
+                         "measured": True} for r in rows]
+
+    def to_dict(self) -> dict[str, Any]:
+        config = asdict(self.config)
+        layout = self.config.layout(self.config.block_sizes[0])
+        rows = [{**row.to_dict(), "memcpy_pct": self.memcpy_pct(row),
+                 "perftest_pct": self.perftest_pct(row),
+                 "perftest_test": PERFTEST_TEST[row.op]} for row in self.rows]
+        return {
+            "config": config, "statistic": f"best of {self.config.iters} after 1 warm-up",
+            "layout": asdict(layout), "kv_bytes": layout.bytes_for(self.config.num_tokens),
+            "rows": rows, "verified": self.verified, "round_trip": self.round_trip.to_dict(),
+            "baselines": {
+                "memcpy": [{"nbytes": n, "gbytes_per_s": g} for n, g in self.memcpy.items()],
+                "perftest_bw": [p.to_dict() for p in self.perftest_bw],
+                "perftest_put_lat": [p.to_dict() for p in self.perftest_lat],
+            },
+            "links": self.links(), "wall_seconds": self.wall_seconds,
+        }

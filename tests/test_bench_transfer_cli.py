@@ -1,0 +1,355 @@
+"""``kvmove-bench transfer`` (``kvmove/cli/bench.py``, ``kvmove/bench_transfer.py``) and the
+``ucx_perftest`` baseline (``kvmove/perftest.py``).
+
+The CLI runs as a real process from a scratch directory, with tiny settings so each run takes
+seconds: Llama-3.2-1B (16 layers, 8 KV heads, head_dim 64, float16: 2,048 B per token per
+layer), 64 tokens in blocks of 16, i.e. 4 blocks of 32 KiB per layer, 2,097,152 B in all.
+Numbers are never asserted (benchmarks are tools, not tests); what is asserted is that every
+row exists, every byte was verified, and bad input or a failing peer ends the run clearly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvmove import perftest
+from kvmove.bench_transfer import BenchConfig, BenchError, Peer, Side
+from kvmove.errors import ConfigError
+from kvmove.layout import KVLayout
+
+TINY = ["--model", "llama-3.2-1b", "--tokens", "64", "--iters", "1"]
+TINY_BYTES = 16 * 4 * 16 * 2048  # layers * blocks * tokens per block * bytes per token-layer
+TINY_OPS_ALLOCATOR = 16  # one contiguous run per layer
+TINY_OPS_SCATTER = 64  # no two blocks adjacent on both sides: one op per (layer, block)
+RUN_SECONDS = 180  # a hung run fails the test instead of hanging it
+
+Bench = Callable[..., subprocess.CompletedProcess[str]]
+
+
+def _commands() -> list[list[str]]:
+    """The installed ``kvmove-bench`` script when there is one, and ``python -m``."""
+    search = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    script = shutil.which("kvmove-bench", path=search)
+    return [[script]] * bool(script) + [[sys.executable, "-m", "kvmove.cli.bench"]]
+
+
+COMMANDS = _commands()
+
+
+def _runner(command: list[str], cwd: Path, env: dict[str, str] | None = None) -> Bench:
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*command, *args], capture_output=True, text=True, cwd=cwd,
+                              timeout=RUN_SECONDS, env=env)
+    return run
+
+
+@pytest.fixture
+def bench(tmp_path: Path) -> Bench:
+    """The first of ``COMMANDS``, in a scratch directory (only the installed package imports)."""
+    return _runner(COMMANDS[0], tmp_path)
+
+
+@pytest.fixture(params=COMMANDS, ids=lambda command: os.path.basename(command[-1]))
+def each_bench(request: pytest.FixtureRequest, tmp_path: Path) -> Bench:
+    return _runner(request.param, tmp_path)
+
+
+def _json(result: subprocess.CompletedProcess[str]) -> dict:
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)  # stdout holds the JSON and nothing else
+
+
+# --- output ---------------------------------------------------------------------------------
+
+def test_text_has_one_row_per_configuration(bench: Bench) -> None:
+    result = bench("transfer", *TINY, "--scatter", "--transports", "tcp")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for op in ("write", "read"):
+        for placement in ("allocator", "scatter"):
+            line = next(line for line in out.splitlines()
+                        if line.split()[:2] == [op, placement])
+            assert "2,097,152" in line and line.rstrip().endswith("yes"), line
+    for text in ("ops posted", "post ms", "total ms", "GB/s", "% of memcpy", "% of perftest",
+                 "memcpy (numpy copyto)", "ucx_perftest ucp_put_bw", "ucx_perftest ucp_get",
+                 "ucx_perftest ucp_put_lat", "round trip", "NVLink", "InfiniBand 400G",
+                 "Ethernet 25G", "this machine, write (allocator)", "transports tcp"):
+        assert text in out, text
+    assert "Traceback" not in result.stderr
+
+
+def test_json_reports_verified_rows_and_baselines(bench: Bench) -> None:
+    data = _json(bench("transfer", *TINY, "--scatter", "--json"))
+    assert data["verified"] is True
+    assert {"config", "layout", "kv_bytes", "rows", "baselines", "round_trip", "links",
+            "wall_seconds"} <= data.keys()
+    assert data["kv_bytes"] == TINY_BYTES
+    rows = {(row["op"], row["placement"]): row for row in data["rows"]}
+    assert set(rows) == {(op, p) for op in ("write", "read") for p in ("allocator", "scatter")}
+    for (op, placement), row in rows.items():
+        assert row["verified"] is True and row["mismatched_blocks"] == 0
+        assert row["nbytes"] == TINY_BYTES and row["num_blocks"] == 4
+        assert row["num_ops"] == (TINY_OPS_ALLOCATOR if placement == "allocator"
+                                  else TINY_OPS_SCATTER)
+        assert len(row["iter_seconds"]) == 1
+        for key in ("post_seconds", "total_seconds", "gbytes_per_s", "memcpy_pct",
+                    "post_share_pct"):
+            assert row[key] > 0, key
+        assert row["perftest_test"] == {"write": "ucp_put_bw", "read": "ucp_get"}[op]
+    baselines = data["baselines"]
+    assert [m["nbytes"] for m in baselines["memcpy"]] == [TINY_BYTES]
+    sizes = {(p["test"], p["message_nbytes"]) for p in baselines["perftest_bw"]}
+    assert {(row["perftest_test"], row["op_nbytes"]) for row in rows.values()} <= sizes
+    assert [p["message_nbytes"] for p in baselines["perftest_put_lat"]] == [8, 32768]
+    assert data["round_trip"]["nbytes"] == 32768 and data["round_trip"]["one_way_us"] > 0
+    assert [link["name"] for link in data["links"]][:3] == ["NVLink", "InfiniBand 400G",
+                                                            "Ethernet 25G"]
+
+
+def test_default_command_is_transfer(each_bench: Bench) -> None:
+    data = _json(each_bench(*TINY, "--error-mode", "none", "--json"))
+    assert data["config"]["error_mode"] == "none"
+    assert [(row["op"], row["placement"]) for row in data["rows"]] == [
+        ("write", "allocator"), ("read", "allocator")]
+    assert data["verified"] is True
+
+
+def test_plan_still_runs(bench: Bench) -> None:
+    assert _json(bench("plan", "--json"))["kv_bytes"] == 524_288_000
+
+
+# --- --sweep and --plot ---------------------------------------------------------------------
+
+def test_sweep_plots_every_block_size(bench: Bench, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bw.png"
+    result = bench("transfer", *TINY, "--sweep", "--json", "--plot", str(png))
+    data = _json(result)
+    assert sorted({row["block_size"] for row in data["rows"]}) == [16, 32, 64, 128]
+    assert all(row["verified"] for row in data["rows"])
+    put_sizes = {p["message_nbytes"] for p in data["baselines"]["perftest_bw"]
+                 if p["test"] == "ucp_put_bw"}
+    assert {4096, 65536, 1 << 20, 16 << 20} <= put_sizes
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    try:
+        import tqdm  # noqa: F401
+    except ImportError:
+        assert "kvmove-bench transfer:" not in result.stderr  # no bar, and no complaint
+    else:
+        assert "kvmove-bench transfer: 100%" in result.stderr  # the bar, on stderr only
+
+
+def _without(module: str, tmp_path: Path) -> Bench:
+    """The CLI with ``module`` failing to import, as if it were not installed."""
+    fake = tmp_path / "hidden" / module
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(f"raise ModuleNotFoundError('{module} hidden by the test')\n")
+    return _runner(COMMANDS[0], tmp_path, {**os.environ, "PYTHONPATH": str(fake.parent)})
+
+
+def test_sweep_without_tqdm_runs_without_a_bar(tmp_path: Path) -> None:
+    result = _without("tqdm", tmp_path)("transfer", *TINY, "--sweep", "--json")
+    assert _json(result)["verified"] is True
+    assert "kvmove-bench transfer:" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_plot_without_matplotlib_exits_2(tmp_path: Path) -> None:
+    result = _without("matplotlib", tmp_path)("transfer", *TINY, "--plot", "x.png")
+    assert result.returncode == 2
+    assert "pip install kvmove[bench]" in result.stderr
+    assert result.stdout == "" and "Traceback" not in result.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+# --- bad input and failures -----------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("args", "value"),
+    [(["--tokens", "0"], "got 0"), (["--tokens", "-5"], "-5"), (["--block-size", "48"], "48"),
+     (["--model", "llama-9"], "llama-9"), (["--iters", "0"], "got 0"),
+     (["--error-mode", "sometimes"], "sometimes"), (["--timeout", "-1"], "-1"),
+     (["--tokens", "many"], "many"), (["--transports", " "], "' '"),
+     (["--timeout", "inf"], "inf"), (["--plot", "no/such/folder/x.png"], "no/such/folder")],
+)
+def test_bad_option_exits_2(each_bench: Bench, args: list[str], value: str) -> None:
+    result = each_bench("transfer", *args)
+    assert result.returncode == 2, result.stderr
+    assert value in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+def test_unknown_transport_fails_clearly(bench: Bench) -> None:
+    result = bench("transfer", *TINY, "--transports", "no_such_tl")
+    assert result.returncode == 1
+    assert "no_such_tl" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("field", ["num_tokens", "iters", "spare_factor", "round_trips"])
+def test_config_rejects_non_positive(field: str) -> None:
+    with pytest.raises(ConfigError, match=f"{field} .*got 0"):
+        BenchConfig(**{field: 0})
+
+
+def test_config_rejects_unknown_placement() -> None:
+    with pytest.raises(ConfigError, match="'diagonal'"):
+        BenchConfig(placements=("diagonal",))
+
+
+# --- verification catches every kind of wrong byte ------------------------------------------
+
+@pytest.fixture
+def side() -> Side:
+    handle = Side("verify", KVLayout.preset("llama-3.2-1b"), 16, {"transports": "tcp"})
+    yield handle
+    handle.close()
+
+
+def test_pattern_verification_finds_each_wrong_block(side: Side) -> None:
+    ids = side.place(8, "scatter", seed=4)
+    side.fill(ids, seed=9)
+    assert side.mismatches(ids, ids, seed=9) == 0
+    assert side.mismatches(ids, ids, seed=10) == 16 * 8  # another seed: every (layer, block)
+    raw = np.frombuffer(side.cache.region, dtype=np.uint8).reshape(16, 16, -1)
+    raw[3, ids[5], 1000] ^= 1  # one bit of one block in one layer
+    assert side.mismatches(ids, ids, seed=9) == 1
+    raw[7, [ids[0], ids[1]]] = raw[7, [ids[1], ids[0]]]  # two blocks swapped in one layer
+    assert side.mismatches(ids, ids, seed=9) == 3
+    side.wipe(ids)
+    assert side.mismatches(ids, ids, seed=9) == 16 * 8
+
+
+def test_placements(side: Side) -> None:
+    assert side.place(8, "allocator", seed=0) == list(range(8))  # one run in a fresh pool
+    scattered = side.place(8, "scatter", seed=0)
+    assert len(set(scattered)) == 8 and scattered != sorted(scattered)
+    assert side.cache.pool.num_free == 8  # the previous placement was given back
+
+
+# --- the peer process: errors and death surface, never hang ---------------------------------
+
+@pytest.fixture
+def peer() -> Peer:
+    handle = Peer(timeout=20.0)
+    yield handle
+    handle.stop()
+
+
+def test_peer_error_is_reported(peer: Peer) -> None:
+    with pytest.raises(BenchError, match="'place'.*no setup yet"):
+        peer.call("place", 4, "allocator", 0)
+
+
+def test_dead_peer_is_reported(peer: Peer) -> None:
+    peer.process.kill()
+    peer.process.join(10)
+    start = time.monotonic()
+    with pytest.raises(BenchError, match="peer process (died|gone)"):
+        peer.call("place", 4, "allocator", 0)
+    assert time.monotonic() - start < 5
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """Pids of ``multiprocessing`` spawn children of ``pid`` (Linux ``/proc``)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid and b"spawn_main" in cmdline:
+            children.append(int(entry.name))
+    return children
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_cli_reports_a_killed_peer(tmp_path: Path) -> None:
+    """SIGKILL the peer process of a running ``kvmove-bench transfer``: it must end soon with
+    status 1 and a message, whichever step it was in."""
+    args = ["transfer", "--model", "llama-3.2-1b", "--tokens", "4000", "--iters", "50",
+            "--transports", "tcp"]
+    process = subprocess.Popen([*COMMANDS[0], *args], cwd=tmp_path, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not (children := _spawned_children(process.pid)):
+            assert process.poll() is None and time.monotonic() < deadline, "no peer process"
+            time.sleep(0.05)
+        time.sleep(2.0)  # into the transfers
+        os.kill(children[0], signal.SIGKILL)
+        killed = time.monotonic()
+        out, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 1, err
+    assert time.monotonic() - killed < 30
+    assert "kvmove-bench transfer: error:" in err and "Traceback" not in err
+    assert out == ""
+
+
+def test_silent_peer_times_out(peer: Peer) -> None:
+    peer.timeout = 1.0
+    os.kill(peer.process.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(BenchError, match="did not answer 'place' within 1 s"):
+            peer.call("place", 4, "allocator", 0)
+        assert time.monotonic() - start < 5
+    finally:
+        os.kill(peer.process.pid, signal.SIGCONT)
+
+
+# --- ucx_perftest ---------------------------------------------------------------------------
+
+def test_perftest_parses_csv_and_table_formats() -> None:
+    csv = ("iterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,avg_mr,"
+           "overall_mr\n  32,0.030,21248.497,21248.497,735.35,735.35,47,47\n")
+    assert perftest.parse_output(csv)["overall_bw"] == 735.35
+    table = ("| Stage | # iterations | ... |\n"
+             "Final:                    50      0.351  5857.720  5857.720     2667.42    "
+             "2667.42         171         171\n")
+    values = perftest.parse_output(table)
+    assert values["overall_bw"] == 2667.42 and values["iterations"] == 50
+
+
+@pytest.mark.parametrize("text", ["", "Waiting for connection...\n", "iterations,a,b\n1,2\n"])
+def test_perftest_rejects_output_without_result(text: str) -> None:
+    with pytest.raises(ValueError, match="no result row"):
+        perftest.parse_output(text)
+
+
+def test_perftest_bandwidth_and_latency_run() -> None:
+    if perftest.find_binary() is None:
+        pytest.skip("no ucx_perftest on this machine")
+    bw = perftest.put_bandwidth(1 << 20, total_nbytes=1 << 24, transports="tcp")
+    assert bw.available, bw.reason
+    assert bw.gbytes_per_s > 0 and bw.iterations >= 16
+    lat = perftest.put_latency(8, iterations=200, transports="tcp")
+    assert lat.available, lat.reason
+    assert lat.latency_us > 0
+
+
+def test_perftest_unavailable_says_why() -> None:
+    if perftest.find_binary() is None:
+        pytest.skip("no ucx_perftest on this machine")
+    result = perftest.put_bandwidth(65536, total_nbytes=1 << 20, transports="no_such_tl")
+    assert not result.available
+    assert result.gbytes_per_s is None
+    assert "failed" in result.reason and result.reason.strip()
