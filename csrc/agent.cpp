@@ -402,8 +402,7 @@ std::vector<std::pair<std::string, std::string>> Agent::notifications() {
 }
 
 std::pair<std::string, std::string> Agent::wait_notification(double timeout_seconds) {
-    KVMOVE_CHECK(timeout_seconds >= 0, Config,
-                 "timeout must be >= 0 seconds, got " << timeout_seconds);
+    check_timeout(timeout_seconds);
     std::unique_lock<std::mutex> lock(notify_mu_);
     bool got = notify_cv_.wait_for(lock, std::chrono::duration<double>(timeout_seconds),
                                    [this] { return !received_.empty() || closed_; });

@@ -38,6 +38,10 @@ private:
 [[noreturn]] void throw_error(ErrorKind kind, const std::string& message, const char* file,
                               int line);
 
+// Every wait has a deadline: a timeout must be finite and in [0, kMaxTimeoutSeconds].
+constexpr double kMaxTimeoutSeconds = 1e6;
+void check_timeout(double timeout_seconds);
+
 }  // namespace kvmove
 
 // KVMOVE_CHECK(cond, Kind, "text " << value): throws Error(ErrorKind::Kind) unless cond holds.

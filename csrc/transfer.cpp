@@ -65,8 +65,7 @@ std::string Transfer::error() const {
 }
 
 void Transfer::wait(double timeout_seconds) const {
-    KVMOVE_CHECK(timeout_seconds >= 0, Config,
-                 "timeout must be >= 0 seconds, got " << timeout_seconds);
+    check_timeout(timeout_seconds);
     std::unique_lock<std::mutex> lock(mu_);
     bool finished = done_.wait_for(lock, std::chrono::duration<double>(timeout_seconds),
                                    [this] { return state_ != TransferState::Pending; });

@@ -378,7 +378,7 @@ def test_waiting_for_a_notification_releases_the_gil(link):
         with pytest.raises(TimeoutError):
             link.near.wait_notification(0.5)
 
-    assert longest_stall_while(wait) < 0.25  # the wait lasts 0.5 s
+    assert longest_stall_while(wait) < 0.4  # the wait lasts 0.5 s; holding the GIL stalls it all
 
 
 def test_notification_of_64_kib_arrives_intact(link):
@@ -463,7 +463,7 @@ def test_state_pending_until_the_peer_progresses(link):
             with pytest.raises(TimeoutError):
                 t.wait(0.5)
 
-        assert longest_stall_while(wait) < 0.25  # Transfer.wait (0.5 s) releases the GIL
+        assert longest_stall_while(wait) < 0.4  # Transfer.wait (0.5 s) releases the GIL
     finally:
         link.far.resume()
     wait_done(t)
