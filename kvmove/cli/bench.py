@@ -23,6 +23,7 @@ from kvmove import bench_transfer
 from kvmove.bench_transfer import BenchConfig, BenchReport
 from kvmove.errors import ConfigError, KVMoveError
 from kvmove.layout import DTYPE_BYTES, PRESETS, KVLayout
+from kvmove.agent import ERROR_MODES
 from kvmove.cli.report import format_plan, format_transfer, plot_transfer
 from kvmove.plan import DEFAULT_LINKS, Link, merge_links, parse_link, plan
 
@@ -73,20 +74,25 @@ SWEEP_MESSAGE_SIZES = (4096, 65536, 1 << 20, 16 << 20)
 # A WRITE row and the ucp_put_bw curve it is compared with share a color; READ and ucp_get too.
 
 
+def _add_prompt_args(sub: argparse.ArgumentParser) -> None:
+    """The model and prompt both subcommands describe: --model, --tokens, --block-size."""
+    sub.add_argument("--model", choices=list(PRESETS), default="llama-3.1-8b", metavar="NAME",
+                     help=f"model preset, one of: {', '.join(PRESETS)} (default %(default)s)")
+    sub.add_argument("--tokens", type=int, default=4000, help="prompt length (default 4000)")
+    sub.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+
+
 def _add_transfer(commands: argparse._SubParsersAction) -> None:
     sub = commands.add_parser(
         "transfer", help="move one prompt's KV cache between two processes and measure it",
         description="Moves one prompt's KV cache between two local processes with kvmove "
         "(WRITE and READ), verifies every byte, and compares with memcpy and ucx_perftest "
         "measured in the same run.")
-    sub.add_argument("--model", choices=list(PRESETS), default="llama-3.1-8b", metavar="NAME",
-                     help=f"model preset, one of: {', '.join(PRESETS)} (default %(default)s)")
-    sub.add_argument("--tokens", type=int, default=4000, help="prompt length (default 4000)")
-    sub.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    _add_prompt_args(sub)
     sub.add_argument("--transports", default=None, metavar="UCX_TLS",
                      help="UCX transport list for kvmove and ucx_perftest, e.g. tcp, "
                      "'posix,cma' (default: UCX's choice)")
-    sub.add_argument("--error-mode", choices=["peer", "none"], default="peer",
+    sub.add_argument("--error-mode", choices=list(ERROR_MODES), default="peer",
                      help="'peer' detects dead peers (UCX then drops posix/sysv shared memory); "
                      "'none' keeps shared memory (default peer, as kvmove.Agent)")
     sub.add_argument("--scatter", action="store_true",
@@ -167,16 +173,13 @@ def _bar_progress(bar: object) -> Callable[[str], None]:
 
 def _add_plan(commands: argparse._SubParsersAction) -> None:
     sub = commands.add_parser("plan", help="cost of one prompt's KV hand-off on each link")
-    sub.add_argument("--model", choices=list(PRESETS), default="llama-3.1-8b", metavar="NAME",
-                     help=f"model preset, one of: {', '.join(PRESETS)} (default %(default)s)")
-    sub.add_argument("--tokens", type=int, default=4000, help="prompt length (default 4000)")
+    _add_prompt_args(sub)
     sub.add_argument("--prefill-ms", type=float, default=200.0,
                      help="prefill time of that prompt in ms (default 200)")
     sub.add_argument("--link", type=_link_arg, action="append", default=[], metavar="NAME=GBps",
                      help="add a link (repeatable); a default's name replaces that default")
     sub.add_argument("--dtype", choices=list(DTYPE_BYTES), default="float16",
                      help="KV element type (default float16)")
-    sub.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
     sub.add_argument("--json", action="store_true", help="print the plan as JSON only")
     sub.set_defaults(run=_run_plan)
 
