@@ -47,11 +47,11 @@ Agent::Agent(std::string name, KVCache& cache, KVShape shape, AgentConfig config
     : name_(std::move(name)), cache_(cache), shape_(std::move(shape)), config_(std::move(config)) {
     KVMOVE_CHECK(!name_.empty() && name_.size() <= kMaxAgentNameBytes, Config,
                  "agent name must be 1.." << kMaxAgentNameBytes << " bytes, got " << name_.size());
-    for (char c : name_) {
-        KVMOVE_CHECK(c >= 0x20 && c < 0x7f, Config,
-                     "agent name must be printable ASCII (peers reject anything else), '"
-                         << name_ << "' has byte " << int(static_cast<unsigned char>(c)));
-    }
+    size_t bad = first_unprintable(name_);
+    KVMOVE_CHECK(bad == std::string::npos, Config,
+                 "agent name must be printable ASCII (peers reject anything else), '"
+                     << name_ << "' has byte "
+                     << int(static_cast<unsigned char>(name_[bad == std::string::npos ? 0 : bad])));
     KVMOVE_CHECK(shape_.num_layers == cache.num_layers(), Config,
                  "shape has " << shape_.num_layers << " layers, the cache " << cache.num_layers());
     KVMOVE_CHECK(std::isfinite(config_.peer_timeout_seconds) && config_.peer_timeout_seconds > 0,

@@ -73,14 +73,25 @@ private:
 };
 
 std::string text(const std::vector<uint8_t>& bytes, const char* field) {
-    for (uint8_t c : bytes) {
-        KVMOVE_CHECK(c >= 0x20 && c < 0x7f, Metadata,
-                     "bad agent metadata: " << field << " has non-printable byte " << int(c));
-    }
-    return std::string(bytes.begin(), bytes.end());
+    std::string out(bytes.begin(), bytes.end());
+    size_t bad = first_unprintable(out);
+    KVMOVE_CHECK(bad == std::string::npos, Metadata,
+                 "bad agent metadata: " << field << " has non-printable byte "
+                                        << int(bytes[bad == std::string::npos ? 0 : bad]));
+    return out;
 }
 
 }  // namespace
+
+size_t first_unprintable(std::string_view text) {
+    for (size_t i = 0; i < text.size(); ++i) {
+        auto c = static_cast<unsigned char>(text[i]);
+        if (c < 0x20 || c >= 0x7f) {
+            return i;
+        }
+    }
+    return std::string_view::npos;
+}
 
 std::vector<uint8_t> encode(const AgentMetadata& meta) {
     Writer body;

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace kvmove {
@@ -41,6 +42,10 @@ struct AgentMetadata {
 
 constexpr uint16_t kMetadataVersion = 1;
 constexpr size_t kMaxAgentNameBytes = 255;
+
+// Index of the first byte of text outside printable ASCII, or npos. Names and dtypes in
+// metadata must be printable; an Agent checks its own name with the same rule.
+size_t first_unprintable(std::string_view text);
 
 std::vector<uint8_t> encode(const AgentMetadata& meta);
 AgentMetadata decode(const std::vector<uint8_t>& bytes);
