@@ -8,11 +8,12 @@ Python side: construction from a ``KVCache``, the metadata side channel (``liste
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 from kvmove import _C
 from kvmove.bootstrap import MetadataServer, exchange
-from kvmove.errors import ConfigError
+from kvmove.errors import ConfigError, PeerError
 from kvmove.kv_cache import KVCache
 from kvmove.validation import require_positive_finite
 
@@ -23,6 +24,18 @@ TransferState = _C.TransferState
 TransferStats = _C.TransferStats
 
 ERROR_MODES = ("peer", "none")
+
+
+def _weak_add_peer(agent: Agent) -> Callable[[bytes], str]:
+    ref = weakref.ref(agent)
+
+    def add_peer(metadata: bytes) -> str:
+        target = ref()
+        if target is None:
+            raise PeerError("the listening agent is gone")
+        return target.add_peer(metadata)
+
+    return add_peer
 
 
 class Agent(_C.Agent):
@@ -68,7 +81,10 @@ class Agent(_C.Agent):
             raise ConfigError(f"agent {self.name!r} is closed")
         if self._server is not None:
             raise ConfigError(f"agent {self.name!r} already listens on {self._server.address}")
-        self._server = MetadataServer(self.metadata(), self.add_peer, host, port)
+        # The listener thread holds the agent only weakly, and is closed when the agent is
+        # collected: an agent dropped without close() must not live on through its listener.
+        self._server = MetadataServer(self.metadata(), _weak_add_peer(self), host, port)
+        weakref.finalize(self, self._server.close)
         return self._server.address
 
     def connect(self, host: str, port: int, timeout: float = 10.0) -> str:

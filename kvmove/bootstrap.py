@@ -77,6 +77,9 @@ class MetadataServer:
                 self._socket.send(b"ER" + str(e).encode())
 
     def close(self) -> None:
+        """Stops serving and releases the socket. Idempotent."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._thread.join(timeout=5 * _POLL_MS / 1000)
         self._close_socket()

@@ -984,3 +984,24 @@ def test_killed_peer_with_error_mode_none_does_not_hang():
             assert time.monotonic() - start < 2 * NUM_TRANSFERS + 2
     finally:
         within(15, near.close)
+
+
+def test_an_agent_dropped_without_close_takes_its_listener_with_it():
+    """The listener thread must not keep an abandoned agent (its UCX worker, its thread)
+    alive: it holds the agent weakly, and stops when the agent is collected."""
+    import gc
+    import threading
+    import weakref
+
+    before = threading.active_count()
+    agent = kvmove.Agent("abandoned", kvmove.KVCache(kvmove.KVLayout(2, 1, 8), 4),
+                         transports="tcp")
+    agent.listen()
+    ref = weakref.ref(agent)
+    del agent
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ref() is None
+    assert threading.active_count() <= before
