@@ -91,6 +91,17 @@ void register_agent(py::module_& m) {
         .def("read", transfer_method(&Agent::read), py::arg("peer"), py::arg("local_ids"),
              py::arg("remote_ids"), py::arg("layers") = py::none(), py::arg("notify") = py::none(),
              release(), "One-sided get of remote_ids[i] -> local_ids[i] (see docs/transfer.md).")
+        .def("stream_to",
+             [](Agent& a, const std::string& peer, const Ids& local, const Ids& remote,
+                const std::string& request_id) {
+                 return a.stream_to(peer, local.values, remote.values, request_id);
+             },
+             py::arg("peer"), py::arg("local_ids"), py::arg("remote_ids"), py::arg("request_id"),
+             release())
+        .def("expect",
+             [](Agent& a, const std::string& peer, const std::string& request_id,
+                const Ids& local) { return a.expect(peer, request_id, local.values); },
+             py::arg("peer"), py::arg("request_id"), py::arg("local_ids"), release())
         .def("notifications",
              [](Agent& a) {
                  py::list out;

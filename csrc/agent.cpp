@@ -1,4 +1,5 @@
 #include "agent.h"
+#include "agent_internal.h"
 
 #include <poll.h>
 
@@ -10,7 +11,6 @@ namespace kvmove {
 
 namespace {
 
-constexpr unsigned kNotifyAmId = 0x4B56;  // "KV"
 constexpr int kIdleSpins = 2000;          // progress calls with nothing done before sleeping
 constexpr int kSleepMs = 100;             // longest sleep; stop_ is checked at least this often
 constexpr double kCloseSeconds = 2.0;     // how long close() lets pending work finish
@@ -19,29 +19,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-std::string status_text(ucs_status_t status) { return ucs_status_string(status); }
-
 }  // namespace
-
-struct Agent::Peer {
-    Agent* agent;
-    AgentMetadata meta;
-    CacheGeometry geometry;
-    std::string failure;  // why the peer is dead; empty while alive
-    // Declared last so they are destroyed first: the key before its endpoint.
-    std::unique_ptr<Endpoint> endpoint;
-    RkeyPtr rkey;
-};
-
-// A transfer between posting and completion; UCX callbacks get a pointer to it, so it lives
-// until UCX is done with it (finish(), or the worker's destruction), even if its peer goes
-// first: then peer is null.
-struct Agent::InFlight {
-    Agent* agent;
-    std::shared_ptr<Transfer> transfer;
-    Peer* peer;
-    std::optional<std::string> notify;
-};
 
 Agent::Agent(std::string name, KVCache& cache, KVShape shape, AgentConfig config)
     : name_(std::move(name)), cache_(cache), shape_(std::move(shape)), config_(std::move(config)) {
@@ -70,6 +48,10 @@ Agent::Agent(std::string name, KVCache& cache, KVShape shape, AgentConfig config
     am.arg = this;
     KVMOVE_UCX_CHECK(ucp_worker_set_am_recv_handler(worker_.get(), &am),
                      "cannot install the notification handler");
+    am.id = kStreamAmId;
+    am.cb = &Agent::on_stream_am;
+    KVMOVE_UCX_CHECK(ucp_worker_set_am_recv_handler(worker_.get(), &am),
+                     "cannot install the layer stream handler");
     AgentMetadata meta{name_, worker_address(worker_.get()), cache.region().addr(),
                        cache.region().nbytes(), registration_->packed_rkey(), cache.num_blocks(),
                        cache.block_nbytes(), shape_};
@@ -83,6 +65,14 @@ void Agent::close() {
     if (closed_.exchange(true)) {
         return;
     }
+    {
+        std::lock_guard<std::mutex> lock(events_mu_);
+        events_stop_ = true;
+    }
+    events_cv_.notify_all();
+    if (event_thread_.joinable()) {
+        event_thread_.join();
+    }
     stop_ = true;
     ucp_worker_signal(worker_.get());
     progress_thread_.join();
@@ -95,11 +85,12 @@ void Agent::close() {
     auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(kCloseSeconds);
     while (!in_flight_.empty() && std::chrono::steady_clock::now() < deadline) {
         ucp_worker_progress(worker_.get());
-        drain_flushed();
+        drain_deferred();
     }
     for (auto& [t, entry] : in_flight_) {
         t->fail(ErrorKind::Transfer, "agent '" + name_ + "' closed");
     }
+    end_all_streams("agent '" + name_ + "' closed");
     for (auto& [name, peer] : peers_) {
         double left = std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count();
         peer->rkey.reset();
@@ -152,6 +143,7 @@ void Agent::remove_peer(const std::string& name) {
     KVMOVE_CHECK(it != peers_.end(), Peer, "unknown peer '" << name << "' for agent '" << name_ << "'");
     Peer& peer = *it->second;
     fail_peer_transfers(&peer, "the peer was removed");
+    end_peer_streams(name, ErrorKind::Peer, "peer '" + name + "' was removed");
     peer.rkey.reset();
     peer.endpoint->close(!peer.failure.empty(), kCloseSeconds);
     detach_transfers(&peer);
@@ -198,18 +190,22 @@ std::shared_ptr<Transfer> Agent::start(Direction direction, const std::string& p
     Peer& peer = live_peer(peer_name);
     validate(peer, direction, local_ids, remote_ids, wanted, notify);
     auto t0 = std::chrono::steady_clock::now();
-    CacheGeometry local{cache_.region().addr(), cache_.num_layers(), cache_.num_blocks(),
-                        cache_.block_nbytes()};
-    std::vector<RmaOp> ops = plan_ops(local_ids, remote_ids, wanted, local, peer.geometry);
+    std::vector<RmaOp> ops =
+        plan_ops(local_ids, remote_ids, wanted, local_geometry(), peer.geometry);
     auto transfer = std::make_shared<Transfer>(
         peer_name, local_ids.size() * wanted.size() * cache_.block_nbytes(), ops.size());
     post_ops(direction, peer, ops, *transfer);
     if (transfer->state() == TransferState::Pending) {
-        post_flush(peer, transfer, notify);
+        post_flush(track(std::make_unique<InFlight>(this, transfer, &peer, notify)));
     }
     transfer->posted(seconds_since(t0));
     ucp_worker_signal(worker_.get());  // wake the progress thread if it sleeps
     return transfer;
+}
+
+CacheGeometry Agent::local_geometry() const {
+    return {cache_.region().addr(), cache_.num_layers(), cache_.num_blocks(),
+            cache_.block_nbytes()};
 }
 
 Agent::Peer& Agent::live_peer(const std::string& name) {
@@ -279,20 +275,21 @@ void Agent::post_ops(Direction direction, Peer& peer, const std::vector<RmaOp>& 
     }
 }
 
-void Agent::post_flush(Peer& peer, std::shared_ptr<Transfer> transfer,
-                       const std::optional<std::string>& notify) {
-    Transfer* key = transfer.get();
-    auto entry = std::make_unique<InFlight>(InFlight{this, std::move(transfer), &peer, notify});
+Agent::InFlight* Agent::track(std::unique_ptr<InFlight> entry) {
     InFlight* raw = entry.get();
-    in_flight_.emplace(key, std::move(entry));
+    in_flight_.emplace(raw->transfer.get(), std::move(entry));
+    return raw;
+}
+
+void Agent::post_flush(InFlight* entry) {
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     param.cb.send = &Agent::on_flush;
-    param.user_data = raw;
-    ucs_status_ptr_t request = ucp_ep_flush_nbx(peer.endpoint->get(), &param);
+    param.user_data = entry;
+    ucs_status_ptr_t request = ucp_ep_flush_nbx(entry->peer->endpoint->get(), &param);
     if (request == nullptr || UCS_PTR_IS_ERR(request)) {
-        complete_flush(raw, UCS_PTR_STATUS(request));
-        drain_flushed();
+        complete_flush(entry, UCS_PTR_STATUS(request));
+        drain_deferred();
     }
 }
 
@@ -307,7 +304,7 @@ void Agent::complete_flush(InFlight* entry, ucs_status_t status) {
     if (status != UCS_OK) {
         finish(entry, status);
     } else if (entry->notify) {
-        flushed_.push_back(entry);  // sent by drain_flushed(), outside UCX's callback
+        flushed_.push_back(entry);  // sent by drain_deferred(), outside UCX's callback
     } else {
         finish(entry, UCS_OK);
     }
@@ -321,11 +318,19 @@ void Agent::detach_transfers(const Peer* peer) {
     }
 }
 
-void Agent::drain_flushed() {
-    std::vector<InFlight*> ready;
-    ready.swap(flushed_);
-    for (InFlight* entry : ready) {
-        send_notification(entry);
+// Sends what UCX callbacks deferred: posting from inside a callback is not allowed.
+void Agent::drain_deferred() {
+    while (!flushed_.empty() || !closing_.empty()) {
+        std::vector<InFlight*> ready;
+        ready.swap(flushed_);
+        for (InFlight* entry : ready) {
+            send_notification(entry);
+        }
+        std::vector<std::shared_ptr<SaveStream>> closing;
+        closing.swap(closing_);
+        for (const auto& stream : closing) {
+            post_close(stream);
+        }
     }
 }
 
@@ -340,10 +345,10 @@ void Agent::send_notification(InFlight* entry) {
     param.cb.send = &Agent::on_notify_sent;
     param.user_data = entry;
     // Eager: the receiver's handler sees the whole payload at once, never a rendezvous.
-    param.flags = UCP_AM_SEND_FLAG_EAGER;
+    param.flags = UCP_AM_SEND_FLAG_EAGER | (entry->want_reply ? UCP_AM_SEND_FLAG_REPLY : 0);
     const std::string& payload = *entry->notify;
     ucs_status_ptr_t request =
-        ucp_am_send_nbx(entry->peer->endpoint->get(), kNotifyAmId, name_.data(), name_.size(),
+        ucp_am_send_nbx(entry->peer->endpoint->get(), entry->am_id, name_.data(), name_.size(),
                         payload.data(), payload.size(), &param);
     if (request == nullptr || UCS_PTR_IS_ERR(request)) {
         finish(entry, UCS_PTR_STATUS(request));
@@ -357,6 +362,9 @@ void Agent::on_notify_sent(void* request, ucs_status_t status, void* user_data) 
 }
 
 void Agent::finish(InFlight* entry, ucs_status_t status) {
+    if (entry->stream) {
+        stream_transfer_done(entry, status);
+    }
     if (status == UCS_OK) {
         entry->transfer->finish();
     } else {
@@ -372,6 +380,8 @@ void Agent::on_peer_error(void* arg, ucp_ep_h, ucs_status_t status) {
     auto peer = static_cast<Peer*>(arg);
     peer->failure = "UCX reported " + status_text(status);
     peer->agent->fail_peer_transfers(peer, "the peer failed: " + peer->failure);
+    peer->agent->end_peer_streams(peer->meta.name, ErrorKind::Peer,
+                                  "peer '" + peer->meta.name + "' failed: " + peer->failure);
 }
 
 void Agent::fail_peer_transfers(const Peer* peer, const std::string& reason) {
@@ -422,7 +432,7 @@ void Agent::progress_loop() {
         {
             std::lock_guard<std::mutex> lock(worker_mu_);
             progressed = ucp_worker_progress(worker);
-            drain_flushed();
+            drain_deferred();
         }
         if (progressed > 0 || ++idle < kIdleSpins) {
             idle = progressed > 0 ? 0 : idle;

@@ -23,6 +23,8 @@
 #include <vector>
 
 #include "kv_cache.h"
+#include "layer_stream.h"
+#include "stream_message.h"
 #include "metadata.h"
 #include "transfer.h"
 #include "ucx.h"
@@ -62,6 +64,16 @@ public:
                                    const std::optional<std::vector<int64_t>>& layers,
                                    const std::optional<std::string>& notify);
 
+    // Layer streaming (csrc/layer_stream.h, csrc/agent_stream.cpp). stream_to() sends
+    // local_ids[i] -> remote_ids[i] of peer layer by layer; expect() prepares to receive
+    // request_id from peer into local_ids. Both validate everything up front.
+    std::shared_ptr<SaveStream> stream_to(const std::string& peer,
+                                          const std::vector<BlockId>& local_ids,
+                                          const std::vector<BlockId>& remote_ids,
+                                          const std::string& request_id);
+    std::shared_ptr<LoadStream> expect(const std::string& peer, const std::string& request_id,
+                                       const std::vector<BlockId>& local_ids);
+
     // Received (peer name, payload) pairs, oldest first; drains the queue.
     std::vector<std::pair<std::string, std::string>> notifications();
     std::pair<std::string, std::string> wait_notification(double timeout_seconds);
@@ -70,9 +82,24 @@ public:
     void close();
 
 private:
+    friend class SaveStream;
+    friend class LoadStream;
     struct Peer;
     struct InFlight;
+    // A stream message that came before its load's start_load().
+    struct Unclaimed {
+        double arrived;
+        std::string sender;
+        StreamMessage message;
+    };
+    // A layer whose CUDA event the event thread waits for before posting it.
+    struct PendingEvent {
+        std::shared_ptr<SaveStream> stream;
+        int64_t layer = 0;
+        uintptr_t event = 0;
+    };
     enum class Direction { Put, Get };
+    using StreamKey = std::pair<std::string, std::string>;  // (peer, request id)
 
     std::shared_ptr<Transfer> start(Direction direction, const std::string& peer,
                                     const std::vector<BlockId>& local_ids,
@@ -85,10 +112,11 @@ private:
                   const std::optional<std::string>& notify) const;
     void post_ops(Direction direction, Peer& peer, const std::vector<RmaOp>& ops,
                   Transfer& transfer);
-    void post_flush(Peer& peer, std::shared_ptr<Transfer> transfer,
-                    const std::optional<std::string>& notify);
+    CacheGeometry local_geometry() const;
+    InFlight* track(std::unique_ptr<InFlight> entry);
+    void post_flush(InFlight* entry);
     void complete_flush(InFlight* entry, ucs_status_t status);
-    void drain_flushed();
+    void drain_deferred();
     void send_notification(InFlight* entry);
     void finish(InFlight* entry, ucs_status_t status);
     void fail_peer_transfers(const Peer* peer, const std::string& reason);
@@ -96,8 +124,31 @@ private:
     void progress_loop();
     void check_open() const;
 
+    // Layer streams; all with worker_mu_ held except event_loop().
+    void save_layer(SaveStream& stream, int64_t layer, uintptr_t cuda_event);
+    void finish_stream(SaveStream& stream, const std::string& payload);
+    void abort_stream(SaveStream& stream);
+    void post_layer(const std::shared_ptr<SaveStream>& stream, int64_t layer);
+    void layer_result(SaveStream& stream, int64_t layer, ucs_status_t status,
+                      const std::string& error, ErrorKind kind = ErrorKind::Transfer);
+    void maybe_close(SaveStream& stream);
+    void post_close(const std::shared_ptr<SaveStream>& stream);
+    void stream_transfer_done(InFlight* entry, ucs_status_t status);
+    void forget(SaveStream& stream);
+    void start_load(LoadStream& load);
+    void cancel_load(LoadStream& load);
+    void deliver(const std::shared_ptr<LoadStream>& load, const StreamMessage& message);
+    void on_stream_message(const std::string& sender, const StreamMessage& message,
+                           ucp_ep_h reply_ep);
+    void send_ack(ucp_ep_h reply_ep, const StreamMessage& final);
+    void end_peer_streams(const std::string& peer, ErrorKind kind, const std::string& reason);
+    void end_all_streams(const std::string& reason);
+    void event_loop();
+
     static void on_flush(void* request, ucs_status_t status, void* user_data);
     static void on_notify_sent(void* request, ucs_status_t status, void* user_data);
+    static ucs_status_t on_stream_am(void* arg, const void* header, size_t header_nbytes,
+                                     void* data, size_t nbytes, const ucp_am_recv_param_t* param);
     static ucs_status_t on_notification(void* arg, const void* header, size_t header_nbytes,
                                         void* data, size_t nbytes,
                                         const ucp_am_recv_param_t* param);
@@ -118,6 +169,17 @@ private:
     std::map<std::string, std::unique_ptr<Peer>> peers_;
     std::unordered_map<Transfer*, std::unique_ptr<InFlight>> in_flight_;
     std::vector<InFlight*> flushed_;  // flushes done, notification still to send
+    std::map<StreamKey, std::shared_ptr<SaveStream>> sending_;  // open streams by receiver
+    std::vector<std::shared_ptr<SaveStream>> closing_;  // Final/Abort still to send
+    std::map<StreamKey, std::shared_ptr<LoadStream>> loading_;  // started loads by sender
+    std::deque<Unclaimed> unclaimed_;  // messages that came before their start_load()
+
+    // save_layer(i, event): the event thread waits for each event, then posts the layer.
+    std::mutex events_mu_;
+    std::condition_variable events_cv_;
+    std::deque<PendingEvent> events_;
+    bool events_stop_ = false;  // guarded by events_mu_
+    std::thread event_thread_;
 
     std::mutex notify_mu_;
     std::condition_variable notify_cv_;

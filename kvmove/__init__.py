@@ -19,6 +19,7 @@ from kvmove._C import BlockPool, Region, block_hashes, runs  # noqa: E402
 from kvmove.agent import Agent, Transfer, TransferState, TransferStats  # noqa: E402
 from kvmove.kv_cache import KVCache  # noqa: E402
 from kvmove.layout import KVLayout  # noqa: E402
+from kvmove.stream import LoadStream, SaveStream, StreamState  # noqa: E402
 from kvmove.runtime import CudaStatus, cuda_available, cuda_status, ucx_version  # noqa: E402
 
 __version__ = "0.1.0"
@@ -29,7 +30,10 @@ __all__ = [
     "CudaStatus",
     "KVCache",
     "KVLayout",
+    "LoadStream",
     "Region",
+    "SaveStream",
+    "StreamState",
     "Transfer",
     "TransferState",
     "TransferStats",

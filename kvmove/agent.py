@@ -15,6 +15,7 @@ from kvmove import _C
 from kvmove.bootstrap import MetadataServer, exchange
 from kvmove.errors import ConfigError, PeerError
 from kvmove.kv_cache import KVCache
+from kvmove.stream import LoadStream, SaveStream
 from kvmove.validation import require_positive_finite
 
 __all__ = ["Agent", "Transfer", "TransferState", "TransferStats"]
@@ -53,7 +54,8 @@ class Agent(_C.Agent):
 
     Methods from the core: ``metadata()``, ``add_peer(bytes) -> name``, ``remove_peer(name)``,
     ``peers``, ``write(peer, local_ids, remote_ids, layers=None, notify=None) -> Transfer``,
-    ``read(...)``, ``notifications()``, ``wait_notification(timeout)``.
+    ``read(...)``, ``notifications()``, ``wait_notification(timeout)``. Layer streaming:
+    ``stream_to`` and ``expect`` (docs/streaming.md).
     """
 
     def __init__(self, name: str, cache: KVCache, *, transports: str | Sequence[str] | None = None,
@@ -96,6 +98,34 @@ class Agent(_C.Agent):
         """
         require_positive_finite("connect timeout", timeout)
         return self.add_peer(exchange(self.metadata(), host, port, timeout))
+
+    def stream_to(self, peer: str, local_ids: Sequence[int], remote_ids: Sequence[int],
+                  request_id: str) -> SaveStream:
+        """Starts streaming one request's KV to ``peer`` layer by layer (see kvmove.stream).
+
+        ``local_ids[i]`` of this cache goes to ``remote_ids[i]`` of the peer's, in every layer
+        the caller saves. Everything is checked here, before any byte moves.
+
+        Raises:
+            ConfigError: mismatched lengths or layouts, a bad ``request_id`` (1..256 bytes),
+                or the same request already streaming to this peer.
+            BlockError: an id out of range, or a destination block twice.
+            PeerError: unknown or dead peer.
+        """
+        return SaveStream(super().stream_to(peer, local_ids, remote_ids, request_id), self)
+
+    def expect(self, peer: str, request_id: str, local_ids: Sequence[int]) -> LoadStream:
+        """Prepares to receive request ``request_id`` from ``peer`` into ``local_ids``.
+
+        Call ``start_load()`` on the result to start matching the sender's messages.
+
+        Raises:
+            ConfigError: a bad ``request_id`` or differing layouts.
+            BlockError: an id out of range or twice.
+            PeerError: unknown or dead peer (the sender must be a peer: that is how its death
+                is noticed).
+        """
+        return LoadStream(super().expect(peer, request_id, local_ids), self)
 
     def close(self) -> None:
         """Stops listening and progress, fails pending transfers, releases UCX. Idempotent."""

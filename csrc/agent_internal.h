@@ -1,0 +1,45 @@
+// The Agent's private parts that agent.cpp and agent_stream.cpp share.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "agent.h"
+
+namespace kvmove {
+
+constexpr unsigned kNotifyAmId = 0x4B56;  // "KV": notifications of plain transfers
+constexpr unsigned kStreamAmId = 0x4B57;  // layer stream messages (csrc/stream_message.h)
+
+inline std::string status_text(ucs_status_t status) { return ucs_status_string(status); }
+
+struct Agent::Peer {
+    Agent* agent;
+    AgentMetadata meta;
+    CacheGeometry geometry;
+    std::string failure;  // why the peer is dead; empty while alive
+    // Declared last so they are destroyed first: the key before its endpoint.
+    std::unique_ptr<Endpoint> endpoint;
+    RkeyPtr rkey;
+};
+
+// A transfer between posting and completion; UCX callbacks get a pointer to it, so it lives
+// until UCX is done with it (finish(), or the worker's destruction), even if its peer goes
+// first: then peer is null.
+struct Agent::InFlight {
+    InFlight(Agent* a, std::shared_ptr<Transfer> t, Peer* p, std::optional<std::string> n)
+        : agent(a), transfer(std::move(t)), peer(p), notify(std::move(n)) {}
+
+    Agent* agent;
+    std::shared_ptr<Transfer> transfer;
+    Peer* peer;
+    std::optional<std::string> notify;  // sent once the flush completes
+    unsigned am_id = kNotifyAmId;
+    bool want_reply = false;            // the receiver answers on the reply endpoint
+    std::shared_ptr<SaveStream> stream;  // set for a layer stream's transfers
+    int64_t layer = -1;                 // the stream's layer; -1 for its Final/Abort
+};
+
+}  // namespace kvmove

@@ -1,0 +1,197 @@
+#include "layer_stream.h"
+
+#include <cmath>
+#include <limits>
+#include <sstream>
+
+#include "agent.h"
+#include "stream_message.h"
+
+namespace kvmove {
+
+namespace {
+
+constexpr double kNever = std::numeric_limits<double>::quiet_NaN();
+
+std::chrono::duration<double> seconds(double s) { return std::chrono::duration<double>(s); }
+
+}  // namespace
+
+double steady_seconds() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}
+
+StreamCompletion::StreamCompletion(int64_t num_layers)
+    : times_(static_cast<size_t>(num_layers), LayerTiming{kNever, kNever}) {}
+
+StreamState StreamCompletion::state() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return state_;
+}
+
+std::string StreamCompletion::error() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return error_;
+}
+
+std::vector<LayerTiming> StreamCompletion::layer_times() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return times_;
+}
+
+bool StreamCompletion::complete(StreamState state, ErrorKind kind, std::string error) {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (state_ != StreamState::Open) {
+            return false;
+        }
+        state_ = state;
+        error_kind_ = kind;
+        error_ = std::move(error);
+    }
+    cv_.notify_all();
+    return true;
+}
+
+SaveStream::SaveStream(Agent* agent, std::string peer, std::vector<BlockId> local_ids,
+                       std::vector<BlockId> remote_ids, std::string request_id, int64_t num_layers)
+    : StreamCompletion(num_layers),
+      agent_(agent),
+      peer_(std::move(peer)),
+      local_ids_(std::move(local_ids)),
+      remote_ids_(std::move(remote_ids)),
+      request_id_(std::move(request_id)),
+      num_layers_(num_layers),
+      ids_hash_(hash_ids(remote_ids_)),
+      saved_(static_cast<size_t>(num_layers), 0) {}
+
+void SaveStream::save_layer(int64_t layer, uintptr_t cuda_event) {
+    agent_->save_layer(*this, layer, cuda_event);
+}
+
+void SaveStream::finish(const std::string& payload) { agent_->finish_stream(*this, payload); }
+
+void SaveStream::abort() { agent_->abort_stream(*this); }
+
+StreamState SaveStream::wait(double timeout_seconds) const {
+    check_timeout(timeout_seconds);
+    std::unique_lock<std::mutex> lock(mu_);
+    bool ended = cv_.wait_for(lock, seconds(timeout_seconds),
+                              [this] { return state_ != StreamState::Open; });
+    if (!ended) {
+        int64_t landed = 0;
+        for (const LayerTiming& t : times_) {
+            landed += std::isnan(t.landed) ? 0 : 1;
+        }
+        KVMOVE_FAIL(Timeout, "stream of request '" << request_id_ << "' to '" << peer_
+                                                   << "' still open after " << timeout_seconds
+                                                   << " s (" << landed << " of " << num_layers_
+                                                   << " layers landed)");
+    }
+    if (state_ == StreamState::Failed) {
+        throw Error(error_kind_, error_);
+    }
+    return state_;
+}
+
+void SaveStream::record_posted(int64_t layer) {
+    std::lock_guard<std::mutex> lock(mu_);
+    times_[layer].posted = steady_seconds();
+}
+
+void SaveStream::record_landed(int64_t layer) {
+    std::lock_guard<std::mutex> lock(mu_);
+    times_[layer].landed = steady_seconds();
+}
+
+LoadStream::LoadStream(Agent* agent, std::string peer, std::string request_id,
+                       std::vector<BlockId> local_ids, int64_t num_layers)
+    : StreamCompletion(num_layers),
+      agent_(agent),
+      peer_(std::move(peer)),
+      request_id_(std::move(request_id)),
+      local_ids_(std::move(local_ids)),
+      num_layers_(num_layers),
+      ids_hash_(hash_ids(local_ids_)),
+      ready_(static_cast<size_t>(num_layers), false) {}
+
+void LoadStream::start_load() { agent_->start_load(*this); }
+
+void LoadStream::cancel() { agent_->cancel_load(*this); }
+
+bool LoadStream::apply(int32_t layer, bool final, const std::string& payload) {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (state_ != StreamState::Open) {
+            return false;
+        }
+        if (final) {
+            final_ = true;
+            payload_ = payload;
+        } else if (!ready_[layer]) {
+            ready_[layer] = true;
+            times_[layer].landed = steady_seconds();
+            ++num_ready_;
+        }
+        if (!final_ || num_ready_ < num_layers_) {
+            cv_.notify_all();
+            return false;
+        }
+    }
+    return complete(StreamState::Done);
+}
+
+void LoadStream::raise_if_ended() const {
+    if (state_ == StreamState::Aborted) {
+        KVMOVE_FAIL(Transfer, "request '" << request_id_ << "' was aborted by its sender '"
+                                          << peer_ << "'");
+    }
+    if (state_ == StreamState::Failed) {
+        throw Error(error_kind_, error_);
+    }
+}
+
+void LoadStream::wait_for_layer(int64_t layer, double timeout_seconds) const {
+    check_timeout(timeout_seconds);
+    KVMOVE_CHECK(layer >= 0 && layer < num_layers_, Config,
+                 "layer " << layer << " is out of range: layers are in [0, " << num_layers_ << ")");
+    std::unique_lock<std::mutex> lock(mu_);
+    KVMOVE_CHECK(started_ || state_ != StreamState::Open, Config,
+                 "request '" << request_id_ << "': call start_load() before waiting");
+    bool ready = cv_.wait_for(lock, seconds(timeout_seconds), [&] {
+        return ready_[layer] || state_ != StreamState::Open;
+    });
+    raise_if_ended();
+    KVMOVE_CHECK(ready, Timeout,
+                 "layer " << layer << " of request '" << request_id_ << "' from '" << peer_
+                          << "' not in after " << timeout_seconds << " s (" << num_ready_
+                          << " of " << num_layers_ << " layers are)");
+}
+
+std::string LoadStream::wait_all(double timeout_seconds) const {
+    check_timeout(timeout_seconds);
+    std::unique_lock<std::mutex> lock(mu_);
+    KVMOVE_CHECK(started_ || state_ != StreamState::Open, Config,
+                 "request '" << request_id_ << "': call start_load() before waiting");
+    bool ended = cv_.wait_for(lock, seconds(timeout_seconds),
+                              [this] { return state_ != StreamState::Open; });
+    raise_if_ended();
+    KVMOVE_CHECK(ended, Timeout,
+                 "request '" << request_id_ << "' from '" << peer_ << "' not complete after "
+                             << timeout_seconds << " s (" << num_ready_ << " of " << num_layers_
+                             << " layers in" << (final_ ? ", final received" : "") << ")");
+    return payload_;
+}
+
+std::vector<bool> LoadStream::layers_ready() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return ready_;
+}
+
+std::string LoadStream::payload() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return payload_;
+}
+
+}  // namespace kvmove

@@ -1,0 +1,145 @@
+// Layer streams: one request's KV sent layer by layer as the forward pass computes it.
+//
+// SaveStream (prefill side): save_layer(i) posts layer i's coalesced puts into the blocks
+// the receiver reserved, then a flush, then a Layer message; finish(payload) sends the Final
+// message once every layer has landed, and the stream is DONE when the receiver acknowledges
+// it. abort() stops it: once the layers already posted have landed (so no late write can hit
+// blocks the receiver then frees), an Abort message goes out and the stream is ABORTED.
+//
+// LoadStream (decode side): wait_for_layer(i) returns once the Layer message for i arrived,
+// which the sender only sends after the flush that completed layer i's puts, so the bytes are
+// there; wait_all() once the Final did. An Abort, the sender's death or the agent closing
+// wakes every waiter with an exception.
+//
+// The protocol runs in the Agent (csrc/agent_stream.cpp) under its worker mutex; the classes
+// here hold each stream's state and the condition waiters block on. Messages:
+// csrc/stream_message.h.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "block_pool.h"
+#include "errors.h"
+
+namespace kvmove {
+
+class Agent;
+
+enum class StreamState { Open, Done, Aborted, Failed };
+
+// When a layer was posted (sender) and when it landed (both sides), in seconds on the steady
+// clock (CLOCK_MONOTONIC, the clock of Python's time.monotonic()); NaN until it happens.
+struct LayerTiming {
+    double posted;
+    double landed;
+};
+
+double steady_seconds();
+
+// The state and waiting both stream kinds share: a terminal state set once, first one wins.
+class StreamCompletion {
+public:
+    explicit StreamCompletion(int64_t num_layers);
+    StreamState state() const;
+    std::string error() const;
+    std::vector<LayerTiming> layer_times() const;
+    // Returns false when the state was already terminal.
+    bool complete(StreamState state, ErrorKind kind = ErrorKind::Transfer, std::string error = "");
+
+protected:
+    mutable std::mutex mu_;
+    mutable std::condition_variable cv_;
+    StreamState state_ = StreamState::Open;
+    ErrorKind error_kind_ = ErrorKind::Transfer;
+    std::string error_;
+    std::vector<LayerTiming> times_;
+};
+
+class SaveStream : public StreamCompletion, public std::enable_shared_from_this<SaveStream> {
+public:
+    SaveStream(Agent* agent, std::string peer, std::vector<BlockId> local_ids,
+               std::vector<BlockId> remote_ids, std::string request_id, int64_t num_layers);
+
+    const std::string& peer() const { return peer_; }
+    const std::string& request_id() const { return request_id_; }
+    int64_t num_layers() const { return num_layers_; }
+    int64_t num_blocks() const { return static_cast<int64_t>(local_ids_.size()); }
+
+    // cuda_event: 0 for none, else a cudaEvent_t the core waits for before posting (CUDA
+    // builds only).
+    void save_layer(int64_t layer, uintptr_t cuda_event);
+    void finish(const std::string& payload);
+    void abort();
+    // Returns DONE or ABORTED; throws the failure once FAILED, TimeoutError at the deadline.
+    StreamState wait(double timeout_seconds) const;
+
+private:
+    friend class Agent;
+    void record_posted(int64_t layer);
+    void record_landed(int64_t layer);
+
+    Agent* const agent_;
+    const std::string peer_;
+    const std::vector<BlockId> local_ids_;
+    const std::vector<BlockId> remote_ids_;
+    const std::string request_id_;
+    const int64_t num_layers_;
+    const uint64_t ids_hash_;
+
+    // Guarded by the agent's worker mutex.
+    enum class Closing { No, Finish, Abort };
+    std::vector<char> saved_;
+    int64_t num_saved_ = 0;
+    int64_t unlanded_ = 0;  // saved, neither landed nor failed yet
+    Closing closing_ = Closing::No;
+    bool close_sent_ = false;
+    std::string payload_;
+};
+
+class LoadStream : public StreamCompletion, public std::enable_shared_from_this<LoadStream> {
+public:
+    LoadStream(Agent* agent, std::string peer, std::string request_id,
+               std::vector<BlockId> local_ids, int64_t num_layers);
+
+    const std::string& peer() const { return peer_; }
+    const std::string& request_id() const { return request_id_; }
+    const std::vector<BlockId>& local_ids() const { return local_ids_; }
+    int64_t num_layers() const { return num_layers_; }
+
+    void start_load();
+    // Stops expecting the request. The sender is not told: its puts may still land in the
+    // blocks until it finishes or aborts.
+    void cancel();
+    void wait_for_layer(int64_t layer, double timeout_seconds) const;
+    std::string wait_all(double timeout_seconds) const;  // returns the Final's payload
+    std::vector<bool> layers_ready() const;
+    std::string payload() const;
+
+private:
+    friend class Agent;
+    // Applies one message; returns true when it made the stream terminal.
+    bool apply(int32_t layer, bool final, const std::string& payload);
+    void raise_if_ended() const;  // with mu_ held
+
+    Agent* const agent_;
+    const std::string peer_;
+    const std::string request_id_;
+    const std::vector<BlockId> local_ids_;
+    const int64_t num_layers_;
+    const uint64_t ids_hash_;
+
+    // Guarded by mu_.
+    bool started_ = false;
+    std::vector<bool> ready_;
+    int64_t num_ready_ = 0;
+    bool final_ = false;
+    std::string payload_;
+};
+
+}  // namespace kvmove

@@ -1,0 +1,245 @@
+"""Layer-wise streaming: send each layer's KV as the forward pass computes it.
+
+The verbs are vLLM's KV-connector verbs, so an engine author knows where each one goes::
+
+    # prefill side                              # decode side
+    stream = agent.stream_to(                   load = agent.expect(
+        "decode-0", src_ids, dst_ids, "req-7")      "prefill-0", "req-7", dst_ids)
+    for i, layer in enumerate(model.layers):    load.start_load()
+        hidden = layer(hidden)  # writes KV     for i, layer in enumerate(model.layers):
+        stream.save_layer(i)    # non-blocking      load.wait_for_layer(i)
+    token = sample(hidden)                          hidden = layer(hidden)  # reads KV
+    stream.finish(payload=token_bytes)          first = load.wait_all()  # the payload
+    stream.wait_for_save()
+
+``save_layer(i)`` posts layer ``i``'s coalesced puts and returns; when they have landed in the
+decode side's blocks the sender tells the receiver, and only then does ``wait_for_layer(i)``
+return there. ``finish`` sends the final message (with the payload) once every layer landed;
+the receiver acknowledges it, and ``wait_for_save`` returns. See docs/streaming.md for the
+timeline and the failure rules.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+from kvmove import _C
+from kvmove.errors import ConfigError, TransferError
+
+__all__ = ["LoadStream", "SaveStream", "StreamState"]
+
+StreamState = _C.StreamState
+
+DEFAULT_TIMEOUT = 60.0
+
+
+def _event_handle(event: Any) -> int:
+    """A cudaEvent_t as an int: from None (no event), an int, or an object with ``cuda_event``."""
+    if event is None:
+        return 0
+    handle = getattr(event, "cuda_event", event)
+    if isinstance(handle, bool) or not isinstance(handle, int):
+        raise ConfigError(
+            f"event must be a CUDA event handle (int) or have a cuda_event attribute, "
+            f"got {type(event).__name__}")
+    if handle <= 0:
+        raise ConfigError(f"CUDA event handle must be positive, got {handle}")
+    return handle
+
+
+def _timings(core: Any) -> list[tuple[float | None, float | None]]:
+    return [tuple(None if math.isnan(t) else t for t in pair) for pair in core.layer_times()]
+
+
+def _abort_if_open(core: Any) -> None:
+    if core.state == StreamState.OPEN:
+        core.abort()
+
+
+def _cancel_if_open(core: Any) -> None:
+    if core.state == StreamState.OPEN:
+        core.cancel()
+
+
+class SaveStream:
+    """The sending half of one request's layer stream (made by ``Agent.stream_to``).
+
+    A stream dropped while still open is aborted, so its receiver is told instead of waiting
+    for a final message that will never come.
+    """
+
+    def __init__(self, core: _C.SaveStream, agent: Any) -> None:
+        self._core = core
+        self._agent = agent  # the agent must outlive its streams
+        self._closing = False  # finish() or abort() was called
+        weakref.finalize(self, _abort_if_open, core)
+
+    @property
+    def peer(self) -> str:
+        return self._core.peer
+
+    @property
+    def request_id(self) -> str:
+        return self._core.request_id
+
+    @property
+    def num_layers(self) -> int:
+        return self._core.num_layers
+
+    @property
+    def state(self) -> StreamState:
+        return self._core.state
+
+    def save_layer(self, layer: int, event: Any = None) -> None:
+        """Posts layer ``layer``'s puts and returns at once.
+
+        Args:
+            layer: in ``[0, num_layers)``; each layer is saved exactly once, in any order.
+            event: CUDA builds only: a CUDA event (``torch.cuda.Event``, anything with a
+                ``cuda_event`` handle, or the raw handle) recorded after the layer's KV was
+                written. A core thread waits for it and then posts, so the GPU and Python never
+                wait for each other.
+
+        Raises:
+            ConfigError: layer out of range, saved twice, or after ``finish``/``abort``.
+            CudaError: an event given to a build without CUDA.
+            PeerError/TransferError: the stream already failed.
+        """
+        self._core.save_layer(layer, _event_handle(event))
+
+    def finish(self, payload: bytes = b"") -> None:
+        """Closes the stream: once every layer landed, the final message carries ``payload``
+        (up to 64 KiB, e.g. the first sampled token) to the receiver. Non-blocking.
+
+        Raises:
+            ConfigError: a layer was never saved, the payload is too large, or the stream was
+                already finished or aborted.
+        """
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise ConfigError(f"payload must be bytes, got {type(payload).__name__}")
+        self._core.finish(bytes(payload))
+        self._closing = True
+
+    def wait_for_save(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Returns once every layer landed and the receiver acknowledged the final message.
+
+        Calls ``finish()`` (no payload) first if it was not called.
+
+        Raises:
+            TimeoutError: not done within ``timeout`` seconds.
+            TransferError: the stream was aborted, or a transfer failed.
+            PeerError: the receiver died or was removed.
+        """
+        if not self._closing:
+            self.finish()
+        if self._core.wait(timeout) == StreamState.ABORTED:
+            raise TransferError(
+                f"stream of request {self.request_id!r} to {self.peer!r} was aborted")
+
+    def abort(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Stops the stream and tells the receiver the request is cancelled.
+
+        No further layer is posted. Returns once the layers already posted have landed (so
+        nothing more will be written into the receiver's blocks, and this side's blocks are
+        free to reuse) and the abort message is out. Does nothing when the stream already
+        ended; a final message already on its way is not recalled.
+
+        Raises:
+            TimeoutError: posted layers still in flight after ``timeout`` seconds.
+        """
+        self._closing = True
+        self._core.abort()
+        try:
+            self._core.wait(timeout)
+        except TransferError:
+            pass  # failed already: nothing more will be written either
+
+    def layer_times(self) -> list[tuple[float | None, float | None]]:
+        """Per layer, ``(posted, landed)`` on the ``time.monotonic()`` clock; None until then."""
+        return _timings(self._core)
+
+    def __repr__(self) -> str:
+        return (f"SaveStream({self.request_id!r} -> {self.peer!r}, "
+                f"{self.num_layers} layers, {self.state.name})")
+
+
+class LoadStream:
+    """The receiving half of one request's layer stream (made by ``Agent.expect``).
+
+    A load dropped while still open is cancelled. Cancelling does not stop the sender: until
+    it finishes or aborts, its puts may still land in the load's blocks.
+    """
+
+    def __init__(self, core: _C.LoadStream, agent: Any) -> None:
+        self._core = core
+        self._agent = agent
+        weakref.finalize(self, _cancel_if_open, core)
+
+    @property
+    def peer(self) -> str:
+        return self._core.peer
+
+    @property
+    def request_id(self) -> str:
+        return self._core.request_id
+
+    @property
+    def num_layers(self) -> int:
+        return self._core.num_layers
+
+    @property
+    def local_ids(self) -> list[int]:
+        return self._core.local_ids
+
+    @property
+    def state(self) -> StreamState:
+        return self._core.state
+
+    @property
+    def payload(self) -> bytes:
+        """The final message's payload (empty until it arrived)."""
+        return self._core.payload
+
+    def start_load(self) -> LoadStream:
+        """Starts receiving: from now on the sender's layer messages are matched to this load.
+
+        Messages that arrived before (the sender may be faster than the control plane that
+        told us about the request) are kept for a while by the agent and applied here.
+
+        Raises:
+            ConfigError: called twice, or another load of the same request is running.
+            PeerError: the sender is dead.
+        """
+        self._core.start_load()
+        return self
+
+    def wait_for_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Returns once layer ``layer``'s bytes are all in this load's blocks.
+
+        Raises:
+            TimeoutError: not there within ``timeout`` seconds.
+            TransferError: the sender aborted the request, or the load was cancelled.
+            PeerError: the sender died or was removed.
+        """
+        self._core.wait_for_layer(layer, timeout)
+
+    def wait_all(self, timeout: float = DEFAULT_TIMEOUT) -> bytes:
+        """Returns the final message's payload once every layer and the final are in."""
+        return self._core.wait_all(timeout)
+
+    def layers_ready(self) -> list[bool]:
+        return self._core.layers_ready()
+
+    def layer_times(self) -> list[float | None]:
+        """Per layer, when its ready message arrived (``time.monotonic()`` clock), or None."""
+        return [landed for _, landed in _timings(self._core)]
+
+    def cancel(self) -> None:
+        """Stops expecting the request; waiters get TransferError. The sender is not told."""
+        self._core.cancel()
+
+    def __repr__(self) -> str:
+        return (f"LoadStream({self.request_id!r} <- {self.peer!r}, "
+                f"{sum(self.layers_ready())}/{self.num_layers} layers, {self.state.name})")
