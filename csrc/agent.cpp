@@ -66,18 +66,18 @@ void Agent::close() {
         return;
     }
     {
-        std::lock_guard<std::mutex> lock(events_mu_);
-        events_stop_ = true;
+        std::lock_guard<std::mutex> lock(post_mu_);
+        post_stop_ = true;
     }
-    events_cv_.notify_all();
-    if (event_thread_.joinable()) {
-        event_thread_.join();
+    post_cv_.notify_all();
+    if (post_thread_.joinable()) {
+        post_thread_.join();
     }
     stop_ = true;
     ucp_worker_signal(worker_.get());
     progress_thread_.join();
     notify_cv_.notify_all();  // wake wait_notification() callers: nothing more will come
-    std::lock_guard<std::mutex> lock(worker_mu_);
+    WorkerLock lock(*this);
     // Let transfers already posted finish (bounded), then fail what is left. Endpoints to
     // live peers close gracefully: a peer whose emulated puts (tcp) are still unacknowledged
     // when our connection vanishes can abort inside UCX 1.22 (its sw-RMA ack path treats the
@@ -111,7 +111,7 @@ void Agent::check_open() const {
 
 std::string Agent::add_peer(const std::vector<uint8_t>& metadata) {
     AgentMetadata meta = decode(metadata);
-    std::lock_guard<std::mutex> lock(worker_mu_);
+    WorkerLock lock(*this);
     check_open();
     KVMOVE_CHECK(peers_.count(meta.name) == 0, Peer,
                  "peer '" << meta.name << "' is already added to agent '" << name_ << "'");
@@ -137,7 +137,7 @@ std::string Agent::add_peer(const std::vector<uint8_t>& metadata) {
 }
 
 void Agent::remove_peer(const std::string& name) {
-    std::lock_guard<std::mutex> lock(worker_mu_);
+    WorkerLock lock(*this);
     check_open();
     auto it = peers_.find(name);
     KVMOVE_CHECK(it != peers_.end(), Peer, "unknown peer '" << name << "' for agent '" << name_ << "'");
@@ -151,7 +151,7 @@ void Agent::remove_peer(const std::string& name) {
 }
 
 std::vector<std::string> Agent::peers() const {
-    std::lock_guard<std::mutex> lock(worker_mu_);
+    WorkerLock lock(*this);
     std::vector<std::string> out;
     for (const auto& [name, peer] : peers_) {
         out.push_back(name);
@@ -185,7 +185,7 @@ std::shared_ptr<Transfer> Agent::start(Direction direction, const std::string& p
         all_layers.push_back(l);
     }
     const std::vector<int64_t>& wanted = layers ? *layers : all_layers;
-    std::lock_guard<std::mutex> lock(worker_mu_);
+    WorkerLock lock(*this);
     check_open();  // under the lock: close() tears the worker down holding it
     Peer& peer = live_peer(peer_name);
     validate(peer, direction, local_ids, remote_ids, wanted, notify);
@@ -429,6 +429,12 @@ void Agent::progress_loop() {
     int idle = 0;
     while (!stop_) {
         unsigned progressed = 0;
+        // Other threads that want the worker go first: std::mutex is not fair, and this
+        // loop would otherwise take it back before a woken waiter runs, for as long as it
+        // spins (measured: 16 MB layer puts landing 40 ms late instead of 2 ms).
+        while (lock_waiters_.load(std::memory_order_relaxed) > 0) {
+            std::this_thread::yield();
+        }
         {
             std::lock_guard<std::mutex> lock(worker_mu_);
             progressed = ucp_worker_progress(worker);

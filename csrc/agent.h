@@ -92,8 +92,8 @@ private:
         std::string sender;
         StreamMessage message;
     };
-    // A layer whose CUDA event the event thread waits for before posting it.
-    struct PendingEvent {
+    // A saved layer the post thread posts, once its CUDA event (if any) completed.
+    struct PendingLayer {
         std::shared_ptr<SaveStream> stream;
         int64_t layer = 0;
         uintptr_t event = 0;
@@ -124,14 +124,12 @@ private:
     void progress_loop();
     void check_open() const;
 
-    // Layer streams; all with worker_mu_ held except event_loop().
-    void save_layer(SaveStream& stream, int64_t layer, uintptr_t cuda_event);
-    void finish_stream(SaveStream& stream, const std::string& payload);
-    void abort_stream(SaveStream& stream);
+    // Layer streams; all with worker_mu_ held except queue_post() and post_loop().
+    void queue_post(std::shared_ptr<SaveStream> stream, int64_t layer, uintptr_t cuda_event);
     void post_layer(const std::shared_ptr<SaveStream>& stream, int64_t layer);
-    void layer_result(SaveStream& stream, int64_t layer, ucs_status_t status,
-                      const std::string& error, ErrorKind kind = ErrorKind::Transfer);
-    void maybe_close(SaveStream& stream);
+    void layer_result(const std::shared_ptr<SaveStream>& stream, int64_t layer,
+                      ucs_status_t status, const std::string& error,
+                      ErrorKind kind = ErrorKind::Transfer);
     void post_close(const std::shared_ptr<SaveStream>& stream);
     void stream_transfer_done(InFlight* entry, ucs_status_t status);
     void forget(SaveStream& stream);
@@ -143,7 +141,7 @@ private:
     void send_ack(ucp_ep_h reply_ep, const StreamMessage& final);
     void end_peer_streams(const std::string& peer, ErrorKind kind, const std::string& reason);
     void end_all_streams(const std::string& reason);
-    void event_loop();
+    void post_loop();
 
     static void on_flush(void* request, ucs_status_t status, void* user_data);
     static void on_notify_sent(void* request, ucs_status_t status, void* user_data);
@@ -166,6 +164,23 @@ private:
     int event_fd_ = -1;
 
     mutable std::mutex worker_mu_;  // every worker call, peers_, in_flight_, deferred_
+    mutable std::atomic<int> lock_waiters_{0};  // threads in WorkerLock waiting for worker_mu_
+
+    // worker_mu_ for any thread but the progress thread, which yields to it.
+    class WorkerLock {
+    public:
+        explicit WorkerLock(const Agent& agent) : agent_(agent) {
+            agent_.lock_waiters_.fetch_add(1, std::memory_order_relaxed);
+            agent_.worker_mu_.lock();
+            agent_.lock_waiters_.fetch_sub(1, std::memory_order_relaxed);
+        }
+        ~WorkerLock() { agent_.worker_mu_.unlock(); }
+        WorkerLock(const WorkerLock&) = delete;
+        WorkerLock& operator=(const WorkerLock&) = delete;
+
+    private:
+        const Agent& agent_;
+    };
     std::map<std::string, std::unique_ptr<Peer>> peers_;
     std::unordered_map<Transfer*, std::unique_ptr<InFlight>> in_flight_;
     std::vector<InFlight*> flushed_;  // flushes done, notification still to send
@@ -174,12 +189,14 @@ private:
     std::map<StreamKey, std::shared_ptr<LoadStream>> loading_;  // started loads by sender
     std::deque<Unclaimed> unclaimed_;  // messages that came before their start_load()
 
-    // save_layer(i, event): the event thread waits for each event, then posts the layer.
-    std::mutex events_mu_;
-    std::condition_variable events_cv_;
-    std::deque<PendingEvent> events_;
-    bool events_stop_ = false;  // guarded by events_mu_
-    std::thread event_thread_;
+    // save_layer() only queues: the post thread posts each layer (after its CUDA event, if
+    // any). Over tcp and shared memory a put copies its bytes inside ucp_put_nbx, which
+    // would stall the forward pass calling save_layer() for the whole layer's transfer.
+    std::mutex post_mu_;
+    std::condition_variable post_cv_;
+    std::deque<PendingLayer> to_post_;
+    bool post_stop_ = false;  // guarded by post_mu_
+    std::thread post_thread_;
 
     std::mutex notify_mu_;
     std::condition_variable notify_cv_;

@@ -1,7 +1,7 @@
 // The Agent's half of layer streaming: the protocol of csrc/layer_stream.h over UCX.
 //
 // Every function here runs with worker_mu_ held (the user verbs take it; UCX callbacks run
-// inside ucp_worker_progress, which is only called with it held), except event_loop(), which
+// inside ucp_worker_progress, which is only called with it held), except post_loop(), which
 // takes it to post. Lock order: worker_mu_, then a stream's own mutex.
 #include <algorithm>
 #include <cstdio>
@@ -42,7 +42,7 @@ std::shared_ptr<SaveStream> Agent::stream_to(const std::string& peer_name,
     for (int64_t l = 0; l < shape_.num_layers; ++l) {
         layers[l] = l;
     }
-    std::lock_guard<std::mutex> lock(worker_mu_);
+    WorkerLock lock(*this);
     check_open();
     Peer& peer = live_peer(peer_name);
     validate(peer, Direction::Put, local_ids, remote_ids, layers, std::nullopt);
@@ -54,53 +54,22 @@ std::shared_ptr<SaveStream> Agent::stream_to(const std::string& peer_name,
     return stream;
 }
 
-void Agent::save_layer(SaveStream& s, int64_t layer, uintptr_t cuda_event) {
-    std::lock_guard<std::mutex> lock(worker_mu_);
-    check_open();
+void Agent::queue_post(std::shared_ptr<SaveStream> stream, int64_t layer, uintptr_t cuda_event) {
     {
-        std::lock_guard<std::mutex> state_lock(s.mu_);
-        if (s.state_ == StreamState::Failed) {
-            throw Error(s.error_kind_, s.error_);
+        std::lock_guard<std::mutex> lock(post_mu_);
+        KVMOVE_CHECK(!post_stop_, Config, "agent '" << name_ << "' is closed");
+        to_post_.push_back(PendingLayer{std::move(stream), layer, cuda_event});
+        if (!post_thread_.joinable()) {
+            post_thread_ = std::thread([this] { post_loop(); });
         }
     }
-    KVMOVE_CHECK(layer >= 0 && layer < s.num_layers_, Config,
-                 "layer " << layer << " is out of range: layers are in [0, " << s.num_layers_
-                          << ")");
-    KVMOVE_CHECK(s.closing_ == SaveStream::Closing::No, Config,
-                 "cannot save layer " << layer << " of " << describe(s.request_id_, s.peer_)
-                                      << " after "
-                                      << (s.closing_ == SaveStream::Closing::Abort ? "abort()"
-                                                                                   : "finish()"));
-    KVMOVE_CHECK(!s.saved_[layer], Config,
-                 "layer " << layer << " of " << describe(s.request_id_, s.peer_)
-                          << " was already saved: each layer is saved once");
-    KVMOVE_CHECK(cuda_event == 0 || cuda_events_supported(), Cuda,
-                 "save_layer() got CUDA event 0x" << std::hex << cuda_event << std::dec
-                                                  << ", but kvmove was built without CUDA "
-                                                     "(rebuild with KVMOVE_CUDA=1)");
-    s.saved_[layer] = 1;
-    ++s.num_saved_;
-    ++s.unlanded_;
-    if (cuda_event != 0) {
-        {
-            std::lock_guard<std::mutex> events_lock(events_mu_);
-            events_.push_back(PendingEvent{s.shared_from_this(), layer, cuda_event});
-            if (!event_thread_.joinable()) {
-                event_thread_ = std::thread([this] { event_loop(); });
-            }
-        }
-        events_cv_.notify_one();
-        return;
-    }
-    post_layer(s.shared_from_this(), layer);
-    drain_deferred();
-    ucp_worker_signal(worker_.get());
+    post_cv_.notify_one();
 }
 
 void Agent::post_layer(const std::shared_ptr<SaveStream>& s, int64_t layer) {
     auto it = peers_.find(s->peer_);
     if (it == peers_.end() || !it->second->failure.empty()) {
-        layer_result(*s, layer, UCS_ERR_CANCELED, "peer '" + s->peer_ + "' is gone");
+        layer_result(s, layer, UCS_ERR_CANCELED, "peer '" + s->peer_ + "' is gone");
         return;
     }
     Peer& peer = *it->second;
@@ -111,7 +80,7 @@ void Agent::post_layer(const std::shared_ptr<SaveStream>& s, int64_t layer) {
     s->record_posted(layer);
     post_ops(Direction::Put, peer, ops, *transfer);
     if (transfer->state() != TransferState::Pending) {
-        layer_result(*s, layer, UCS_ERR_IO_ERROR, transfer->error());
+        layer_result(s, layer, UCS_ERR_IO_ERROR, transfer->error());
         return;
     }
     StreamMessage message{MessageKind::Layer, s->request_id_, static_cast<int32_t>(layer),
@@ -124,85 +93,18 @@ void Agent::post_layer(const std::shared_ptr<SaveStream>& s, int64_t layer) {
 }
 
 // A layer landed (its Layer message is out) or failed; the stream may now close.
-void Agent::layer_result(SaveStream& s, int64_t layer, ucs_status_t status,
-                         const std::string& error, ErrorKind kind) {
-    --s.unlanded_;
-    if (status == UCS_OK) {
-        s.record_landed(layer);
-    } else {
-        bool peer_gone = status == UCS_ERR_ENDPOINT_TIMEOUT ||
-                         status == UCS_ERR_CONNECTION_RESET || status == UCS_ERR_UNREACHABLE ||
-                         status == UCS_ERR_CANCELED;
-        std::string why = error.empty() ? "UCX reported " + status_text(status) : error;
-        s.complete(StreamState::Failed, peer_gone ? ErrorKind::Peer : kind,
-                   "stream of " + describe(s.request_id_, s.peer_) + " failed at layer " +
-                       std::to_string(layer) + ": " + why);
-        if (s.closing_ == SaveStream::Closing::No) {
-            s.closing_ = SaveStream::Closing::Abort;  // tell the receiver, if it is still there
-        }
-    }
-    maybe_close(s);
-}
-
-void Agent::finish_stream(SaveStream& s, const std::string& payload) {
-    std::lock_guard<std::mutex> lock(worker_mu_);
-    check_open();
-    {
-        std::lock_guard<std::mutex> state_lock(s.mu_);
-        if (s.state_ == StreamState::Failed) {
-            throw Error(s.error_kind_, s.error_);
-        }
-    }
-    KVMOVE_CHECK(s.closing_ == SaveStream::Closing::No, Config,
-                 describe(s.request_id_, s.peer_)
-                     << " was already "
-                     << (s.closing_ == SaveStream::Closing::Abort ? "aborted" : "finished"));
-    if (s.num_saved_ < s.num_layers_) {
-        std::ostringstream missing;
-        int shown = 0;
-        for (int64_t l = 0; l < s.num_layers_ && shown < 8; ++l) {
-            if (!s.saved_[l]) {
-                missing << (shown++ ? ", " : "") << l;
-            }
-        }
-        KVMOVE_FAIL(Config, "cannot finish " << describe(s.request_id_, s.peer_) << ": "
-                                             << (s.num_layers_ - s.num_saved_)
-                                             << " layers were never saved (" << missing.str()
-                                             << (s.num_layers_ - s.num_saved_ > 8 ? ", ..." : "")
-                                             << ")");
-    }
-    KVMOVE_CHECK(payload.size() <= kMaxNotifyBytes, Config,
-                 "payload of " << payload.size() << " bytes exceeds the limit of "
-                               << kMaxNotifyBytes);
-    s.closing_ = SaveStream::Closing::Finish;
-    s.payload_ = payload;
-    maybe_close(s);
-    drain_deferred();
-    ucp_worker_signal(worker_.get());
-}
-
-void Agent::abort_stream(SaveStream& s) {
-    std::lock_guard<std::mutex> lock(worker_mu_);
-    if (closed_ || s.state() != StreamState::Open || s.close_sent_) {
-        return;  // nothing to stop: ended, or the Final is already on its way
-    }
-    s.closing_ = SaveStream::Closing::Abort;
-    maybe_close(s);
-    drain_deferred();
-    ucp_worker_signal(worker_.get());
-}
-
-// Once closing and nothing is in flight, the Final or Abort goes out (from drain_deferred:
-// this may run inside a UCX callback).
-void Agent::maybe_close(SaveStream& s) {
-    if (s.closing_ != SaveStream::Closing::No && !s.close_sent_ && s.unlanded_ == 0) {
-        s.close_sent_ = true;
-        closing_.push_back(s.shared_from_this());
+void Agent::layer_result(const std::shared_ptr<SaveStream>& s, int64_t layer,
+                         ucs_status_t status, const std::string& error, ErrorKind kind) {
+    bool peer_gone = status == UCS_ERR_ENDPOINT_TIMEOUT || status == UCS_ERR_CONNECTION_RESET ||
+                     status == UCS_ERR_UNREACHABLE || status == UCS_ERR_CANCELED;
+    std::string why = error.empty() ? "UCX reported " + status_text(status) : error;
+    if (s->layer_done(layer, status == UCS_OK, peer_gone ? ErrorKind::Peer : kind, why)) {
+        closing_.push_back(s);  // sent by drain_deferred(): this may be a UCX callback
     }
 }
 
 void Agent::post_close(const std::shared_ptr<SaveStream>& s) {
-    bool finish = s->closing_ == SaveStream::Closing::Finish;
+    bool finish = s->closing() == SaveStream::Closing::Finish;
     auto it = peers_.find(s->peer_);
     if (it == peers_.end() || !it->second->failure.empty()) {
         if (finish) {
@@ -216,7 +118,7 @@ void Agent::post_close(const std::shared_ptr<SaveStream>& s) {
         return;
     }
     StreamMessage message{finish ? MessageKind::Final : MessageKind::Abort, s->request_id_, -1,
-                          s->ids_hash_, finish ? s->payload_ : ""};
+                          s->ids_hash_, finish ? s->payload() : ""};
     auto transfer = std::make_shared<Transfer>(s->peer_, 0, 0);
     auto entry =
         std::make_unique<InFlight>(this, transfer, it->second.get(), encode(message));
@@ -238,14 +140,14 @@ void Agent::forget(SaveStream& s) {
 void Agent::stream_transfer_done(InFlight* entry, ucs_status_t status) {
     SaveStream& s = *entry->stream;
     if (entry->layer >= 0) {
-        layer_result(s, entry->layer, status, "");
+        layer_result(entry->stream, entry->layer, status, "");
         return;
     }
     if (status != UCS_OK) {
         s.complete(StreamState::Failed, ErrorKind::Transfer,
                    "sending the end of " + describe(s.request_id_, s.peer_) +
                        " failed: UCX reported " + status_text(status));
-    } else if (s.closing_ == SaveStream::Closing::Abort) {
+    } else if (s.closing() == SaveStream::Closing::Abort) {
         s.complete(StreamState::Aborted);
     } else {
         return;  // a Final: DONE when the receiver's Ack arrives
@@ -253,24 +155,24 @@ void Agent::stream_transfer_done(InFlight* entry, ucs_status_t status) {
     forget(s);
 }
 
-void Agent::event_loop() {
+void Agent::post_loop() {
     while (true) {
-        PendingEvent pending;
+        PendingLayer pending;
         {
-            std::unique_lock<std::mutex> lock(events_mu_);
-            events_cv_.wait(lock, [this] { return events_stop_ || !events_.empty(); });
-            if (events_stop_) {
+            std::unique_lock<std::mutex> lock(post_mu_);
+            post_cv_.wait(lock, [this] { return post_stop_ || !to_post_.empty(); });
+            if (post_stop_) {
                 return;
             }
-            pending = std::move(events_.front());
-            events_.pop_front();
+            pending = std::move(to_post_.front());
+            to_post_.pop_front();
         }
         std::string error;
         try {
-            while (!cuda_event_done(pending.event)) {
+            while (pending.event != 0 && !cuda_event_done(pending.event)) {
                 {
-                    std::lock_guard<std::mutex> lock(events_mu_);
-                    if (events_stop_) {
+                    std::lock_guard<std::mutex> lock(post_mu_);
+                    if (post_stop_) {
                         return;
                     }
                 }
@@ -279,14 +181,13 @@ void Agent::event_loop() {
         } catch (const Error& e) {
             error = e.what();
         }
-        std::lock_guard<std::mutex> lock(worker_mu_);
-        if (closed_) {
-            return;
-        }
-        if (error.empty()) {
+        WorkerLock lock(*this);
+        if (pending.layer == kCloseLayer) {
+            post_close(pending.stream);
+        } else if (error.empty()) {
             post_layer(pending.stream, pending.layer);
         } else {
-            layer_result(*pending.stream, pending.layer, UCS_ERR_IO_ERROR, error, ErrorKind::Cuda);
+            layer_result(pending.stream, pending.layer, UCS_ERR_IO_ERROR, error, ErrorKind::Cuda);
         }
         drain_deferred();
         ucp_worker_signal(worker_.get());
@@ -310,7 +211,7 @@ std::shared_ptr<LoadStream> Agent::expect(const std::string& peer_name,
     KVMOVE_CHECK(dup == sorted.end(), Block,
                  "destination block " << (dup == sorted.end() ? 0 : *dup)
                                       << " appears twice: each may be written once per transfer");
-    std::lock_guard<std::mutex> lock(worker_mu_);
+    WorkerLock lock(*this);
     check_open();
     Peer& peer = live_peer(peer_name);
     std::string difference = shape_difference(shape_, peer.meta.shape, peer_name);
@@ -320,7 +221,7 @@ std::shared_ptr<LoadStream> Agent::expect(const std::string& peer_name,
 }
 
 void Agent::start_load(LoadStream& load) {
-    std::lock_guard<std::mutex> lock(worker_mu_);
+    WorkerLock lock(*this);
     check_open();
     StreamKey key{load.peer_, load.request_id_};
     {
@@ -356,7 +257,7 @@ void Agent::start_load(LoadStream& load) {
 }
 
 void Agent::cancel_load(LoadStream& load) {
-    std::lock_guard<std::mutex> lock(worker_mu_);
+    WorkerLock lock(*this);
     auto it = loading_.find({load.peer_, load.request_id_});
     if (it != loading_.end() && it->second.get() == &load) {
         loading_.erase(it);

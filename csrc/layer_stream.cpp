@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "agent.h"
+#include "cuda_event.h"
 #include "stream_message.h"
 
 namespace kvmove {
@@ -40,15 +41,22 @@ std::vector<LayerTiming> StreamCompletion::layer_times() const {
     return times_;
 }
 
+bool StreamCompletion::set_state_locked(StreamState state, ErrorKind kind, std::string error) {
+    if (state_ != StreamState::Open) {
+        return false;
+    }
+    state_ = state;
+    error_kind_ = kind;
+    error_ = std::move(error);
+    return true;
+}
+
 bool StreamCompletion::complete(StreamState state, ErrorKind kind, std::string error) {
     {
         std::lock_guard<std::mutex> lock(mu_);
-        if (state_ != StreamState::Open) {
+        if (!set_state_locked(state, kind, std::move(error))) {
             return false;
         }
-        state_ = state;
-        error_kind_ = kind;
-        error_ = std::move(error);
     }
     cv_.notify_all();
     return true;
@@ -66,13 +74,135 @@ SaveStream::SaveStream(Agent* agent, std::string peer, std::vector<BlockId> loca
       ids_hash_(hash_ids(remote_ids_)),
       saved_(static_cast<size_t>(num_layers), 0) {}
 
-void SaveStream::save_layer(int64_t layer, uintptr_t cuda_event) {
-    agent_->save_layer(*this, layer, cuda_event);
+std::string SaveStream::describe() const {
+    return "request '" + request_id_ + "' with '" + peer_ + "'";
 }
 
-void SaveStream::finish(const std::string& payload) { agent_->finish_stream(*this, payload); }
+void SaveStream::raise_failure_locked() const { throw Error(error_kind_, error_); }
 
-void SaveStream::abort() { agent_->abort_stream(*this); }
+void SaveStream::save_layer(int64_t layer, uintptr_t cuda_event) {
+    KVMOVE_CHECK(!agent_->closed(), Config, "agent '" << agent_->name() << "' is closed");
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (state_ == StreamState::Failed) {
+            raise_failure_locked();
+        }
+        KVMOVE_CHECK(closing_ == Closing::No, Config,
+                     "cannot save layer " << layer << " of " << describe() << " after "
+                                          << (closing_ == Closing::Abort ? "abort()" : "finish()"));
+        KVMOVE_CHECK(layer >= 0 && layer < num_layers_, Config,
+                     "layer " << layer << " is out of range: layers are in [0, " << num_layers_
+                              << ")");
+        KVMOVE_CHECK(!saved_[layer], Config,
+                     "layer " << layer << " of " << describe()
+                              << " was already saved: each layer is saved once");
+        KVMOVE_CHECK(cuda_event == 0 || cuda_events_supported(), Cuda,
+                     "save_layer() got CUDA event 0x" << std::hex << cuda_event << std::dec
+                                                      << ", but kvmove was built without CUDA "
+                                                         "(rebuild with KVMOVE_CUDA=1)");
+        saved_[layer] = 1;
+        ++num_saved_;
+        ++unlanded_;
+    }
+    agent_->queue_post(shared_from_this(), layer, cuda_event);
+}
+
+void SaveStream::finish(const std::string& payload) {
+    KVMOVE_CHECK(!agent_->closed(), Config, "agent '" << agent_->name() << "' is closed");
+    KVMOVE_CHECK(payload.size() <= kMaxNotifyBytes, Config,
+                 "payload of " << payload.size() << " bytes exceeds the limit of "
+                               << kMaxNotifyBytes);
+    bool due = false;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (state_ == StreamState::Failed) {
+            raise_failure_locked();
+        }
+        KVMOVE_CHECK(closing_ == Closing::No, Config,
+                     describe() << " was already "
+                                << (closing_ == Closing::Abort ? "aborted" : "finished"));
+        if (num_saved_ < num_layers_) {
+            std::ostringstream missing;
+            int shown = 0;
+            for (int64_t l = 0; l < num_layers_ && shown < 8; ++l) {
+                if (!saved_[l]) {
+                    missing << (shown++ ? ", " : "") << l;
+                }
+            }
+            int64_t count = num_layers_ - num_saved_;
+            KVMOVE_FAIL(Config, "cannot finish " << describe() << ": " << count
+                                                 << " layers were never saved (" << missing.str()
+                                                 << (count > 8 ? ", ..." : "") << ")");
+        }
+        closing_ = Closing::Finish;
+        payload_ = payload;
+        due = close_due_locked();
+    }
+    if (due) {
+        agent_->queue_post(shared_from_this(), kCloseLayer, 0);
+    }
+}
+
+void SaveStream::abort() {
+    bool due = false;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (state_ != StreamState::Open || close_sent_) {
+            return;  // nothing to stop: ended, or the Final is already on its way
+        }
+        closing_ = Closing::Abort;
+        due = close_due_locked();
+    }
+    if (due) {
+        try {
+            agent_->queue_post(shared_from_this(), kCloseLayer, 0);
+        } catch (const Error&) {
+            // The agent is closing: it fails every open stream, and no byte moves any more.
+        }
+    }
+}
+
+bool SaveStream::close_due_locked() {
+    if (closing_ == Closing::No || close_sent_ || unlanded_ > 0) {
+        return false;
+    }
+    close_sent_ = true;
+    return true;
+}
+
+bool SaveStream::layer_done(int64_t layer, bool ok, ErrorKind kind, const std::string& error) {
+    bool due = false;
+    bool failed = false;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        --unlanded_;
+        if (ok) {
+            times_[layer].landed = steady_seconds();
+        } else {
+            failed = set_state_locked(StreamState::Failed, kind,
+                                      "stream of " + describe() + " failed at layer " +
+                                          std::to_string(layer) + ": " + error);
+            if (closing_ == Closing::No) {
+                closing_ = Closing::Abort;  // tell the receiver, if it is still there
+            }
+        }
+        due = close_due_locked();
+    }
+    if (failed) {
+        cv_.notify_all();
+    }
+    return due;
+}
+
+SaveStream::Closing SaveStream::closing() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return closing_;
+}
+
+std::string SaveStream::payload() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return payload_;
+}
 
 StreamState SaveStream::wait(double timeout_seconds) const {
     check_timeout(timeout_seconds);
@@ -100,10 +230,6 @@ void SaveStream::record_posted(int64_t layer) {
     times_[layer].posted = steady_seconds();
 }
 
-void SaveStream::record_landed(int64_t layer) {
-    std::lock_guard<std::mutex> lock(mu_);
-    times_[layer].landed = steady_seconds();
-}
 
 LoadStream::LoadStream(Agent* agent, std::string peer, std::string request_id,
                        std::vector<BlockId> local_ids, int64_t num_layers)

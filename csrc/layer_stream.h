@@ -31,6 +31,8 @@ namespace kvmove {
 
 class Agent;
 
+constexpr int64_t kCloseLayer = -1;  // in the post queue: send the stream's Final or Abort
+
 enum class StreamState { Open, Done, Aborted, Failed };
 
 // When a layer was posted (sender) and when it landed (both sides), in seconds on the steady
@@ -53,6 +55,8 @@ public:
     bool complete(StreamState state, ErrorKind kind = ErrorKind::Transfer, std::string error = "");
 
 protected:
+    bool set_state_locked(StreamState state, ErrorKind kind, std::string error);  // mu_ held
+
     mutable std::mutex mu_;
     mutable std::condition_variable cv_;
     StreamState state_ = StreamState::Open;
@@ -81,8 +85,15 @@ public:
 
 private:
     friend class Agent;
+    enum class Closing { No, Finish, Abort };
     void record_posted(int64_t layer);
-    void record_landed(int64_t layer);
+    // A saved layer landed (ok) or failed; true when the Final/Abort is now due.
+    bool layer_done(int64_t layer, bool ok, ErrorKind kind, const std::string& error);
+    bool close_due_locked();  // mu_ held; true once, when closing and nothing is in flight
+    std::string describe() const;
+    Closing closing() const;
+    std::string payload() const;
+    [[noreturn]] void raise_failure_locked() const;
 
     Agent* const agent_;
     const std::string peer_;
@@ -92,8 +103,7 @@ private:
     const int64_t num_layers_;
     const uint64_t ids_hash_;
 
-    // Guarded by the agent's worker mutex.
-    enum class Closing { No, Finish, Abort };
+    // Guarded by mu_: save_layer(), finish() and abort() never wait for the agent's worker.
     std::vector<char> saved_;
     int64_t num_saved_ = 0;
     int64_t unlanded_ = 0;  // saved, neither landed nor failed yet
