@@ -121,11 +121,22 @@ class Side:
                              notify=b"pong").wait(timeout)
             answered += 1
 
+    def load(self, request_id: str, ids: list[int], src_ids: list[int], seed: int,
+             timeout: float) -> dict[str, Any]:
+        """Receives one layer stream into ``ids`` (``expect``, ``start_load``, ``wait_all``)
+        and counts ``mismatches`` against the pattern of ``src_ids``; returns when each layer
+        arrived (``time.monotonic()``), the payload and the mismatch count."""
+        load = self.agent.expect(NEAR, request_id, ids).start_load()
+        payload = load.wait_all(timeout)
+        return {"arrived": load.layer_times(), "payload": payload,
+                "mismatches": self.mismatches(ids, src_ids, seed)}
+
     def close(self) -> None:
         self.agent.close()
 
 
-_PEER_COMMANDS = ("place", "fill", "wipe", "mismatches", "check_after_notification", "echo")
+_PEER_COMMANDS = ("place", "fill", "wipe", "mismatches", "check_after_notification", "echo",
+                  "load")
 
 
 def _peer_main(conn: Any) -> None:

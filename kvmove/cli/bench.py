@@ -4,6 +4,8 @@ Subcommands:
     transfer  (default) moves one prompt's KV cache between two processes with kvmove, verifies
               every byte, and compares the bandwidth with memcpy and ``ucx_perftest`` measured
               in the same run, then with the article's links.
+    stream    how much of that hand-off layer-wise streaming hides behind a (simulated) prefill:
+              bulk vs streamed, between two processes, every byte verified.
     plan      what moving one prompt's KV cache costs on each link, and whether to disaggregate
               (arithmetic from the model's layout; nothing is sent).
 
@@ -19,12 +21,14 @@ import os
 import sys
 from collections.abc import Callable
 
-from kvmove import bench_transfer
+from kvmove import bench_stream, bench_transfer
+from kvmove.bench_stream import StreamConfig
 from kvmove.bench_transfer import BenchConfig, BenchReport
 from kvmove.errors import ConfigError, KVMoveError
 from kvmove.layout import DTYPE_BYTES, PRESETS, KVLayout
 from kvmove.agent import ERROR_MODES
-from kvmove.cli.report import format_plan, format_transfer, plot_transfer
+from kvmove.cli.report import (format_plan, format_stream, format_transfer, plot_stream,
+                               plot_transfer)
 from kvmove.plan import DEFAULT_LINKS, Link, merge_links, parse_link, plan
 
 # The subcommand that runs when none is given.
@@ -63,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_transfer(commands)
+    _add_stream(commands)
     _add_plan(commands)
     return parser
 
@@ -89,27 +94,35 @@ def _add_transfer(commands: argparse._SubParsersAction) -> None:
         "(WRITE and READ), verifies every byte, and compares with memcpy and ucx_perftest "
         "measured in the same run.")
     _add_prompt_args(sub)
-    sub.add_argument("--transports", default=None, metavar="UCX_TLS",
-                     help="UCX transport list for kvmove and ucx_perftest, e.g. tcp, "
-                     "'posix,cma' (default: UCX's choice)")
-    sub.add_argument("--error-mode", choices=list(ERROR_MODES), default="peer",
-                     help="'peer' detects dead peers (UCX then drops posix/sysv shared memory); "
-                     "'none' keeps shared memory (default peer, as kvmove.Agent)")
+    _add_agent_args(sub, "kvmove and ucx_perftest")
     sub.add_argument("--scatter", action="store_true",
                      help="add rows with blocks scattered at random over both caches")
     sweep_sizes = "/".join(map(str, bench_transfer.SWEEP_BLOCK_SIZES))
     sub.add_argument("--sweep", action="store_true",
                      help=f"rows for block sizes {sweep_sizes}, and ucx_perftest at more "
                      "message sizes")
-    sub.add_argument("--iters", type=int, default=3,
-                     help="timed iterations per row, after one warm-up; the best is shown "
-                     "(default 3)")
+    _add_output_args(sub, "timed iterations per row, after one warm-up; the best is shown",
+                     "also draw bandwidth vs bytes per operation (needs matplotlib)")
+    sub.set_defaults(run=_run_transfer)
+
+
+def _add_agent_args(sub: argparse.ArgumentParser, who: str) -> None:
+    """--transports and --error-mode, as kvmove.Agent takes them."""
+    sub.add_argument("--transports", default=None, metavar="UCX_TLS",
+                     help=f"UCX transport list for {who}, e.g. tcp, 'posix,cma' (default: "
+                     "UCX's choice)")
+    sub.add_argument("--error-mode", choices=list(ERROR_MODES), default="peer",
+                     help="'peer' detects dead peers (UCX then drops posix/sysv shared memory); "
+                     "'none' keeps shared memory (default peer, as kvmove.Agent)")
+
+
+def _add_output_args(sub: argparse.ArgumentParser, iters_help: str, plot_help: str) -> None:
+    """--iters, --timeout, --json and --plot."""
+    sub.add_argument("--iters", type=int, default=3, help=f"{iters_help} (default 3)")
     sub.add_argument("--timeout", type=float, default=60.0,
                      help="deadline of every wait in seconds (default 60)")
     sub.add_argument("--json", action="store_true", help="print the report as JSON only")
-    sub.add_argument("--plot", metavar="PNG", default=None,
-                     help="also draw bandwidth vs bytes per operation (needs matplotlib)")
-    sub.set_defaults(run=_run_transfer)
+    sub.add_argument("--plot", metavar="PNG", default=None, help=plot_help)
 
 
 def _run_transfer(args: argparse.Namespace) -> int:
@@ -169,6 +182,52 @@ def _bar_progress(bar: object) -> Callable[[str], None]:
         bar.set_postfix_str(label)  # type: ignore[attr-defined]
         bar.update()  # type: ignore[attr-defined]
     return progress
+
+
+# --- stream ---------------------------------------------------------------------------------
+
+
+def _add_stream(commands: argparse._SubParsersAction) -> None:
+    sub = commands.add_parser(
+        "stream", help="how much of the hand-off layer-wise streaming hides behind prefill",
+        description="Runs a simulated prefill here (per layer, float32 matmuls timed to a "
+        "chosen multiple of the layer's measured transfer time) and hands the KV to a peer "
+        "process twice: in bulk after the last layer, and streamed with save_layer() after "
+        "each. Reports the transfer left exposed after the compute and the hidden fraction "
+        "(1 - exposed / bulk transfer); every byte verified on the receiving side.")
+    _add_prompt_args(sub)
+    _add_agent_args(sub, "both agents")
+    sub.add_argument("--compute-ratio", type=float, default=1.0,
+                     help="per-layer compute as a multiple of the per-layer transfer time "
+                     "measured first (default 1.0: equal)")
+    sub.add_argument("--compute-ms", type=float, default=None,
+                     help="per-layer compute in ms, fixed (overrides --compute-ratio)")
+    _add_output_args(sub, "timed iterations, after one warm-up; the median is shown",
+                     "also draw the timeline of compute and transfer per layer (needs "
+                     "matplotlib)")
+    sub.set_defaults(run=_run_stream)
+
+
+def _run_stream(args: argparse.Namespace) -> int:
+    config = StreamConfig(
+        model=args.model, num_tokens=args.tokens, block_size=args.block_size,
+        transports=args.transports, error_mode=args.error_mode,
+        compute_ratio=args.compute_ratio, compute_ms=args.compute_ms, iters=args.iters,
+        timeout=args.timeout)
+    if args.plot:
+        _check_plot(args.plot)
+    report = bench_stream.run(config)
+    if args.plot:
+        plot_stream(report, args.plot)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_stream(report))
+    if not report.verified:
+        print("kvmove-bench stream: error: bytes arrived wrong on the receiving side",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+# --- plan -----------------------------------------------------------------------------------
 
 
 def _add_plan(commands: argparse._SubParsersAction) -> None:
