@@ -2,6 +2,7 @@
 
 #include "bindings.h"
 #include "cuda_status.h"
+#include "errors.h"
 #include "ucx.h"
 
 namespace py = pybind11;
@@ -17,6 +18,8 @@ void register_runtime(py::module_& m) {
             return py::make_tuple(s.built, s.device_count, s.reason);
         },
         "(built with CUDA, device count, reason when 0).");
+    m.def("check_timeout", &check_timeout, py::arg("timeout"),
+          "Raises ConfigError unless timeout is in [0, 1e6] seconds (every wait's rule).");
 }
 
 }  // namespace kvmove::bindings

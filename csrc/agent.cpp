@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <random>
 
 namespace kvmove {
 
@@ -23,6 +24,8 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 Agent::Agent(std::string name, KVCache& cache, KVShape shape, AgentConfig config)
     : name_(std::move(name)), cache_(cache), shape_(std::move(shape)), config_(std::move(config)) {
+    std::random_device entropy;  // stream serials start at random: a restarted sender differs
+    next_serial_ = (uint64_t{entropy()} << 32) ^ entropy();
     KVMOVE_CHECK(!name_.empty() && name_.size() <= kMaxAgentNameBytes, Config,
                  "agent name must be 1.." << kMaxAgentNameBytes << " bytes, got " << name_.size());
     size_t bad = first_unprintable(name_);

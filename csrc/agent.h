@@ -136,6 +136,7 @@ private:
     void start_load(LoadStream& load);
     void cancel_load(LoadStream& load);
     void deliver(const std::shared_ptr<LoadStream>& load, const StreamMessage& message);
+    void drop_rest(const LoadStream& load);
     void on_stream_message(const std::string& sender, const StreamMessage& message,
                            ucp_ep_h reply_ep);
     void send_ack(ucp_ep_h reply_ep, const StreamMessage& final);
@@ -188,6 +189,14 @@ private:
     std::vector<std::shared_ptr<SaveStream>> closing_;  // Final/Abort still to send
     std::map<StreamKey, std::shared_ptr<LoadStream>> loading_;  // started loads by sender
     std::deque<Unclaimed> unclaimed_;  // messages that came before their start_load()
+    // The rest of a stream whose load was cancelled or failed: dropped until it ends.
+    struct Dropped {
+        double since;
+        bool bound;       // serial is known (else: the next stream of the key to arrive)
+        uint64_t serial;
+    };
+    std::map<StreamKey, Dropped> dropped_;
+    std::atomic<uint64_t> next_serial_;  // streams sent, from a random start
 
     // save_layer() only queues: the post thread posts each layer (after its CUDA event, if
     // any). Over tcp and shared memory a put copies its bytes inside ucp_put_nbx, which

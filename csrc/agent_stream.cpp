@@ -49,7 +49,7 @@ std::shared_ptr<SaveStream> Agent::stream_to(const std::string& peer_name,
     KVMOVE_CHECK(sending_.count({peer_name, request_id}) == 0, Config,
                  describe(request_id, peer_name) << " is already being streamed");
     auto stream = std::make_shared<SaveStream>(this, peer_name, local_ids, remote_ids, request_id,
-                                               shape_.num_layers);
+                                               shape_.num_layers, next_serial_++);
     sending_.emplace(StreamKey{peer_name, request_id}, stream);
     return stream;
 }
@@ -84,7 +84,7 @@ void Agent::post_layer(const std::shared_ptr<SaveStream>& s, int64_t layer) {
         return;
     }
     StreamMessage message{MessageKind::Layer, s->request_id_, static_cast<int32_t>(layer),
-                          s->ids_hash_, ""};
+                          s->ids_hash_, s->serial_, ""};
     auto entry = std::make_unique<InFlight>(this, transfer, &peer, encode(message));
     entry->am_id = kStreamAmId;
     entry->stream = s;
@@ -118,7 +118,7 @@ void Agent::post_close(const std::shared_ptr<SaveStream>& s) {
         return;
     }
     StreamMessage message{finish ? MessageKind::Final : MessageKind::Abort, s->request_id_, -1,
-                          s->ids_hash_, finish ? s->payload() : ""};
+                          s->ids_hash_, s->serial_, finish ? s->payload() : ""};
     auto transfer = std::make_shared<Transfer>(s->peer_, 0, 0);
     auto entry =
         std::make_unique<InFlight>(this, transfer, it->second.get(), encode(message));
@@ -239,6 +239,10 @@ void Agent::start_load(LoadStream& load) {
     }
     auto shared = load.shared_from_this();
     loading_.emplace(key, shared);
+    auto dropped = dropped_.find(key);
+    if (dropped != dropped_.end() && !dropped->second.bound) {
+        dropped_.erase(dropped);  // the next stream is this load's, not a cancelled one's
+    }
     // Messages that came first, in arrival order.
     std::vector<StreamMessage> early;
     auto from_this = [&](const Unclaimed& u) {
@@ -258,21 +262,45 @@ void Agent::start_load(LoadStream& load) {
 
 void Agent::cancel_load(LoadStream& load) {
     WorkerLock lock(*this);
+    bool registered = false;
     auto it = loading_.find({load.peer_, load.request_id_});
     if (it != loading_.end() && it->second.get() == &load) {
         loading_.erase(it);
+        registered = true;
     }
-    load.complete(StreamState::Failed, ErrorKind::Transfer,
-                  describe(load.request_id_, load.peer_) + " was cancelled by the receiver");
+    if (load.complete(StreamState::Failed, ErrorKind::Transfer,
+                      describe(load.request_id_, load.peer_) + " was cancelled by the receiver") &&
+        registered) {
+        drop_rest(load);  // its stream may still be sending: no later load may take that
+    }
+}
+
+// The rest of the stream a load took (or, unbound, the next one to arrive) is dropped, until
+// its Final or Abort, so that a later load of the same request id gets only a new stream.
+void Agent::drop_rest(const LoadStream& load) {
+    double now = steady_seconds();
+    for (auto it = dropped_.begin(); it != dropped_.end();) {
+        it = now - it->second.since > kUnclaimedSeconds ? dropped_.erase(it) : std::next(it);
+    }
+    dropped_[{load.peer_, load.request_id_}] = Dropped{now, load.bound_, load.serial_};
 }
 
 void Agent::deliver(const std::shared_ptr<LoadStream>& load, const StreamMessage& m) {
+    if (!load->bound_) {
+        load->bound_ = true;
+        load->serial_ = m.serial;
+    } else if (m.serial != load->serial_) {
+        return;  // an older stream's straggler, or a newer stream than this load's
+    }
     bool ended = false;
     if (m.ids_hash != load->ids_hash_) {
         ended = load->complete(StreamState::Failed, ErrorKind::Transfer,
                                "sender '" + load->peer_ + "' streamed request '" +
                                    load->request_id_ +
                                    "' into other blocks than this load expects (ids hash differs)");
+        if (ended && m.kind == MessageKind::Layer) {
+            drop_rest(*load);
+        }
     } else if (m.kind == MessageKind::Abort) {
         ended = load->complete(StreamState::Aborted);
     } else if (m.kind == MessageKind::Layer && (m.layer < 0 || m.layer >= load->num_layers_)) {
@@ -312,7 +340,7 @@ void Agent::on_stream_message(const std::string& sender, const StreamMessage& m,
                               ucp_ep_h reply_ep) {
     if (m.kind == MessageKind::Ack) {
         auto it = sending_.find({sender, m.request_id});
-        if (it != sending_.end() && it->second->ids_hash_ == m.ids_hash) {
+        if (it != sending_.end() && it->second->serial_ == m.serial) {
             it->second->complete(StreamState::Done);
             sending_.erase(it);
         }
@@ -321,12 +349,36 @@ void Agent::on_stream_message(const std::string& sender, const StreamMessage& m,
     if (m.kind == MessageKind::Final && reply_ep != nullptr) {
         send_ack(reply_ep, m);  // the bytes and the Final are here, whether claimed or not
     }
-    auto it = loading_.find({sender, m.request_id});
+    StreamKey key{sender, m.request_id};
+    auto dropped = dropped_.find(key);
+    if (dropped != dropped_.end()) {
+        Dropped& d = dropped->second;
+        if (!d.bound) {
+            d.bound = true;
+            d.serial = m.serial;
+        }
+        if (d.serial == m.serial) {
+            if (m.kind != MessageKind::Layer) {
+                dropped_.erase(dropped);  // that stream ended: the next one is wanted again
+            }
+            return;
+        }
+        dropped_.erase(dropped);  // a newer stream
+    }
+    auto it = loading_.find(key);
     if (it != loading_.end()) {
         deliver(it->second, m);
         return;
     }
+    // Kept for a start_load() to come; a newer stream of the request replaces an older one.
     double now = steady_seconds();
+    unclaimed_.erase(std::remove_if(unclaimed_.begin(), unclaimed_.end(),
+                                    [&](const Unclaimed& u) {
+                                        return u.sender == sender &&
+                                               u.message.request_id == m.request_id &&
+                                               u.message.serial != m.serial;
+                                    }),
+                     unclaimed_.end());
     while (!unclaimed_.empty() && (unclaimed_.size() >= kMaxUnclaimed ||
                                    now - unclaimed_.front().arrived > kUnclaimedSeconds)) {
         unclaimed_.pop_front();
@@ -345,7 +397,7 @@ void free_ack(void* request, ucs_status_t, void* user_data) {
 
 void Agent::send_ack(ucp_ep_h reply_ep, const StreamMessage& final) {
     auto data = new std::string(encode(StreamMessage{MessageKind::Ack, final.request_id, -1,
-                                                     final.ids_hash, ""}));
+                                                     final.ids_hash, final.serial, ""}));
     ucp_request_param_t param{};
     param.op_attr_mask =
         UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
@@ -397,6 +449,7 @@ void Agent::end_all_streams(const std::string& reason) {
     loading_.clear();
     closing_.clear();
     unclaimed_.clear();
+    dropped_.clear();
 }
 
 }  // namespace kvmove

@@ -63,7 +63,8 @@ bool StreamCompletion::complete(StreamState state, ErrorKind kind, std::string e
 }
 
 SaveStream::SaveStream(Agent* agent, std::string peer, std::vector<BlockId> local_ids,
-                       std::vector<BlockId> remote_ids, std::string request_id, int64_t num_layers)
+                       std::vector<BlockId> remote_ids, std::string request_id, int64_t num_layers,
+                       uint64_t serial)
     : StreamCompletion(num_layers),
       agent_(agent),
       peer_(std::move(peer)),
@@ -72,6 +73,7 @@ SaveStream::SaveStream(Agent* agent, std::string peer, std::vector<BlockId> loca
       request_id_(std::move(request_id)),
       num_layers_(num_layers),
       ids_hash_(hash_ids(remote_ids_)),
+      serial_(serial),
       saved_(static_cast<size_t>(num_layers), 0) {}
 
 std::string SaveStream::describe() const {

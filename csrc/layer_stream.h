@@ -68,7 +68,8 @@ protected:
 class SaveStream : public StreamCompletion, public std::enable_shared_from_this<SaveStream> {
 public:
     SaveStream(Agent* agent, std::string peer, std::vector<BlockId> local_ids,
-               std::vector<BlockId> remote_ids, std::string request_id, int64_t num_layers);
+               std::vector<BlockId> remote_ids, std::string request_id, int64_t num_layers,
+               uint64_t serial);
 
     const std::string& peer() const { return peer_; }
     const std::string& request_id() const { return request_id_; }
@@ -102,6 +103,7 @@ private:
     const std::string request_id_;
     const int64_t num_layers_;
     const uint64_t ids_hash_;
+    const uint64_t serial_;
 
     // Guarded by mu_: save_layer(), finish() and abort() never wait for the agent's worker.
     std::vector<char> saved_;
@@ -143,6 +145,9 @@ private:
     const std::vector<BlockId> local_ids_;
     const int64_t num_layers_;
     const uint64_t ids_hash_;
+    // Guarded by the agent's worker mutex: the sender stream this load takes messages from.
+    bool bound_ = false;
+    uint64_t serial_ = 0;
 
     // Guarded by mu_.
     bool started_ = false;

@@ -9,7 +9,7 @@ namespace kvmove {
 
 namespace {
 
-constexpr size_t kFixedBytes = 1 + 1 + 2 + 4 + 8;
+constexpr size_t kFixedBytes = 1 + 1 + 2 + 4 + 8 + 8;
 
 template <typename T>
 void put(std::string& out, T value) {
@@ -37,6 +37,7 @@ std::string encode(const StreamMessage& m) {
     put<uint16_t>(out, static_cast<uint16_t>(m.request_id.size()));
     put<uint32_t>(out, static_cast<uint32_t>(m.layer));
     put<uint64_t>(out, m.ids_hash);
+    put<uint64_t>(out, m.serial);
     out += m.request_id;
     out += m.payload;
     return out;
@@ -57,6 +58,7 @@ StreamMessage decode_stream_message(const void* data, size_t nbytes) {
     size_t id_nbytes = get<uint16_t>(p + 2);
     m.layer = static_cast<int32_t>(get<uint32_t>(p + 4));
     m.ids_hash = get<uint64_t>(p + 8);
+    m.serial = get<uint64_t>(p + 16);
     KVMOVE_CHECK(id_nbytes >= 1 && id_nbytes <= kMaxRequestIdBytes, Metadata,
                  "stream message request id of " << id_nbytes << " bytes, limit 1.."
                                                  << kMaxRequestIdBytes);

@@ -5,11 +5,13 @@
 // receiver answers a Final with an Ack, which is how the sender knows it was delivered. The
 // active message's header is the sending agent's name; its data (little-endian):
 //
-//   u8 version | u8 kind | u16 request_id_nbytes | i32 layer | u64 ids_hash
+//   u8 version | u8 kind | u16 request_id_nbytes | i32 layer | u64 ids_hash | u64 serial
 //   | request_id | payload (the rest; Final only)
 //
 // ids_hash is XXH64 of the destination block ids, so a receiver can tell that the sender
-// wrote the blocks it reserved for the request and not others.
+// wrote the blocks it reserved for the request and not others. serial tells streams of one
+// request id apart (a sender may reuse an id once its stream ended): a load takes the
+// messages of one serial only.
 #pragma once
 
 #include <cstddef>
@@ -28,6 +30,7 @@ struct StreamMessage {
     std::string request_id;
     int32_t layer = -1;  // Layer only
     uint64_t ids_hash = 0;
+    uint64_t serial = 0;
     std::string payload;  // Final only
 };
 

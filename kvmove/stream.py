@@ -26,13 +26,14 @@ import weakref
 from typing import Any
 
 from kvmove import _C
-from kvmove.errors import ConfigError, TransferError
+from kvmove.errors import ConfigError, PeerError, TransferError
 
 __all__ = ["LoadStream", "SaveStream", "StreamState"]
 
 StreamState = _C.StreamState
 
 DEFAULT_TIMEOUT = 60.0
+_MAX_HANDLE = 2**64 - 1  # a cudaEvent_t is a pointer
 
 
 def _event_handle(event: Any) -> int:
@@ -44,8 +45,8 @@ def _event_handle(event: Any) -> int:
         raise ConfigError(
             f"event must be a CUDA event handle (int) or have a cuda_event attribute, "
             f"got {type(event).__name__}")
-    if handle <= 0:
-        raise ConfigError(f"CUDA event handle must be positive, got {handle}")
+    if not 0 < handle <= _MAX_HANDLE:
+        raise ConfigError(f"CUDA event handle must be in [1, 2**64), got {handle}")
     return handle
 
 
@@ -132,6 +133,7 @@ class SaveStream:
             TransferError: the stream was aborted, or a transfer failed.
             PeerError: the receiver died or was removed.
         """
+        _C.check_timeout(timeout)  # before finish(): a rejected call changes nothing
         if not self._closing:
             self.finish()
         if self._core.wait(timeout) == StreamState.ABORTED:
@@ -149,12 +151,13 @@ class SaveStream:
         Raises:
             TimeoutError: posted layers still in flight after ``timeout`` seconds.
         """
+        _C.check_timeout(timeout)
         self._closing = True
         self._core.abort()
         try:
             self._core.wait(timeout)
-        except TransferError:
-            pass  # failed already: nothing more will be written either
+        except (TransferError, PeerError):
+            pass  # it failed: nothing more will be written either
 
     def layer_times(self) -> list[tuple[float | None, float | None]]:
         """Per layer, ``(posted, landed)`` on the ``time.monotonic()`` clock; None until then."""
