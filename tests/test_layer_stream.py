@@ -1,0 +1,1361 @@
+"""Layer-wise streaming (``kvmove/stream.py``, ``csrc/layer_stream.h``): ``Agent.stream_to`` /
+``SaveStream`` on the prefill side, ``Agent.expect`` / ``LoadStream`` on the decode side.
+
+The one promise everything rests on: once ``wait_for_layer(i)`` returns (or ``layers_ready()``
+says layer ``i`` is in), layer ``i``'s bytes are *exactly* in the load's blocks. The tests
+check it byte for byte, the instant the load says so, and assume no ordering beyond it (a layer
+not waited for may or may not be complete yet).
+
+Two set-ups:
+
+* two real processes (most tests): this process holds the near agent "near", a spawned child
+  (``stream_peers.StreamPeer``) the far one "far", connected with ``listen()``/``connect()``
+  so each is the other's peer. Usually far sends and near receives; the streaming layout is
+  48 layers of 16 KiB per block. The pair lives for the whole module; tests that kill a
+  process spawn their own.
+* two agents in this process (``Pair``), for rejection paths: validation happens before
+  anything moves, so one process is enough and fast. Each rejection test checks the exception
+  class, that the message names the offending value, and that nothing changed: the same
+  stream (or a new one) still completes, and lands exactly.
+
+A stream's data is ``stream_peers.layer_data(seed, layer)``, computed the same way in both
+processes. Every request's blocks come from the caches' ``BlockPool`` and go back to it once
+the stream ended, whatever the outcome; the ``link`` fixture checks after every test that both
+pools are all free again.
+
+No test may hang: every wait has a deadline, and blocking calls in threads are joined with one.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:  # spawn children re-import `stream_peers` with the parent's sys.path
+    sys.path.insert(0, _HERE)
+from peers import FarError, pattern, raw_view  # noqa: E402
+from stream_peers import StreamPeer, layer_data, write_layer  # noqa: E402
+
+import kvmove  # noqa: E402
+from kvmove import StreamState  # noqa: E402
+from kvmove.errors import (  # noqa: E402
+    BlockError,
+    ConfigError,
+    CudaError,
+    KVMoveError,
+    PeerError,
+    TimeoutError,
+    TransferError,
+)
+
+# Two processes: 48 layers, 4 KV heads x 64 dims, float16, 16 tokens per block:
+# 16 * 4 * 64 * 2 (K, V) * 2 B = 16 KiB per block per layer; 40 blocks = 30 MiB a cache.
+STREAM_LAYOUT = dict(num_layers=48, num_kv_heads=4, head_dim=64, dtype="float16",
+                     block_size=16)
+L = 48
+BLOCK = 16 * 1024
+NUM_BLOCKS = 40
+
+# One process: 12 layers (more than the 8 missing layers finish() lists), 512 B per block per
+# layer; "a" has 16 blocks, "b" 12 (so remote ids are checked against the peer's size).
+LAYOUT = dict(num_layers=12, num_kv_heads=2, head_dim=16, dtype="float16", block_size=4)
+PL = 12
+A_BLOCKS, B_BLOCKS = 16, 12
+
+# peer_timeout low, so a dead peer is declared dead by keepalive within seconds even where tcp
+# does not report the reset (it usually does, in milliseconds).
+TCP = {"transports": "tcp", "error_mode": "peer", "peer_timeout": 2.0}
+WAIT = 10.0            # deadline of every wait that should succeed, seconds
+LONG = 30.0            # deadline of waits that must be ended early by something else
+PROMPT = 5.0           # "promptly": an abort or a death must end such a wait within this
+
+
+def make_cache(layout: dict, num_blocks: int) -> kvmove.KVCache:
+    return kvmove.KVCache(kvmove.KVLayout(**layout), num_blocks)
+
+
+def names(excinfo: pytest.ExceptionInfo, *values: object) -> None:
+    """The exception's message contains each of ``values`` (as ``str``)."""
+    message = str(excinfo.value)
+    for v in values:
+        assert str(v) in message, f"{v!r} not named in {message!r}"
+
+
+def within(seconds: float, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a daemon thread: its result or exception, or a test failure (instead of
+    a hung test) if it has not returned after ``seconds``."""
+    return Background(fn, *args).join(seconds).get()
+
+
+class Background:
+    """A blocking call running in a daemon thread; records its outcome and when it ended."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.ended_at: float | None = None
+        self._name = getattr(fn, "__name__", repr(fn))
+        self.thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn: Callable[..., Any], args: tuple) -> None:
+        try:
+            self.value = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - reported by get()
+            self.error = e
+        finally:
+            self.ended_at = time.monotonic()
+
+    def pending(self) -> bool:
+        return self.thread.is_alive()
+
+    def join(self, seconds: float) -> Background:
+        self.thread.join(seconds)
+        assert not self.thread.is_alive(), f"{self._name} still blocked after {seconds} s"
+        return self
+
+    def get(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def expected(seed: int, n: int, layers: range | list[int] = range(L)) -> dict[int, np.ndarray]:
+    return {layer: layer_data(seed, layer, n, BLOCK) for layer in layers}
+
+
+def assert_layer(got: np.ndarray, want: np.ndarray, layer: int, when: str) -> None:
+    bad = int(np.count_nonzero(got != want))
+    assert bad == 0, f"layer {layer}: {bad} of {want.size} bytes differ {when}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Two processes.
+
+class Link:
+    """The near agent here and a far one in a spawned child, peers of each other through
+    ``listen()`` (here) and ``connect()`` (there)."""
+
+    def __init__(self, near_name: str, far_name: str) -> None:
+        self.near_name, self.far_name = near_name, far_name
+        self.far = StreamPeer(far_name, STREAM_LAYOUT, NUM_BLOCKS, TCP)
+        try:
+            self.cache = make_cache(STREAM_LAYOUT, NUM_BLOCKS)
+            self.near = kvmove.Agent(near_name, self.cache, **TCP)
+            host, port = self.near.listen()
+            assert self.far.call("connect", host, port) == near_name
+            assert self.near.peers == [far_name]
+        except BaseException:
+            self.far.stop()
+            raise
+        self.raw = raw_view(self.cache)
+
+    def far_ids(self, n: int) -> list[int]:
+        """``n`` blocks of the far pool, zeroed."""
+        ids = self.far.call("allocate", n)
+        assert ids is not None, f"far pool has fewer than {n} free blocks"
+        self.far.call("scrub", ids)
+        return ids
+
+    def near_ids(self, n: int) -> list[int]:
+        """``n`` blocks of the near pool, zeroed."""
+        ids = self.cache.pool.allocate(n)
+        assert ids is not None, f"near pool has fewer than {n} free blocks"
+        self.raw[:, ids] = 0
+        return ids
+
+    @contextmanager
+    def request(self, n: int) -> Iterator[tuple[list[int], list[int]]]:
+        """``(far_ids, near_ids)``: ``n`` zeroed blocks from each pool, freed afterwards."""
+        far_ids = self.far_ids(n)
+        near_ids = self.near_ids(n)
+        try:
+            yield far_ids, near_ids
+        finally:
+            if self.far.process.is_alive():
+                # After a failure a stream may still run: stop it before its blocks are reused.
+                self.far.call("abort_all", WAIT)
+                self.far.call("free", far_ids)
+            self.cache.pool.free(near_ids)
+
+    def pools(self) -> tuple[int, int]:
+        """``(far, near)`` free block counts."""
+        return self.far.call("num_free"), self.cache.pool.num_free
+
+    def close(self) -> None:
+        try:
+            within(15, self.near.close)
+        finally:
+            self.far.stop()
+
+
+@pytest.fixture(scope="module")
+def module_link() -> Iterator[Link]:
+    link = Link("near", "far")
+    try:
+        yield link
+    finally:
+        link.close()
+
+
+@pytest.fixture
+def link(module_link: Link) -> Iterator[Link]:
+    """The module's link; afterwards, every block of both pools is free again (test 7's
+    accounting, after every outcome any test produced)."""
+    yield module_link
+    assert module_link.pools() == (NUM_BLOCKS, NUM_BLOCKS), \
+        "blocks of a request are still allocated after the test ended"
+
+
+PAYLOAD = b"\x00first-token:1234\xff"  # NUL and high bytes: the payload is bytes, not text
+
+
+def test_each_layer_is_exact_once_its_wait_returns(link, record_property):
+    """Test 1. The far process "computes" each layer (writes its data, sleeps 10 ms, then
+    save_layer), in order, and finishes with a payload. Here, the instant each wait_for_layer(i)
+    returns, layer i's bytes must be exact; later layers may or may not be complete yet (we only
+    count them). wait_all returns the payload. The timings (both processes read the same
+    CLOCK_MONOTONIC) show it streamed: layer 0 was in here before the sender even posted its
+    last layer, and no layer was in here before the sender posted it."""
+    delay = 0.01
+    with link.request(8) as (src, dst):
+        want = expected(seed=101, n=8)
+        load = link.near.expect("far", "t1", dst).start_load()
+        link.far.call("run_stream", "near", src, dst, "t1", list(range(L)), 101, delay,
+                      PAYLOAD, WAIT)
+        already_complete = []  # per wait: how many later layers were complete too
+        for i in range(L):
+            load.wait_for_layer(i, WAIT)
+            got = link.raw[i, dst]  # a copy (fancy indexing), taken at once
+            assert_layer(got, want[i], i, "after wait_for_layer returned")
+            assert load.layers_ready()[i]
+            already_complete.append(sum(np.array_equal(link.raw[j, dst], want[j])
+                                        for j in range(i + 1, L)))
+        record_property("later_layers_already_complete", already_complete)
+        assert load.wait_all(WAIT) == PAYLOAD
+        assert load.payload == PAYLOAD
+        assert load.state == StreamState.DONE
+        assert load.layers_ready() == [True] * L
+        for i in range(L):
+            assert_layer(link.raw[i, dst], want[i], i, "after wait_all")
+        result = link.far.call("join_stream", "t1", WAIT)
+        assert result["error"] is None
+        assert result["state"] == "DONE"
+
+    sent = result["layer_times"]
+    received = load.layer_times()
+    assert all(p is not None and t is not None for p, t in sent), sent
+    assert all(t is not None for t in received), received
+    for i in range(L):
+        assert sent[i][0] <= sent[i][1], f"layer {i} landed before it was posted: {sent[i]}"
+        assert received[i] >= sent[i][0], f"layer {i} was in here before the sender posted it"
+    assert received[0] < sent[L - 1][0], "layer 0 came only after the last layer was posted"
+
+
+@pytest.mark.parametrize("mapping, delay", [("contiguous", 0.0), ("scattered", 0.0),
+                                            ("scattered", 0.003)],
+                         ids=["contiguous-burst", "scattered-burst", "scattered-paced"])
+def test_a_layer_is_never_ready_before_its_bytes(link, mapping, delay, record_property):
+    """Test 2. 48 layers of 16 blocks (256 KiB a layer, one put per layer when the blocks are
+    contiguous, 16 when scattered), saved in shuffled order: as fast as the sender can write
+    them (many layers in flight at once), or 3 ms apart. Here a tight loop polls
+    layers_ready(); the instant a layer flips to ready its bytes are copied and must be exact.
+    A layer once ready stays ready."""
+    n = 16
+    rid = f"t2-{mapping}-{delay}"
+    rng = random.Random(rid)
+    order = list(range(L))
+    rng.shuffle(order)
+    seed = rng.randrange(1 << 30)
+    with link.request(n) as (src, dst):
+        if mapping == "scattered":
+            dst = list(dst)
+            rng.shuffle(dst)
+        want = expected(seed, n)
+        load = link.near.expect("far", rid, dst).start_load()
+        link.far.call("run_stream", "near", src, dst, rid, order, seed, delay, PAYLOAD, WAIT)
+        seen = [False] * L
+        polls_with_news = 0
+        deadline = time.monotonic() + WAIT
+        while not all(seen):
+            ready = load.layers_ready()
+            new = [i for i in range(L) if ready[i] and not seen[i]]
+            copies = {i: link.raw[i, dst] for i in new}  # copy first, compare after
+            for i in range(L):
+                assert ready[i] or not seen[i], f"layer {i} was ready, and is not any more"
+            for i, got in copies.items():
+                assert_layer(got, want[i], i, "the instant layers_ready() reported it")
+                seen[i] = True
+            polls_with_news += bool(new)
+            assert time.monotonic() < deadline, f"only {sum(seen)} of {L} layers in after {WAIT} s"
+        assert load.wait_all(WAIT) == PAYLOAD
+        result = link.far.call("join_stream", rid, WAIT)
+        assert (result["state"], result["error"]) == ("DONE", None)
+        for i in range(L):
+            assert_layer(link.raw[i, dst], want[i], i, "after wait_all")
+    record_property("polls_that_saw_layers_flip", polls_with_news)
+    if delay:
+        # Paced over 150 ms, the loop must have seen states in between (else it checked
+        # nothing while the stream ran); a burst may land between two polls.
+        assert polls_with_news >= 2, "every layer flipped within one poll: nothing observed"
+
+
+def test_sender_abort_ends_the_receivers_wait_promptly(link):
+    """Test 4, with k of the layers saved (k = 0, 7, 48 follow below): the receiver's pending
+    wait raises TransferError well before its deadline; the sender is ABORTED and refuses
+    further saves. See _abort_after."""
+    _abort_after(link, 7)
+
+
+@pytest.mark.parametrize("k", [0, L], ids=["nothing-saved", "all-saved"])
+def test_sender_abort_with_none_or_all_layers_saved(link, k):
+    _abort_after(link, k)
+
+
+def _abort_after(link: Link, k: int) -> None:
+    """Far saves layers 0..k-1 and aborts; here a wait pends (for layer k, or wait_all when
+    every layer was saved). abort() returns once every posted layer landed and the Abort is
+    out, so afterwards:
+
+    * the receiver saw exactly the saved layers as ready, with exact bytes, and no more;
+    * the sender may reuse its blocks (it overwrites them), and the receiver may free its own:
+      nothing of the aborted stream lands later (checked after a complete stream on the same
+      connection, which the transport orders after everything before it).
+    """
+    rid = f"t4-{k}"
+    with link.request(6) as (src, dst):
+        want = expected(404, 6)
+        load = link.near.expect("far", rid, dst).start_load()
+        link.far.call("stream_to", "near", src, dst, rid)
+        link.far.call("write_layers", 404, list(range(L)), src)
+        link.far.call("save_layers", rid, list(range(k)))
+        waiter = Background(load.wait_for_layer, k, LONG) if k < L else \
+            Background(load.wait_all, LONG)
+        assert waiter.pending(), "the wait returned although the sender is not done"
+
+        start = time.monotonic()
+        link.far.call("abort", rid, WAIT)
+        waiter.join(LONG)
+        with pytest.raises(TransferError, match="aborted") as excinfo:
+            waiter.get()
+        names(excinfo, rid, "'far'")
+        assert waiter.ended_at - start < PROMPT
+
+        assert link.far.call("state", rid) == "ABORTED"
+        with pytest.raises(FarError, match="after abort") as excinfo:
+            link.far.call("save_layers", rid, [min(k, L - 1)])
+        assert excinfo.value.kind == "ConfigError"
+        with pytest.raises(FarError, match="already aborted") as excinfo:
+            link.far.call("finish", rid, b"late")
+        assert excinfo.value.kind == "ConfigError"
+        with pytest.raises(FarError, match="was aborted") as excinfo:
+            link.far.call("wait_for_save", rid, WAIT)
+        assert excinfo.value.kind == "TransferError"
+
+        assert load.state == StreamState.ABORTED
+        with pytest.raises(TransferError, match="aborted"):
+            load.wait_all(WAIT)
+        assert load.layers_ready() == [i < k for i in range(L)]
+        snapshot = link.raw[:, dst].copy()
+        for i in range(k):
+            assert_layer(snapshot[i], want[i], i, "after the abort")
+        assert not snapshot[k:].any(), "a layer that was never saved arrived"
+
+        # The sender reuses its blocks, the receiver's stay as they are.
+        link.far.call("write_layers", 405, list(range(L)), src)
+        _sync(link, f"{rid}-sync")
+        np.testing.assert_array_equal(link.raw[:, dst], snapshot)
+        link.far.call("forget", rid)
+
+
+def _sync(link: Link, rid: str) -> None:
+    """A complete one-block stream far -> near (its blocks freed again): every put far posted
+    before it has landed once it is done."""
+    with link.request(1) as (src, dst):
+        load = link.near.expect("far", rid, dst).start_load()
+        link.far.call("run_stream", "near", src, dst, rid, list(range(L)), 7, 0.0, b"", WAIT)
+        assert load.wait_all(WAIT) == b""
+        assert link.far.call("join_stream", rid, WAIT)["state"] == "DONE"
+
+
+def test_dropping_an_open_save_stream_aborts_it(link):
+    """Test 11. The far side drops its SaveStream after saving 5 layers (del + gc.collect()):
+    the stream is aborted, so the receiver's pending wait raises TransferError at once instead
+    of waiting for a final message that will never come; the 5 layers are in, exactly."""
+    with link.request(4) as (src, dst):
+        want = expected(1111, 4)
+        load = link.near.expect("far", "t11", dst).start_load()
+        link.far.call("stream_to", "near", src, dst, "t11")
+        link.far.call("write_layers", 1111, list(range(5)), src)
+        link.far.call("save_layers", "t11", list(range(5)))
+        waiter = Background(load.wait_for_layer, 5, LONG)
+        assert waiter.pending()
+        start = time.monotonic()
+        link.far.call("drop", "t11")
+        waiter.join(LONG)
+        with pytest.raises(TransferError, match="aborted by its sender 'far'"):
+            waiter.get()
+        assert waiter.ended_at - start < PROMPT
+        assert load.state == StreamState.ABORTED
+        assert load.layers_ready() == [i < 5 for i in range(L)]
+        for i in range(5):
+            assert_layer(link.raw[i, dst], want[i], i, "after the drop")
+
+
+# ---------------------------------------------------------------------------------------------
+# Test 7: blocks accounted for.
+
+@pytest.mark.parametrize("outcome", ["done", "abort", "drop", "cancel"])
+def test_blocks_can_be_freed_and_reused_whatever_the_outcome(link, outcome):
+    """Test 7. Each side allocates the request's blocks from its cache's BlockPool, and frees
+    them once the stream ended (done, aborted by the sender, dropped, or cancelled by the
+    receiver and then finished by the sender, which is not told). Streaming takes no reference
+    on any block (the pool sees only ours), both pools are all free afterwards, and the freed
+    blocks can be handed to a new request at once: it lands exactly, and nothing else of the
+    near cache changes (no late write of the old stream)."""
+    n, half, rid = 5, L // 2, f"t7-{outcome}"
+    far_free, near_free = link.pools()
+    src, dst = link.far_ids(n), link.near_ids(n)
+    load = link.near.expect("far", rid, dst).start_load()
+    if outcome == "done":
+        link.far.call("run_stream", "near", src, dst, rid, list(range(L)), 707, 0.0, b"ok",
+                      WAIT)
+    else:
+        link.far.call("stream_to", "near", src, dst, rid)
+        link.far.call("write_layers", 707, list(range(L)), src)
+        link.far.call("save_layers", rid, list(range(half)))
+    assert [link.cache.pool.ref_count(i) for i in dst] == [1] * n
+    assert link.cache.pool.num_used == NUM_BLOCKS - near_free + n
+    assert link.far.call("num_free") == far_free - n
+
+    if outcome == "done":
+        assert load.wait_all(WAIT) == b"ok"
+        assert link.far.call("join_stream", rid, WAIT)["state"] == "DONE"
+    elif outcome == "cancel":
+        load.wait_for_layer(half - 1, WAIT)
+        load.cancel()
+        with pytest.raises(TransferError, match="cancelled"):
+            load.wait_all(WAIT)
+        # The sender is not told: the receiver's blocks stay reserved until it ended.
+        link.far.call("save_layers", rid, list(range(half, L)))
+        link.far.call("finish", rid, b"")
+        link.far.call("wait_for_save", rid, WAIT)
+    elif outcome == "abort":
+        link.far.call("abort", rid, WAIT)
+        with pytest.raises(TransferError, match="aborted"):
+            load.wait_all(WAIT)
+    else:
+        link.far.call("drop", rid)
+        with pytest.raises(TransferError, match="aborted"):
+            load.wait_all(WAIT)
+    assert [link.cache.pool.ref_count(i) for i in dst] == [1] * n
+    link.far.call("free", src)
+    link.cache.pool.free(dst)
+    link.far.call("forget", rid)
+    assert link.pools() == (far_free, near_free)
+    assert link.cache.pool.num_used == NUM_BLOCKS - near_free
+
+    # The blocks go to the next request at once.
+    before = link.raw.copy()
+    with link.request(n) as (src2, dst2):
+        load2 = link.near.expect("far", f"{rid}-next", dst2).start_load()
+        link.far.call("run_stream", "near", src2, dst2, f"{rid}-next", list(range(L)), 708,
+                      0.0, b"next", WAIT)
+        assert load2.wait_all(WAIT) == b"next"
+        assert link.far.call("join_stream", f"{rid}-next", WAIT)["state"] == "DONE"
+        _sync(link, f"{rid}-sync")
+        after = link.raw.copy()
+        want = expected(708, n)
+        for i in range(L):
+            assert_layer(after[i, dst2], want[i], i, "in the blocks of the next request")
+        others = [b for b in range(NUM_BLOCKS) if b not in dst2]
+        changed = [b for b in others if not np.array_equal(after[:, b], before[:, b])]
+        # Only the one-block sync stream may have written elsewhere (into a block it freed).
+        assert len(changed) <= 1, f"blocks {changed} changed, outside the new request's"
+    assert link.pools() == (far_free, near_free)
+
+
+# ---------------------------------------------------------------------------------------------
+# Test 8: messages before start_load.
+
+@pytest.mark.parametrize("when", ["expect-after-the-stream", "expect-before-start-after"])
+def test_a_stream_that_finished_before_start_load_is_applied_by_it(link, when):
+    """Test 8. The sender streams every layer, finishes and is acknowledged (DONE) before the
+    receiver calls start_load() (and, in one case, before it even called expect()). The agent
+    kept the messages: start_load applies them at once (the load is DONE when it returns),
+    wait_all returns the payload, and every byte is right."""
+    rid = f"t8-{when}"
+    with link.request(6) as (src, dst):
+        load = link.near.expect("far", rid, dst) if when.startswith("expect-before") else None
+        link.far.call("run_stream", "near", src, dst, rid, list(range(L)), 808, 0.0, PAYLOAD,
+                      WAIT)
+        assert link.far.call("join_stream", rid, WAIT)["state"] == "DONE"
+        if load is None:
+            load = link.near.expect("far", rid, dst)
+        assert load.state == StreamState.OPEN
+        assert load.layers_ready() == [False] * L  # nothing is applied before start_load
+        assert load.start_load() is load
+        assert load.state == StreamState.DONE
+        assert load.layers_ready() == [True] * L
+        assert load.wait_all(WAIT) == PAYLOAD
+        want = expected(808, 6)
+        for i in range(L):
+            load.wait_for_layer(i, 0)
+            assert_layer(link.raw[i, dst], want[i], i, "after a late start_load")
+
+
+def test_an_abort_before_start_load_is_applied_by_it(link):
+    """Test 8, aborted: the sender saved 3 layers and aborted before the receiver started;
+    start_load applies both: 3 layers ready (exact), the load ABORTED, waits raise
+    TransferError."""
+    with link.request(3) as (src, dst):
+        link.far.call("stream_to", "near", src, dst, "t8-abort")
+        link.far.call("write_layers", 818, list(range(3)), src)
+        link.far.call("save_layers", "t8-abort", [0, 1, 2])
+        link.far.call("abort", "t8-abort", WAIT)
+        # abort() returns once the Abort is sent, not received: a stream the receiver
+        # acknowledged afterwards (same connection, in order) shows it arrived.
+        _sync(link, "t8-abort-sync")
+        load = link.near.expect("far", "t8-abort", dst).start_load()
+        assert load.state == StreamState.ABORTED
+        assert load.layers_ready() == [i < 3 for i in range(L)]
+        with pytest.raises(TransferError, match="aborted"):
+            load.wait_for_layer(3, WAIT)
+        with pytest.raises(TransferError, match="aborted"):
+            load.wait_all(WAIT)
+        want = expected(818, 3, range(3))
+        for i in range(3):
+            assert_layer(link.raw[i, dst], want[i], i, "after start_load applied the abort")
+        link.far.call("forget", "t8-abort")
+
+
+# ---------------------------------------------------------------------------------------------
+# Test 9: concurrent streams, and a request id used again.
+
+def test_two_concurrent_streams_to_one_peer_interleave(link):
+    """Test 9. Two requests from far to near at once, their layers saved alternately (one in
+    ascending, one in descending order): both complete, each with its own payload, its own
+    bytes in its own blocks. Then the first request id is used again for a new stream, with
+    new data: it works too."""
+    with link.request(4) as (src_a, dst_a), link.request(3) as (src_b, dst_b):
+        load_a = link.near.expect("far", "t9-a", dst_a).start_load()
+        load_b = link.near.expect("far", "t9-b", dst_b).start_load()
+        link.far.call("stream_to", "near", src_a, dst_a, "t9-a")
+        link.far.call("stream_to", "near", src_b, dst_b, "t9-b")
+        link.far.call("write_layers", 901, list(range(L)), src_a)
+        link.far.call("write_layers", 902, list(range(L)), src_b)
+        link.far.call("save_each", [pair for i in range(L)
+                                    for pair in (("t9-a", i), ("t9-b", L - 1 - i))])
+        link.far.call("finish", "t9-b", b"payload-b")
+        link.far.call("finish", "t9-a", b"payload-a")
+        assert load_a.wait_all(WAIT) == b"payload-a"
+        assert load_b.wait_all(WAIT) == b"payload-b"
+        link.far.call("wait_for_save", "t9-a", WAIT)
+        link.far.call("wait_for_save", "t9-b", WAIT)
+        assert (link.far.call("state", "t9-a"), link.far.call("state", "t9-b")) == ("DONE",) * 2
+        for seed, n, dst in ((901, 4, dst_a), (902, 3, dst_b)):
+            want = expected(seed, n)
+            for i in range(L):
+                assert_layer(link.raw[i, dst], want[i], i, f"of stream {seed}")
+        link.far.call("forget", "t9-a")
+        link.far.call("forget", "t9-b")
+
+        # The same request id again, same blocks, new data.
+        again = link.near.expect("far", "t9-a", dst_a).start_load()
+        link.far.call("run_stream", "near", src_a, dst_a, "t9-a", list(range(L)), 903, 0.0,
+                      b"again", WAIT)
+        assert again.wait_all(WAIT) == b"again"
+        assert link.far.call("join_stream", "t9-a", WAIT)["state"] == "DONE"
+        want = expected(903, 4)
+        for i in range(L):
+            assert_layer(link.raw[i, dst_a], want[i], i, "of the reused request id")
+
+
+# ---------------------------------------------------------------------------------------------
+# Test 10: mismatched destination.
+
+def test_a_stream_into_other_blocks_than_expected_fails_the_load(link):
+    """Test 10. The receiver expects request "t10" in blocks X; the sender streams "t10" into
+    blocks Y. The receiver's wait raises TransferError saying so, and the blocks X it reserved
+    are untouched. The sender's wait ends (no hang)."""
+    with link.request(4) as (src, x):
+        y = link.near_ids(4)
+        try:
+            load = link.near.expect("far", "t10", x).start_load()
+            link.far.call("run_stream", "near", src, y, "t10", list(range(L)), 1010, 0.0,
+                          b"", WAIT)
+            with pytest.raises(TransferError, match="other blocks") as excinfo:
+                load.wait_for_layer(L - 1, WAIT)
+            names(excinfo, "'t10'", "'far'")
+            with pytest.raises(TransferError, match="other blocks"):
+                load.wait_all(WAIT)
+            assert load.state == StreamState.FAILED
+            result = link.far.call("join_stream", "t10", WAIT)
+            assert result["error"] is None or result["error"][0] != "TimeoutError", result
+            _sync(link, "t10-sync")
+            assert not link.raw[:, x].any(), "the expected blocks were written"
+        finally:
+            link.cache.pool.free(y)
+
+
+# ---------------------------------------------------------------------------------------------
+# The sender's deadline.
+
+def test_wait_for_save_times_out_while_the_receiver_cannot_ack(link):
+    """Here is the sender: with the far receiver stopped (SIGSTOP) it cannot acknowledge the
+    final message, so wait_for_save raises TimeoutError naming the request, the peer and its
+    deadline; the stream is still OPEN, and completes once the receiver runs again."""
+    with link.request(2) as (dst, src):  # far receives into dst, near sends from src
+        link.raw[:, src] = pattern(1212, L, 2, BLOCK)
+        link.far.call("expect", "near", "t-timeout", dst)
+        stream = link.near.stream_to("far", src, dst, "t-timeout")
+        for i in range(L):
+            stream.save_layer(i)
+        link.far.pause()
+        try:
+            stream.finish(b"late")
+            start = time.monotonic()
+            with pytest.raises(TimeoutError) as excinfo:
+                stream.wait_for_save(0.3)
+            assert time.monotonic() - start >= 0.3
+            names(excinfo, "'t-timeout'", "'far'", "0.3 s", f"of {L} layers landed")
+            assert stream.state == StreamState.OPEN
+        finally:
+            link.far.resume()
+        stream.wait_for_save(WAIT)
+        assert stream.state == StreamState.DONE
+        assert link.far.call("wait_all", "t-timeout", WAIT) == b"late"
+        np.testing.assert_array_equal(link.far.call("blocks", dst), link.raw[:, src])
+        link.far.call("forget", "t-timeout")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests 5 and 6: a process killed mid-stream.
+
+def test_sigkill_of_the_sender_fails_the_receivers_waits_with_peer_error():
+    """Test 5. The far sender saved 6 layers (they are in, exactly) and is SIGKILLed; the
+    receiver's pending waits (a layer not saved, and wait_all) raise PeerError naming it, long
+    before their 30 s deadline. Nothing else arrives, the load is FAILED, the dead peer is
+    refused, and the receiver's blocks go back to its pool."""
+    link = Link("survivor-r", "doomed-sender")
+    try:
+        src, dst = link.far_ids(4), link.near_ids(4)
+        want = expected(505, 4, range(6))
+        load = link.near.expect("doomed-sender", "t5", dst).start_load()
+        link.far.call("stream_to", "survivor-r", src, dst, "t5")
+        link.far.call("write_layers", 505, list(range(L)), src)
+        link.far.call("save_layers", "t5", list(range(6)))
+        for i in range(6):
+            load.wait_for_layer(i, WAIT)
+            assert_layer(link.raw[i, dst], want[i], i, "before the kill")
+        layer_wait = Background(load.wait_for_layer, 6, LONG)
+        all_wait = Background(load.wait_all, LONG)
+        assert layer_wait.pending() and all_wait.pending()
+
+        killed = time.monotonic()
+        os.kill(link.far.pid, signal.SIGKILL)
+        for waiter in (layer_wait, all_wait):
+            waiter.join(LONG)
+            with pytest.raises(PeerError, match="doomed-sender"):
+                waiter.get()
+            assert waiter.ended_at - killed < PROMPT, "a dead sender went unnoticed"
+        assert load.state == StreamState.FAILED
+        with pytest.raises(PeerError, match="doomed-sender"):
+            load.wait_for_layer(7, WAIT)
+        for i in range(6):
+            assert_layer(link.raw[i, dst], want[i], i, "after the kill")
+        assert not link.raw[6:, dst].any(), "a layer that was never saved arrived"
+        with pytest.raises(PeerError, match="doomed-sender") as excinfo:
+            link.near.expect("doomed-sender", "t5-next", dst)
+        names(excinfo, "failed")
+
+        link.cache.pool.free(dst)
+        assert link.cache.pool.num_free == NUM_BLOCKS
+        link.near.remove_peer("doomed-sender")
+        assert link.near.peers == []
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize("when", ["mid-stream", "awaiting-ack"])
+def test_death_of_the_receiver_fails_wait_for_save_with_peer_error(when):
+    """Test 6. The far receiver is SIGKILLed either after 10 layers landed (the sender then
+    saves the rest, which may already be refused with PeerError) or once every layer landed
+    and the final message waits for its acknowledgement (the receiver is stopped first, so it
+    cannot ack). wait_for_save raises PeerError naming the receiver, long before its deadline;
+    the stream is FAILED, the dead peer refused, and the sender's blocks go back to its pool."""
+    link = Link("survivor-s", f"doomed-{when}")
+    peer = f"doomed-{when}"
+    try:
+        src, dst = link.near_ids(4), link.far_ids(4)
+        for i in range(L):
+            write_layer(link.cache, 606, i, src)
+        link.far.call("expect", "survivor-s", "t6", dst)
+        stream = link.near.stream_to(peer, src, dst, "t6")
+        if when == "mid-stream":
+            for i in range(10):
+                stream.save_layer(i)
+            link.far.call("wait_for_layer", "t6", 9, WAIT)
+            killed = time.monotonic()
+            os.kill(link.far.pid, signal.SIGKILL)
+            try:
+                for i in range(10, L):
+                    stream.save_layer(i)
+            except PeerError as e:
+                assert peer in str(e)
+        else:
+            for i in range(L):
+                stream.save_layer(i)
+            link.far.call("wait_for_layer", "t6", L - 1, WAIT)
+            link.far.pause()
+            stream.finish(b"never-acked")
+            with pytest.raises(TimeoutError):
+                stream.wait_for_save(0.2)
+            killed = time.monotonic()
+            os.kill(link.far.pid, signal.SIGKILL)
+        waiter = Background(stream.wait_for_save, LONG).join(LONG)
+        with pytest.raises(PeerError, match=peer):
+            waiter.get()
+        assert waiter.ended_at - killed < PROMPT, "a dead receiver went unnoticed"
+        assert stream.state == StreamState.FAILED
+        with pytest.raises(PeerError, match=peer):
+            link.near.stream_to(peer, src, dst, "t6-next")
+
+        link.cache.pool.free(src)
+        assert link.cache.pool.num_free == NUM_BLOCKS
+    finally:
+        link.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# One process: two agents, peers of each other.
+
+class Pair:
+    """Agent "a" (16 blocks of random bytes) sends to agent "b" (12 zero blocks), both here;
+    ``a_ref`` / ``b_ref`` are what their caches must hold."""
+
+    def __init__(self) -> None:
+        self.a_cache, self.b_cache = make_cache(LAYOUT, A_BLOCKS), make_cache(LAYOUT, B_BLOCKS)
+        self.a_raw, self.b_raw = raw_view(self.a_cache), raw_view(self.b_cache)
+        self.a_raw[...] = pattern(99, PL, A_BLOCKS, self.a_raw.shape[2])
+        self.a = kvmove.Agent("a", self.a_cache, **TCP)
+        self.b = kvmove.Agent("b", self.b_cache, **TCP)
+        assert self.a.add_peer(self.b.metadata()) == "b"
+        assert self.b.add_peer(self.a.metadata()) == "a"
+        self.a_ref, self.b_ref = self.a_raw.copy(), self.b_raw.copy()
+
+    def start(self, rid: str, src: list[int] = [1, 2, 3], dst: list[int] = [4, 5, 6]
+              ) -> tuple[kvmove.SaveStream, kvmove.LoadStream]:
+        load = self.b.expect("a", rid, dst).start_load()
+        return self.a.stream_to("b", src, dst, rid), load
+
+    def complete(self, stream: kvmove.SaveStream, load: kvmove.LoadStream,
+                 src: list[int] = [1, 2, 3], payload: bytes = b"done",
+                 saved: tuple[int, ...] = ()) -> None:
+        """Saves every layer but ``saved`` (those the test saved already), finishes with
+        ``payload``; the receiver gets it and exactly ``src``'s bytes in its blocks, and
+        nothing else changed on either side."""
+        for i in range(PL):
+            if i not in saved:
+                stream.save_layer(i)
+        stream.finish(payload)
+        stream.wait_for_save(WAIT)
+        assert stream.state == StreamState.DONE
+        assert load.wait_all(WAIT) == payload
+        assert load.state == StreamState.DONE
+        self.landed(src, load.local_ids)
+        self.assert_caches()
+
+    def landed(self, src: list[int], dst: list[int], layers: Any = slice(None)) -> None:
+        """Layers ``layers`` of ``src`` are now in ``dst`` of b."""
+        self.b_ref[layers, dst] = self.a_ref[layers, src]
+
+    def assert_caches(self) -> None:
+        np.testing.assert_array_equal(self.b_raw, self.b_ref)
+        np.testing.assert_array_equal(self.a_raw, self.a_ref)
+
+    def assert_usable(self, rid: str = "after") -> None:
+        """A new stream a -> b completes exactly."""
+        self.complete(*self.start(rid, [7, 8], [0, 11]), src=[7, 8])
+
+    def close(self) -> None:
+        within(15, self.a.close)
+        within(15, self.b.close)
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    p = Pair()
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+# -- stream_to ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("local, remote", [([1, 2], [1]), ([1], [1, 2]), ([], [1])])
+def test_reject_stream_to_with_length_mismatch(pair, local, remote):
+    with pytest.raises(ConfigError, match="cannot pair") as excinfo:
+        pair.a.stream_to("b", local, remote, "r")
+    names(excinfo, f"{len(local)} local blocks", f"{len(remote)} remote blocks", "'b'")
+    pair.assert_usable("r")  # the request id was not taken
+
+
+@pytest.mark.parametrize("bad", [A_BLOCKS, -1, 2**40])
+def test_reject_stream_to_with_local_id_out_of_range(pair, bad):
+    with pytest.raises(BlockError, match="local block") as excinfo:
+        pair.a.stream_to("b", [0, bad], [0, 1], "r")
+    names(excinfo, bad, f"[0, {A_BLOCKS})")
+    pair.assert_usable("r")
+
+
+@pytest.mark.parametrize("bad", [B_BLOCKS, -1])
+def test_reject_stream_to_with_remote_id_out_of_range(pair, bad):
+    with pytest.raises(BlockError) as excinfo:
+        pair.a.stream_to("b", [0, 1], [0, bad], "r")
+    names(excinfo, f"block {bad} of 'b'", f"[0, {B_BLOCKS})")
+    pair.assert_usable("r")
+
+
+def test_reject_stream_to_with_duplicate_destination(pair):
+    with pytest.raises(BlockError, match="appears twice") as excinfo:
+        pair.a.stream_to("b", [1, 2, 3], [4, 9, 4], "r")
+    names(excinfo, "destination block 4")
+    pair.assert_usable("r")
+
+
+def test_stream_to_with_duplicate_sources_is_allowed(pair):
+    """Two destinations may be filled from one source block (no race: nothing is written
+    twice)."""
+    stream, load = pair.start("dup", [5, 5, 2], [0, 1, 2])
+    pair.complete(stream, load, src=[5, 5, 2])
+
+
+def test_reject_stream_to_unknown_peer(pair):
+    with pytest.raises(PeerError, match="unknown peer") as excinfo:
+        pair.a.stream_to("nobody", [1], [1], "r")
+    names(excinfo, "'nobody'", "'a'")
+    pair.assert_usable("r")
+
+
+def test_reject_stream_to_and_expect_of_a_removed_peer(pair):
+    pair.a.remove_peer("b")
+    pair.b.remove_peer("a")
+    with pytest.raises(PeerError, match="unknown peer 'b'"):
+        pair.a.stream_to("b", [1], [1], "r")
+    with pytest.raises(PeerError, match="unknown peer 'a'"):
+        pair.b.expect("a", "r", [1])
+    assert pair.a.add_peer(pair.b.metadata()) == "b"
+    assert pair.b.add_peer(pair.a.metadata()) == "a"
+    pair.assert_usable("r")
+
+
+@pytest.mark.parametrize("rid, nbytes", [("", 0), ("x" * 257, 257), ("é" * 129, 258)],
+                         ids=["empty", "257-ascii", "129-chars-258-bytes"])
+def test_reject_bad_request_id(pair, rid, nbytes):
+    """The limit is 1..256 bytes (UTF-8), on both sides."""
+    with pytest.raises(ConfigError, match="request_id") as excinfo:
+        pair.a.stream_to("b", [1], [1], rid)
+    names(excinfo, "1..256 bytes", f"got {nbytes}")
+    with pytest.raises(ConfigError, match="request_id") as excinfo:
+        pair.b.expect("a", rid, [1])
+    names(excinfo, "1..256 bytes", f"got {nbytes}")
+    pair.assert_usable()
+
+
+def test_request_id_of_exactly_256_bytes_is_streamed(pair):
+    rid = "é" * 128  # 256 bytes
+    stream, load = pair.start(rid)
+    assert stream.request_id == rid and load.request_id == rid
+    pair.complete(stream, load)
+
+
+def test_reject_a_second_stream_of_the_same_request_to_the_same_peer(pair):
+    """Only the same (peer, request id) is refused, while the first stream runs: the first
+    completes, the id can be streamed to another peer meanwhile, and again to "b" after."""
+    stream, load = pair.start("r")
+    stream.save_layer(0)
+    with pytest.raises(ConfigError, match="already being streamed") as excinfo:
+        pair.a.stream_to("b", [7], [9], "r")
+    names(excinfo, "'r'", "'b'")
+    with kvmove.Agent("c", make_cache(LAYOUT, 4), **TCP) as c:
+        pair.a.add_peer(c.metadata())
+        c.add_peer(pair.a.metadata())
+        other = c.expect("a", "r", [0]).start_load()
+        to_c = pair.a.stream_to("c", [7], [0], "r")
+        for i in range(PL):
+            to_c.save_layer(i)
+        to_c.wait_for_save(WAIT)
+        assert other.wait_all(WAIT) == b""
+        np.testing.assert_array_equal(raw_view(c.cache)[:, 0], pair.a_ref[:, 7])
+        pair.a.remove_peer("c")
+    pair.complete(stream, load, saved=(0,))
+    pair.complete(*pair.start("r", [9], [10]), src=[9])
+
+
+@pytest.mark.parametrize("field", ["num_layers", "head_dim"])
+def test_reject_streams_between_different_layouts(pair, field):
+    with kvmove.Agent("odd", make_cache({**LAYOUT, field: LAYOUT[field] * 2}, 4), **TCP) as odd:
+        pair.a.add_peer(odd.metadata())
+        odd.add_peer(pair.a.metadata())
+        with pytest.raises(ConfigError, match="KV layouts differ") as excinfo:
+            pair.a.stream_to("odd", [1], [1], "r")
+        names(excinfo, "'odd'")
+        with pytest.raises(ConfigError, match="KV layouts differ") as excinfo:
+            odd.expect("a", "r", [1])
+        names(excinfo, "'a'")
+        pair.a.remove_peer("odd")
+    pair.assert_usable("r")
+
+
+def test_reject_stream_to_and_expect_on_a_closed_agent(pair):
+    pair.a.close()
+    with pytest.raises(ConfigError, match="closed") as excinfo:
+        pair.a.stream_to("b", [1], [1], "r")
+    names(excinfo, "'a'")
+    pair.b.close()
+    with pytest.raises(ConfigError, match="closed") as excinfo:
+        pair.b.expect("a", "r", [1])
+    names(excinfo, "'b'")
+
+
+# -- save_layer --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layer", [PL, -1, 2**31, -2**40])
+def test_reject_save_layer_out_of_range(pair, layer):
+    stream, load = pair.start("r")
+    with pytest.raises(ConfigError, match="out of range") as excinfo:
+        stream.save_layer(layer)
+    names(excinfo, f"layer {layer}", f"[0, {PL})")
+    assert stream.layer_times() == [(None, None)] * PL  # nothing was posted
+    pair.complete(stream, load)
+
+
+def test_reject_saving_a_layer_twice(pair):
+    stream, load = pair.start("r")
+    stream.save_layer(3)
+    with pytest.raises(ConfigError, match="already saved") as excinfo:
+        stream.save_layer(3)
+    names(excinfo, "layer 3", "'r'", "'b'")
+    pair.complete(stream, load, saved=(3,))
+
+
+def test_layers_may_be_saved_in_any_order(pair):
+    stream, load = pair.start("r")
+    for i in [5, 0, 11, 3, 1, 10, 2, 9, 4, 8, 6, 7]:
+        stream.save_layer(i)
+    pair.complete(stream, load, saved=tuple(range(PL)))
+
+
+@pytest.mark.skipif(kvmove.cuda_status().built, reason="a CUDA build accepts CUDA events")
+@pytest.mark.parametrize("event", [1, 0xDEAD, "object"], ids=["int", "handle", "object"])
+def test_reject_a_cuda_event_in_a_build_without_cuda(pair, event):
+    class Event:
+        cuda_event = 0xBEEF
+
+    stream, load = pair.start("r")
+    with pytest.raises(CudaError, match="without CUDA") as excinfo:
+        stream.save_layer(2, event=Event() if event == "object" else event)
+    names(excinfo, hex(0xBEEF if event == "object" else event))
+    pair.complete(stream, load)  # layer 2 was not marked saved
+
+
+@pytest.mark.parametrize("event, shown", [("x", "got str"), (1.5, "got float"),
+                                          (True, "got bool"), (b"\x01", "got bytes"),
+                                          (0, "got 0"), (-3, "got -3")])
+def test_reject_bad_event(pair, event, shown):
+    stream, load = pair.start("r")
+    with pytest.raises(ConfigError, match="event") as excinfo:
+        stream.save_layer(0, event=event)
+    names(excinfo, shown)
+    pair.complete(stream, load)
+
+
+def test_reject_an_event_handle_too_large_for_a_pointer(pair):
+    """2**64 is a positive int but no pointer: like every other bad event, a ConfigError that
+    names it (not pybind11's TypeError about incompatible function arguments)."""
+    stream, load = pair.start("r")
+    with pytest.raises(ConfigError, match="event") as excinfo:
+        stream.save_layer(0, event=2**64)
+    names(excinfo, 2**64)
+    pair.complete(stream, load)
+
+
+def test_reject_save_layer_after_finish_and_after_abort(pair):
+    stream, load = pair.start("r")
+    for i in range(PL):
+        stream.save_layer(i)
+    stream.finish(b"p")
+    with pytest.raises(ConfigError, match=r"after finish\(\)") as excinfo:
+        stream.save_layer(0)
+    names(excinfo, "layer 0", "'r'")
+    stream.wait_for_save(WAIT)
+    with pytest.raises(ConfigError, match=r"after finish\(\)"):
+        stream.save_layer(0)  # DONE by now
+    assert load.wait_all(WAIT) == b"p"
+    pair.landed([1, 2, 3], [4, 5, 6])
+
+    stream, load = pair.start("r2")
+    stream.save_layer(0)
+    stream.abort(WAIT)
+    assert stream.state == StreamState.ABORTED
+    with pytest.raises(ConfigError, match=r"after abort\(\)") as excinfo:
+        stream.save_layer(1)
+    names(excinfo, "layer 1", "'r2'")
+    with pytest.raises(TransferError, match="aborted"):
+        load.wait_all(WAIT)
+    assert load.layers_ready() == [i == 0 for i in range(PL)]
+    pair.landed([1, 2, 3], [4, 5, 6], 0)  # abort() returned: layer 0 had landed
+    pair.assert_usable()
+
+
+# -- finish / wait_for_save / abort ------------------------------------------------------------
+
+def test_reject_finish_with_missing_layers(pair):
+    """The message lists the missing layers (the first 8, then "...")."""
+    stream, load = pair.start("r")
+    stream.save_layer(0)
+    stream.save_layer(2)
+    with pytest.raises(ConfigError, match="never saved") as excinfo:
+        stream.finish(b"p")
+    names(excinfo, "'r'", "10 layers were never saved (1, 3, 4, 5, 6, 7, 8, 9, ...)")
+    for i in [1, 3, 4, 5, 6, 7, 8, 9, 10]:
+        stream.save_layer(i)
+    with pytest.raises(ConfigError, match=r"1 layers were never saved \(11\)"):
+        stream.wait_for_save(WAIT)  # finish() without payload: rejected the same way
+    assert stream.state == StreamState.OPEN
+    pair.complete(stream, load, payload=b"p", saved=tuple(range(11)))
+
+
+def test_reject_payload_over_64_kib(pair):
+    stream, load = pair.start("r")
+    for i in range(PL):
+        stream.save_layer(i)
+    with pytest.raises(ConfigError, match="payload") as excinfo:
+        stream.finish(b"x" * (64 * 1024 + 1))
+    names(excinfo, 64 * 1024 + 1, 64 * 1024)
+    pair.complete(stream, load, payload=bytes(range(256)) * 256,  # exactly 64 KiB
+                  saved=tuple(range(PL)))
+
+
+@pytest.mark.parametrize("payload", ["token", 7, None], ids=["str", "int", "None"])
+def test_reject_payload_that_is_not_bytes(pair, payload):
+    stream, load = pair.start("r")
+    with pytest.raises(ConfigError, match="payload must be bytes") as excinfo:
+        stream.finish(payload)
+    names(excinfo, type(payload).__name__)
+    pair.complete(stream, load)
+
+
+@pytest.mark.parametrize("kind", [bytearray, memoryview])
+def test_bytes_like_payload_is_delivered(pair, kind):
+    stream, load = pair.start("r")
+    for i in range(PL):
+        stream.save_layer(i)
+    stream.finish(kind(b"tok\x00en"))
+    stream.wait_for_save(WAIT)
+    assert load.wait_all(WAIT) == b"tok\x00en"
+
+
+def test_reject_finish_twice_and_finish_after_abort(pair):
+    stream, load = pair.start("r")
+    for i in range(PL):
+        stream.save_layer(i)
+    stream.finish(b"first")
+    with pytest.raises(ConfigError, match="already finished") as excinfo:
+        stream.finish(b"second")
+    names(excinfo, "'r'", "'b'")
+    stream.wait_for_save(WAIT)
+    assert load.wait_all(WAIT) == b"first"
+    pair.landed([1, 2, 3], [4, 5, 6])
+
+    stream, load = pair.start("r2")
+    stream.abort(WAIT)
+    with pytest.raises(ConfigError, match="already aborted") as excinfo:
+        stream.finish(b"p")
+    names(excinfo, "'r2'")
+    with pytest.raises(TransferError, match="was aborted") as excinfo:
+        stream.wait_for_save(WAIT)
+    names(excinfo, "'r2'", "'b'")
+    pair.assert_usable()
+
+
+@pytest.mark.parametrize("timeout", [-1.0, float("nan"), float("inf"), 1e7])
+def test_reject_bad_wait_for_save_timeout(pair, timeout):
+    """A rejected wait_for_save must change nothing: in particular it must not finish the
+    stream (with an empty payload) on the way, so finish() still takes the real payload."""
+    stream, load = pair.start("r")
+    for i in range(PL):
+        stream.save_layer(i)
+    with pytest.raises(ConfigError, match="timeout must be in") as excinfo:
+        stream.wait_for_save(timeout)
+    names(excinfo, "1e+06")
+    stream.finish(b"the-token")
+    stream.wait_for_save(WAIT)
+    assert load.wait_all(WAIT) == b"the-token"
+
+
+def test_abort_after_the_stream_failed_does_nothing(pair):
+    """abort() "does nothing when the stream already ended" (the usual cleanup after any error):
+    also when it ended FAILED because its peer went away."""
+    stream, load = pair.start("r")
+    stream.save_layer(0)
+    pair.a.remove_peer("b")
+    with pytest.raises(PeerError, match="was removed") as excinfo:
+        stream.wait_for_save(WAIT)
+    names(excinfo, "'b'")
+    assert stream.state == StreamState.FAILED
+    stream.abort(WAIT)
+    assert stream.state == StreamState.FAILED
+
+
+def test_abort_after_done_does_nothing(pair):
+    stream, load = pair.start("r")
+    pair.complete(stream, load)
+    stream.abort(WAIT)
+    assert stream.state == StreamState.DONE
+    assert load.state == StreamState.DONE
+
+
+def test_abort_right_after_finish_ends_both_sides_the_same_way(pair):
+    """A final already on its way is not recalled; one not yet sent is replaced by the abort.
+    Either way the two sides agree."""
+    stream, load = pair.start("r")
+    for i in range(PL):
+        stream.save_layer(i)
+    stream.finish(b"p")
+    stream.abort(WAIT)
+    pair.landed([1, 2, 3], [4, 5, 6])  # every layer landed before the Final or the Abort
+    if stream.state == StreamState.DONE:
+        assert load.wait_all(WAIT) == b"p"
+    else:
+        assert stream.state == StreamState.ABORTED
+        with pytest.raises(TransferError, match="aborted"):
+            load.wait_all(WAIT)
+    pair.assert_usable()
+
+
+def test_a_fresh_stream_has_no_layer_times(pair):
+    stream, load = pair.start("r")
+    assert (stream.peer, stream.request_id, stream.num_layers) == ("b", "r", PL)
+    assert (load.peer, load.request_id, load.num_layers, load.local_ids) == ("a", "r", PL,
+                                                                              [4, 5, 6])
+    assert stream.layer_times() == [(None, None)] * PL
+    assert load.layer_times() == [None] * PL
+    assert load.layers_ready() == [False] * PL
+    assert load.payload == b""
+    assert "0/12 layers" in repr(load) and "OPEN" in repr(stream)
+    pair.complete(stream, load)
+
+
+# -- expect / start_load / waits ---------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [B_BLOCKS, -1])
+def test_reject_expect_with_id_out_of_range(pair, bad):
+    with pytest.raises(BlockError, match="out of range") as excinfo:
+        pair.b.expect("a", "r", [0, bad])
+    names(excinfo, f"block {bad}", f"[0, {B_BLOCKS})")
+    pair.assert_usable("r")
+
+
+def test_reject_expect_with_a_block_twice(pair):
+    with pytest.raises(BlockError, match="appears twice") as excinfo:
+        pair.b.expect("a", "r", [3, 7, 3])
+    names(excinfo, "block 3")
+    pair.assert_usable("r")
+
+
+def test_reject_expect_from_unknown_peer(pair):
+    with pytest.raises(PeerError, match="unknown peer") as excinfo:
+        pair.b.expect("nobody", "r", [1])
+    names(excinfo, "'nobody'", "'b'")
+    pair.assert_usable("r")
+
+
+@pytest.mark.parametrize("wait", ["wait_for_layer", "wait_all"])
+def test_reject_waiting_before_start_load(pair, wait):
+    load = pair.b.expect("a", "r", [4, 5, 6])
+    stream = pair.a.stream_to("b", [1, 2, 3], [4, 5, 6], "r")
+    stream.save_layer(0)
+    args = (0, WAIT) if wait == "wait_for_layer" else (WAIT,)
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"call start_load\(\) before waiting") as excinfo:
+        getattr(load, wait)(*args)
+    assert time.monotonic() - start < 1.0  # refused, not waited for
+    names(excinfo, "'r'")
+    load.start_load()
+    pair.complete(stream, load, saved=(0,))
+
+
+def test_reject_start_load_twice(pair):
+    stream, load = pair.start("r")
+    with pytest.raises(ConfigError, match="already called") as excinfo:
+        load.start_load()
+    names(excinfo, "'r'", "'a'")
+    pair.complete(stream, load)
+
+
+def test_reject_a_second_load_of_the_same_request(pair):
+    stream, load = pair.start("r")
+    second = pair.b.expect("a", "r", [4, 5, 6])
+    with pytest.raises(ConfigError, match="already being loaded") as excinfo:
+        second.start_load()
+    names(excinfo, "'r'", "'a'")
+    pair.complete(stream, load)
+
+
+@pytest.mark.parametrize("layer", [PL, -1])
+def test_reject_wait_for_layer_out_of_range(pair, layer):
+    stream, load = pair.start("r")
+    with pytest.raises(ConfigError, match="out of range") as excinfo:
+        load.wait_for_layer(layer, WAIT)
+    names(excinfo, f"layer {layer}", f"[0, {PL})")
+    pair.complete(stream, load)
+
+
+@pytest.mark.parametrize("timeout", [-1.0, float("nan"), float("inf")])
+def test_reject_bad_load_wait_timeout(pair, timeout):
+    stream, load = pair.start("r")
+    for wait, args in ((load.wait_for_layer, (0, timeout)), (load.wait_all, (timeout,))):
+        with pytest.raises(ConfigError, match="timeout must be in") as excinfo:
+            wait(*args)
+        names(excinfo, "1e+06")
+    pair.complete(stream, load)
+
+
+def test_load_waits_time_out_and_the_load_goes_on(pair):
+    stream, load = pair.start("r")
+    stream.save_layer(0)
+    load.wait_for_layer(0, WAIT)
+    with pytest.raises(TimeoutError) as excinfo:
+        load.wait_for_layer(4, 0.05)
+    names(excinfo, "layer 4", "'r'", "'a'", "0.05 s", f"1 of {PL} layers")
+    with pytest.raises(TimeoutError) as excinfo:
+        load.wait_all(0.05)
+    names(excinfo, "'r'", f"1 of {PL} layers in")
+    assert load.state == StreamState.OPEN
+    pair.complete(stream, load, saved=(0,))
+
+
+def test_cancel_wakes_waiters_and_refuses_start_load(pair):
+    stream, load = pair.start("r")
+    waiter = Background(load.wait_for_layer, 1, LONG)
+    assert waiter.pending()
+    start = time.monotonic()
+    load.cancel()
+    waiter.join(LONG)
+    with pytest.raises(TransferError, match="cancelled by the receiver") as excinfo:
+        waiter.get()
+    names(excinfo, "'r'")
+    assert waiter.ended_at - start < PROMPT
+    assert load.state == StreamState.FAILED
+    with pytest.raises(ConfigError, match="already called"):
+        load.start_load()
+    unstarted = pair.b.expect("a", "r-other", [0])
+    unstarted.cancel()
+    with pytest.raises(ConfigError, match=r"after cancel\(\)") as excinfo:
+        unstarted.start_load()
+    names(excinfo, "'r-other'")
+    stream.abort(WAIT)  # the sender was not told; end it before its blocks are reused
+    pair.assert_usable()
+
+
+def test_closing_the_receiver_wakes_its_waiters(pair):
+    """layer_stream.h: the agent closing wakes every waiter with an exception."""
+    stream, load = pair.start("r")
+    waiter = Background(load.wait_all, LONG)
+    assert waiter.pending()
+    start = time.monotonic()
+    within(15, pair.b.close)
+    waiter.join(LONG)
+    with pytest.raises(TransferError, match="closed"):
+        waiter.get()
+    assert waiter.ended_at - start < PROMPT
+    assert load.state == StreamState.FAILED
+
+
+def test_closing_the_sender_fails_its_open_streams(pair):
+    stream, load = pair.start("r")
+    stream.save_layer(0)
+    within(15, pair.a.close)
+    assert stream.state == StreamState.FAILED
+    with pytest.raises(ConfigError, match="closed"):
+        stream.save_layer(1)
+    with pytest.raises(KVMoveError, match="closed"):
+        within(WAIT, stream.wait_for_save, WAIT)
+
+
+def test_dropped_streams_are_aborted_and_cancelled(pair):
+    """Test 11, in this process: a SaveStream dropped while open (del + gc.collect()) is
+    aborted, so the load's wait raises TransferError; a LoadStream dropped while open is
+    cancelled, so its request can be loaded again."""
+    stream, load = pair.start("r")
+    stream.save_layer(0)
+    del stream
+    gc.collect()
+    with pytest.raises(TransferError, match="aborted by its sender 'a'"):
+        load.wait_all(WAIT)
+    assert load.layers_ready() == [i == 0 for i in range(PL)]
+    pair.landed([1, 2, 3], [4, 5, 6], 0)
+
+    dropped = pair.b.expect("a", "r2", [4, 5, 6]).start_load()
+    del dropped
+    gc.collect()
+    load = pair.b.expect("a", "r2", [4, 5, 6]).start_load()  # not "already being loaded"
+    pair.complete(pair.a.stream_to("b", [1, 2, 3], [4, 5, 6], "r2"), load)
+
+
+# -- a request id used again -------------------------------------------------------------------
+
+@pytest.mark.parametrize("first", ["load-cancelled", "never-expected"])
+def test_a_reused_request_id_waits_for_the_new_streams_layers(pair, first):
+    """Test 9, reuse after a stream nobody loaded. The first stream of request "r" finished
+    (DONE) while the receiver had cancelled its load (or never expected it). Then "r" is
+    streamed again into the same blocks with new data, and the receiver expects it again: the
+    new load must wait for the *new* stream's layers and payload. Layers the new stream has
+    not saved yet cannot be in, and the old payload is not the new one."""
+    dst = [4, 5, 6]
+    if first == "load-cancelled":
+        pair.b.expect("a", "r", dst).start_load().cancel()
+    old = pair.a.stream_to("b", [1, 2, 3], dst, "r")
+    for i in range(PL):
+        old.save_layer(i)
+    old.finish(b"old")
+    old.wait_for_save(WAIT)
+    assert old.state == StreamState.DONE
+
+    new = pair.a.stream_to("b", [7, 8, 9], dst, "r")
+    new.save_layer(0)
+    # Unclaimed messages of "r" wait for a start_load(), and a newer stream's first message
+    # replaces an older stream's. Which stream a load started *before* that message arrives
+    # takes is not knowable, so let it arrive: a sender's messages arrive in order, and a
+    # whole stream sent after it has been received.
+    sync, sync_load = pair.start("r-sync", [10], [11])
+    for i in range(PL):
+        sync.save_layer(i)
+    sync.wait_for_save(WAIT)
+    sync_load.wait_all(WAIT)
+    pair.landed([10], [11])
+    load = pair.b.expect("a", "r", dst).start_load()
+    assert load.layers_ready()[1:] == [False] * (PL - 1), \
+        "layers the new stream never saved are reported ready (the old stream's messages)"
+    assert load.state == StreamState.OPEN
+    assert load.payload == b""
+    load.wait_for_layer(0, WAIT)
+    np.testing.assert_array_equal(pair.b_raw[0, dst], pair.a_ref[0, [7, 8, 9]])
+    pair.landed([1, 2, 3], dst)  # the old stream's bytes
+    pair.complete(new, load, src=[7, 8, 9], payload=b"new", saved=(0,))
