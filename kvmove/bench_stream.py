@@ -125,10 +125,10 @@ class Iteration:
         return 1.0 - self.stream_exposed_seconds / self.bulk_transfer_seconds
 
     @property
-    def streamed_transfer_seconds_per_layer(self) -> float:
-        """Per-layer transfer time while the compute ran: the median from posting a layer
-        to its landing (over tcp, where puts queue, including the wait behind earlier ones)."""
-        return streamed_layer_seconds(self.transfer)
+    def layer_latency_seconds(self) -> float:
+        """Median over layers of landed - posted: how long after its post a layer was in
+        place (while the compute and other layers shared the machine)."""
+        return layer_latency(self.transfer)
 
     @property
     def compute_slowdown(self) -> float:
@@ -181,7 +181,8 @@ class StreamReport:
             "compute_ms_per_layer": self.compute_ms_per_layer,
             "matmuls_per_layer": self.matmuls_per_layer,
             "transfer_ms_per_layer": self.transfer_ms_per_layer,
-            "streamed_transfer_ms_per_layer": m.streamed_transfer_seconds_per_layer * 1e3,
+            "compute_over_transfer": self.compute_ms_per_layer / self.transfer_ms_per_layer,
+            "layer_latency_ms": m.layer_latency_seconds * 1e3,
             "prefill_compute_ms": m.stream_compute_seconds * 1e3,
             "bulk_transfer_ms": m.bulk_transfer_seconds * 1e3,
             "exposed_ms": m.stream_exposed_seconds * 1e3,
@@ -193,8 +194,7 @@ class StreamReport:
             "save_layer_us_max": max(m.save_layer_seconds) * 1e6,
             "verified": self.verified,
             "iterations": [{**asdict(it), "hidden_fraction": it.hidden_fraction,
-                            "streamed_transfer_ms_per_layer":
-                                it.streamed_transfer_seconds_per_layer * 1e3,
+                            "layer_latency_ms": it.layer_latency_seconds * 1e3,
                             "compute_slowdown": it.compute_slowdown, "speedup": it.speedup}
                            for it in self.iterations],
             "wall_seconds": self.wall_seconds,
@@ -251,12 +251,8 @@ class Streamed:
     def compute_seconds(self) -> float:
         return self.compute[-1][1] - self.compute[0][0]
 
-    @property
-    def transfer_seconds_per_layer(self) -> float:
-        return streamed_layer_seconds(self.transfer)
 
-
-def streamed_layer_seconds(transfer: tuple[tuple[float, float], ...]) -> float:
+def layer_latency(transfer: tuple[tuple[float, float], ...]) -> float:
     """Median over layers of landed - posted."""
     return statistics.median(landed - posted for posted, landed in transfer)
 
@@ -310,23 +306,45 @@ class StreamPair:
 
     def bulk(self) -> Bulk:
         """Every layer's compute, then one write of all of them with a notification."""
-        timeout, tag = self.config.timeout, self._tag("bulk").encode()
+        tag = self.prepare_bulk()
+        timing = self.run_bulk(tag)
+        return self.verify_bulk(tag, timing)
+
+    def streamed(self) -> Streamed:
+        """Each layer's compute then ``save_layer``; ``finish`` and ``wait_for_save``."""
+        request_id = self.prepare_streamed()
+        return self.verify_streamed(self.run_streamed(request_id))
+
+    # The three steps of each hand-off, for callers that time only the middle one.
+
+    def prepare_bulk(self) -> bytes:
         self.peer.call("wipe", self.dst)
+        return self._tag("bulk").encode()
+
+    def run_bulk(self, tag: bytes) -> tuple[float, float]:
+        """(compute seconds, transfer seconds)."""
         start = time.monotonic()
         for _ in range(self.layout.num_layers):
             self.compute.layer()
         computed = time.monotonic()
-        self.near.agent.write(FAR, self.src, self.dst, notify=tag).wait(timeout)
-        done = time.monotonic()
-        bad = self.peer.call("check_after_notification", tag, self.dst, self.src,
-                             self.config.seed, timeout)
-        return Bulk(computed - start, done - computed, bad)
+        self.near.agent.write(FAR, self.src, self.dst, notify=tag).wait(self.config.timeout)
+        return computed - start, time.monotonic() - computed
 
-    def streamed(self) -> Streamed:
-        """Each layer's compute then ``save_layer``; ``finish`` and ``wait_for_save``."""
-        timeout, request_id = self.config.timeout, self._tag("stream")
+    def verify_bulk(self, tag: bytes, timing: tuple[float, float]) -> Bulk:
+        bad = self.peer.call("check_after_notification", tag, self.dst, self.src,
+                             self.config.seed, self.config.timeout)
+        return Bulk(*timing, bad)
+
+    def prepare_streamed(self) -> str:
+        """Wipes the receiver's blocks and has it expect the request; returns the id."""
+        request_id = self._tag("stream")
         self.peer.call("wipe", self.dst)
-        self.peer.send("load", request_id, self.dst, self.src, self.config.seed, timeout)
+        self.peer.send("load", request_id, self.dst, self.src, self.config.seed,
+                       self.config.timeout)
+        return request_id
+
+    def run_streamed(self, request_id: str) -> tuple[Any, list, list, float]:
+        """(stream, compute spans, save_layer seconds, exposed seconds)."""
         stream = self.near.agent.stream_to(FAR, self.src, self.dst, request_id)
         spans, saves = [], []
         for layer in range(self.layout.num_layers):
@@ -336,13 +354,16 @@ class StreamPair:
             saves.append(time.perf_counter() - start)
         computed = time.monotonic()
         stream.finish(payload=b"first-token")
-        stream.wait_for_save(timeout)
-        done = time.monotonic()
+        stream.wait_for_save(self.config.timeout)
+        return stream, spans, saves, time.monotonic() - computed
+
+    def verify_streamed(self, run: tuple[Any, list, list, float]) -> Streamed:
+        stream, spans, saves, exposed = run
         far = self.peer.reply("load")
         if far["payload"] != b"first-token":
             raise BenchError(f"the receiver got payload {far['payload']!r}, sent "
                              "b'first-token'")
-        return Streamed(tuple(spans), done - computed, tuple(saves),
+        return Streamed(tuple(spans), exposed, tuple(saves),
                         tuple(tuple(t) for t in stream.layer_times()), tuple(far["arrived"]),
                         far["mismatches"])
 

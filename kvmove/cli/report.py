@@ -135,14 +135,12 @@ def format_stream(report: StreamReport) -> str:
         f" blocks, {per_layer:,} B per layer, {report.nbytes:,} B in all; transports "
         f"{transports}, error mode {config.error_mode}; median of {config.iters} iterations "
         f"(by hidden fraction) after a warm-up, every byte verified on the receiving side")
-    streamed_ms = m.streamed_transfer_seconds_per_layer * 1e3
-    regime = ("the compute is the longer: the target applies" if
-              report.compute_ms_per_layer >= streamed_ms else
-              "the transfer is the longer: it cannot all hide, the target does not apply")
+    ratio = report.compute_ms_per_layer / report.transfer_ms_per_layer
     compute = (f"simulated prefill: {report.matmuls_per_layer} float32 {MATMUL_N}x{MATMUL_N} "
                f"matmuls per layer, {report.compute_ms_per_layer:.2f} ms ({chosen})\n"
-               f"transfer per layer: {report.transfer_ms_per_layer:.2f} ms in bulk, "
-               f"{streamed_ms:.2f} ms while streamed beside the compute ({regime})")
+               f"transfer per layer: {report.transfer_ms_per_layer:.2f} ms in bulk; compute / "
+               f"transfer = {ratio:.2f} (the target applies from 1); streamed, a layer "
+               f"landed {m.layer_latency_seconds * 1e3:.2f} ms (median) after its post")
     head = ["", "bulk", "streamed"]
     rows = [
         ["prefill compute ms", _ms(m.bulk_compute_seconds * 1e3),
