@@ -172,6 +172,52 @@ def test_plot_without_matplotlib_exits_2(tmp_path: Path) -> None:
     assert not (tmp_path / "x.png").exists()
 
 
+# --- stream ---------------------------------------------------------------------------------
+
+STREAM_TINY = ["--model", "llama-3.2-1b", "--tokens", "64", "--iters", "2"]
+
+
+def test_stream_json_reports_every_layer_and_the_hidden_fraction(bench: Bench) -> None:
+    report = _json(bench("stream", *STREAM_TINY, "--compute-ms", "1", "--json"))
+    assert report["verified"] is True
+    assert report["num_layers"] == 16 and report["nbytes"] == TINY_BYTES
+    assert report["compute_ms_per_layer"] == 1.0
+    assert len(report["iterations"]) == 2
+    for it in report["iterations"]:
+        assert it["mismatched_blocks"] == 0
+        assert len(it["compute"]) == len(it["transfer"]) == len(it["arrived"]) == 16
+        for (start, end), (posted, landed), arrived in zip(it["compute"], it["transfer"],
+                                                           it["arrived"]):
+            # a layer is posted after its compute, and both sides see it in after that (one
+            # host, one monotonic clock; which side sees it first is a race)
+            assert start <= end <= posted <= min(landed, arrived)
+        assert it["stream_exposed_seconds"] >= 0 and it["bulk_transfer_seconds"] > 0
+        assert it["hidden_fraction"] == 1 - it["stream_exposed_seconds"] / \
+            it["bulk_transfer_seconds"]
+    assert report["save_layer_us_mean"] > 0
+    assert report["hidden_fraction"] in [it["hidden_fraction"] for it in report["iterations"]]
+
+
+def test_stream_text_and_plot(bench: Bench, tmp_path: Path) -> None:
+    result = bench("stream", *STREAM_TINY, "--plot", "timeline.png")
+    assert result.returncode == 0, result.stderr
+    for text in ("hidden fraction:", "prefill compute ms", "save_layer() call", "16 layers"):
+        assert text in result.stdout
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(("args", "value"), [
+    (["--compute-ratio", "0"], "got 0"), (["--compute-ms", "-1"], "-1"),
+    (["--compute-ratio", "inf"], "inf"), (["--iters", "0"], "got 0"),
+    (["--error-mode", "often"], "often"),
+])
+def test_stream_bad_option_exits_2(bench: Bench, args: list[str], value: str) -> None:
+    result = bench("stream", *args)
+    assert result.returncode == 2, result.stderr
+    assert value in result.stderr and "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
 # --- bad input and failures -----------------------------------------------------------------
 
 @pytest.mark.parametrize(
