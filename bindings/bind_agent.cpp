@@ -97,11 +97,12 @@ void register_agent(py::module_& m) {
                  return a.stream_to(peer, local.values, remote.values, request_id);
              },
              py::arg("peer"), py::arg("local_ids"), py::arg("remote_ids"), py::arg("request_id"),
-             release())
+             py::keep_alive<0, 1>(), release())
         .def("expect",
              [](Agent& a, const std::string& peer, const std::string& request_id,
                 const Ids& local) { return a.expect(peer, request_id, local.values); },
-             py::arg("peer"), py::arg("request_id"), py::arg("local_ids"), release())
+             py::arg("peer"), py::arg("request_id"), py::arg("local_ids"), py::keep_alive<0, 1>(),
+             release())
         .def("notifications",
              [](Agent& a) {
                  py::list out;

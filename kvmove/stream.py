@@ -93,6 +93,11 @@ class SaveStream:
     def state(self) -> StreamState:
         return self._core.state
 
+    @property
+    def error(self) -> str:
+        """Why the stream failed; empty unless FAILED."""
+        return self._core.error
+
     def save_layer(self, layer: int, event: Any = None) -> None:
         """Posts layer ``layer``'s puts and returns at once.
 
@@ -140,7 +145,7 @@ class SaveStream:
             raise TransferError(
                 f"stream of request {self.request_id!r} to {self.peer!r} was aborted")
 
-    def abort(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def abort(self, timeout: float = DEFAULT_TIMEOUT, wait: bool = True) -> None:
         """Stops the stream and tells the receiver the request is cancelled.
 
         No further layer is posted. Returns once the layers already posted have landed (so
@@ -148,12 +153,16 @@ class SaveStream:
         free to reuse) and the abort message is out. Does nothing when the stream already
         ended; a final message already on its way is not recalled.
 
+        With ``wait=False`` it returns at once; ``state`` then tells when it is ABORTED.
+
         Raises:
             TimeoutError: posted layers still in flight after ``timeout`` seconds.
         """
         _C.check_timeout(timeout)
         self._closing = True
         self._core.abort()
+        if not wait:
+            return
         try:
             self._core.wait(timeout)
         except (TransferError, PeerError):
@@ -199,6 +208,11 @@ class LoadStream:
     @property
     def state(self) -> StreamState:
         return self._core.state
+
+    @property
+    def error(self) -> str:
+        """Why the load failed; empty unless FAILED."""
+        return self._core.error
 
     @property
     def payload(self) -> bytes:
