@@ -1,0 +1,204 @@
+"""Continuous batching over a kvmove ``BlockPool``: each step re-forms the batch.
+
+Every step, in order:
+
+1. the running requests (decodes, and prefills still in chunks), oldest first, each taking
+   what it needs (one token, or its next chunk) from the step's token budget. A request that
+   needs a new block and finds none preempts the newest running request (its blocks freed,
+   back to the front of the queue, to be recomputed) until it fits;
+2. waiting requests, first come first served, while the token budget, the sequence limit and
+   the free blocks allow. A new request first takes the longest cached prefix of its prompt
+   (``BlockPool.match``) and computes only the rest. ``allocate`` returning None is
+   back-pressure: the request waits, never dropped.
+
+After the forward pass, ``update`` advances each request and tags its newly full blocks with
+their hashes (``BlockPool.commit``), so that a later request with the same prefix finds them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvmove._C import BlockPool, block_hashes
+from kvmove.engine.request import Request, RequestState
+from kvmove.errors import ConfigError
+
+__all__ = ["Scheduled", "Scheduler", "SchedulerConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Batch limits. ``chunk_size`` splits long prefills across steps (None: whole prompts)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    chunk_size: int | None = 512
+    prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if self.chunk_size is not None and (isinstance(self.chunk_size, bool) or
+                                            not isinstance(self.chunk_size, int) or
+                                            self.chunk_size < 1):
+            raise ConfigError(f"chunk_size must be a positive int or None, got "
+                              f"{self.chunk_size!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Scheduled:
+    """A request's part of one step: ``num_tokens`` from ``request.num_computed`` on."""
+
+    request: Request
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """This step computes the request's last known token, so it samples the next one."""
+        return self.request.num_computed + self.num_tokens == self.request.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int) -> None:
+        self.config = config
+        self.pool = pool
+        self.block_size = block_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # --- requests in and out --------------------------------------------------------------
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    def check_fits(self, request: Request) -> None:
+        """A request that could never fit, even alone, is refused up front (it would wait
+        forever otherwise)."""
+        need = self.blocks_for(len(request.prompt) + request.params.max_tokens)
+        if need > self.pool.num_blocks:
+            raise ConfigError(f"request {request.id!r} needs up to {need} blocks "
+                              f"({len(request.prompt)} prompt + {request.params.max_tokens} "
+                              f"new tokens), the cache has {self.pool.num_blocks}")
+
+    def add(self, request: Request) -> None:
+        self.check_fits(request)
+        request.state = RequestState.WAITING
+        self.waiting.append(request)
+
+    def add_running(self, request: Request) -> None:
+        """A request whose KV is already in its blocks (decode role, after the load)."""
+        request.state = RequestState.RUNNING
+        self.running.append(request)
+
+    def remove(self, request: Request, free: bool = True) -> None:
+        """Takes a request out of the batch; frees its blocks unless ``free`` is False (the
+        caller keeps them, e.g. while they stream out)."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if free:
+            self._release(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # --- one step -------------------------------------------------------------------------
+
+    def schedule(self) -> list[Scheduled]:
+        budget = self.config.max_num_batched_tokens
+        batch: list[Scheduled] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = self._chunk(request, budget)
+            if self._grow(request, request.num_computed + n):
+                batch.append(Scheduled(request, n))
+                budget -= n
+                i += 1
+                continue
+            victim = self.running[-1]  # the newest: the least work lost
+            self._preempt(victim)
+            batch = [s for s in batch if s.request is not victim]
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if not request.blocks and self.config.prefix_caching:
+                self._match_prefix(request)
+            n = self._chunk(request, budget)
+            if not self._grow(request, request.num_computed + n):
+                self._release(request)  # do not sit on matched blocks while queued
+                break
+            self.waiting.popleft()
+            request.state = RequestState.RUNNING
+            self.running.append(request)
+            batch.append(Scheduled(request, n))
+            budget -= n
+        return batch
+
+    def update(self, batch: Iterable[Scheduled]) -> None:
+        """After the forward pass (and sampling): the scheduled tokens are in the cache."""
+        for s in batch:
+            s.request.num_computed += s.num_tokens
+            if self.config.prefix_caching:
+                self._commit(s.request)
+
+    # --- blocks ---------------------------------------------------------------------------
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        n = min(request.num_uncomputed, budget)
+        return min(n, self.config.chunk_size) if self.config.chunk_size else n
+
+    def _grow(self, request: Request, num_tokens: int) -> bool:
+        need = self.blocks_for(num_tokens) - len(request.blocks)
+        if need <= 0:
+            return True
+        ids = self.pool.allocate(need)
+        if ids is None:
+            return False
+        request.blocks += ids
+        return True
+
+    def _release(self, request: Request) -> None:
+        if request.blocks:
+            self.pool.free(request.blocks)
+        request.blocks = []
+        request.num_computed = 0
+        request.num_committed = 0
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.state = RequestState.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _match_prefix(self, request: Request) -> None:
+        """Takes the longest cached prefix, leaving at least one token to compute (its
+        logits give the next token)."""
+        usable = (request.num_tokens - 1) // self.block_size
+        if usable == 0:
+            return
+        hashes = block_hashes(request.tokens[:usable * self.block_size], self.block_size)
+        ids = self.pool.match(hashes)
+        if ids:
+            request.blocks = list(ids)
+            request.num_computed = len(ids) * self.block_size
+            request.num_committed = len(ids)
+            request.num_cached += min(request.num_computed, len(request.prompt))
+
+    def _commit(self, request: Request) -> None:
+        full = request.num_computed // self.block_size
+        if full <= request.num_committed:
+            return
+        hashes = block_hashes(request.tokens[:full * self.block_size], self.block_size)
+        self.pool.commit(request.blocks[request.num_committed:full],
+                         hashes[request.num_committed:])
+        request.num_committed = full

@@ -1,0 +1,284 @@
+"""An engine instance: a model, its paged KV cache in kvmove memory, a scheduler, and a role.
+
+* ``colocated``: prefill and decode in one batch, the baseline whose decode steps stall
+  behind long prefills.
+* ``prefill``: computes prompts (in chunks) and streams each request's KV layer by layer into
+  the blocks a decode worker reserved (``save_layer`` is the model's per-layer hook), sends the
+  first sampled token with the final message, and frees its blocks once the decode side
+  acknowledged it.
+* ``decode``: ``reserve`` blocks for an incoming request (None when full: back-pressure),
+  ``start_load`` from the prefill worker, and once the KV is in, decode it in the batch until
+  EOS, ``max_tokens`` or a stop string.
+
+``step()`` runs one scheduler step and one forward pass, and returns the requests that ended
+in it (for ``prefill``: handed off). Everything is synchronous and single-threaded; kvmove's
+own threads move the bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from typing import Any
+
+from kvmove.agent import Agent
+from kvmove.engine.model import LlamaForCausalLM, SeqChunk
+from kvmove.engine.request import FinishReason, Request, RequestState
+from kvmove.engine.sampling import sample
+from kvmove.engine.scheduler import Scheduled, Scheduler, SchedulerConfig
+from kvmove.errors import ConfigError, KVMoveError
+from kvmove.kv_cache import KVCache
+from kvmove.stream import LoadStream, SaveStream, StreamState
+
+__all__ = ["ROLES", "Worker"]
+
+ROLES = ("colocated", "prefill", "decode")
+_TOKEN = struct.Struct("<q")  # the first token, as the final message's payload
+
+
+class Worker:
+    """One engine instance.
+
+    Args:
+        model: the model (its config gives the KV layout).
+        role: one of ``ROLES``.
+        num_blocks: KV cache size in blocks of ``block_size`` tokens.
+        scheduler: batch limits, chunked prefill, prefix caching.
+        tokenizer: decodes output for stop strings (``decode(ids) -> str``); None: stop
+            strings are refused.
+        name: the kvmove agent's name (prefill and decode roles).
+        agent_kwargs: passed to ``kvmove.Agent`` (``transports``, ``error_mode``...).
+        transfer_timeout: seconds a KV hand-off may take before it is abandoned.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, *, role: str = "colocated",
+                 num_blocks: int = 1024, block_size: int = 16,
+                 scheduler: SchedulerConfig | None = None, tokenizer: Any = None,
+                 name: str | None = None, agent_kwargs: dict[str, Any] | None = None,
+                 transfer_timeout: float = 60.0) -> None:
+        if role not in ROLES:
+            raise ConfigError(f"role must be one of {ROLES}, got {role!r}")
+        self.model = model
+        self.role = role
+        self.tokenizer = tokenizer
+        self.transfer_timeout = transfer_timeout
+        self.cache = KVCache(model.config.kv_layout(block_size), num_blocks)
+        self.kv = self.cache.torch()
+        self.scheduler = Scheduler(scheduler or SchedulerConfig(), self.cache.pool, block_size)
+        self.agent = (Agent(name or f"{role}-worker", self.cache, **(agent_kwargs or {}))
+                      if role != "colocated" else None)
+        self.sending: dict[str, tuple[Request, SaveStream]] = {}   # prefill: KV going out
+        self.loading: dict[str, tuple[Request, LoadStream]] = {}   # decode: KV coming in
+        self._handoff: dict[str, tuple[str, list[int]]] = {}       # prefill: where it goes
+        self._quarantine: list[tuple[float, list[int]]] = []       # blocks a peer may still write
+        self.num_steps = 0
+
+    # --- requests in ----------------------------------------------------------------------
+
+    def add_request(self, request: Request, *, decode_peer: str | None = None,
+                    remote_blocks: list[int] | None = None) -> None:
+        """Queues a request (colocated and prefill roles). A prefill worker also needs where
+        its KV goes: the decode worker's agent name and the blocks it reserved."""
+        if self.role == "decode":
+            raise ConfigError("a decode worker takes requests through reserve()/start_load()")
+        self._check(request)
+        if self.role == "prefill":
+            need = self.scheduler.blocks_for(len(request.prompt))
+            if decode_peer is None or remote_blocks is None or len(remote_blocks) != need:
+                raise ConfigError(f"a prefill worker needs decode_peer and {need} remote_blocks "
+                                  f"for request {request.id!r}, got {decode_peer!r} and "
+                                  f"{None if remote_blocks is None else len(remote_blocks)}")
+            self._handoff[request.id] = (decode_peer, list(remote_blocks))
+        self.scheduler.add(request)
+
+    def reserve(self, request: Request) -> list[int] | None:
+        """Decode role: blocks for the request's prompt KV, or None while the cache is full."""
+        if self.role != "decode":
+            raise ConfigError("only a decode worker reserves blocks for incoming KV")
+        self._check(request)
+        ids = self.cache.pool.allocate(self.scheduler.blocks_for(len(request.prompt)))
+        if ids is not None:
+            request.blocks = ids
+            request.state = RequestState.LOADING
+        return ids
+
+    def start_load(self, request: Request, prefill_peer: str) -> None:
+        """Decode role: receive the request's KV from ``prefill_peer`` into its reserved
+        blocks; it joins the decode batch once everything is in."""
+        if not request.blocks:
+            raise ConfigError(f"request {request.id!r} has no reserved blocks: reserve() first")
+        load = self.agent.expect(prefill_peer, request.id, request.blocks).start_load()
+        request.timings.kv_start = time.monotonic()
+        self.loading[request.id] = (request, load)
+
+    def _check(self, request: Request) -> None:
+        if request.params.stop and self.tokenizer is None:
+            raise ConfigError(f"request {request.id!r} has stop strings, and this worker has no "
+                              "tokenizer to find them with")
+        self.scheduler.check_fits(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduler.has_work or self.sending or self.loading)
+
+    # --- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """One scheduler step and forward pass; returns the requests that ended."""
+        ended = self._poll_transfers()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return ended
+        self.num_steps += 1
+        streams = self._open_streams(batch) if self.role == "prefill" else []
+        hook = None
+        if streams:
+            def hook(layer: int) -> None:
+                for stream in streams:
+                    try:
+                        stream.save_layer(layer)
+                    except KVMoveError:
+                        pass  # the stream failed (its peer died): polling ends the request
+        seqs = [SeqChunk(s.request.tokens[s.request.num_computed:
+                                          s.request.num_computed + s.num_tokens],
+                         s.request.num_computed, s.request.blocks) for s in batch]
+        logits = self.model(seqs, self.kv, hook)
+        sampling = [(i, s) for i, s in enumerate(batch) if s.samples]
+        tokens = sample(logits[[i for i, _ in sampling]], [s.request for _, s in sampling])
+        self.scheduler.update(batch)
+        now = time.monotonic()
+        for (_, s), token in zip(sampling, tokens):
+            ended += self._emit(s.request, token, now)
+        return ended
+
+    def run(self, max_steps: int = 1_000_000) -> list[Request]:
+        """Steps until nothing is left to do; returns every request that ended."""
+        ended: list[Request] = []
+        for _ in range(max_steps):
+            if not self.has_work:
+                return ended
+            ended += self.step()
+        raise ConfigError(f"still busy after {max_steps} steps")
+
+    def _emit(self, request: Request, token: int, now: float) -> list[Request]:
+        request.output.append(token)
+        if request.timings.first_token is None:
+            request.timings.first_token = now
+        request.timings.tokens.append(now)
+        if self.role == "prefill":
+            self.scheduler.remove(request, free=False)  # the blocks stream out until acked
+            request.state = RequestState.HANDING_OFF
+            if request.id not in self.sending:  # its stream could not open
+                self.cache.pool.free(request.blocks)
+                request.blocks = []
+                request.finish(FinishReason.ABORT, request.error)
+                return [request]
+            try:
+                self.sending[request.id][1].finish(payload=_TOKEN.pack(token))
+            except KVMoveError:
+                pass  # the stream failed: polling ends the request
+            return []
+        reason = self._stop_reason(request, token)
+        if reason is None:
+            return []
+        request.finish(reason)
+        self.scheduler.remove(request)
+        return [request]
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.params
+        if self.tokenizer is not None:
+            request.text = self.tokenizer.decode(request.output)
+            for stop in params.stop:
+                cut = request.text.find(stop)
+                if cut >= 0:
+                    request.text = request.text[:cut]
+                    return FinishReason.STOP
+        if not params.ignore_eos and token == self.model.config.eos_token_id:
+            return FinishReason.STOP
+        if len(request.output) >= params.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    # --- KV hand-offs ---------------------------------------------------------------------
+
+    def _open_streams(self, batch: list[Scheduled]) -> list[SaveStream]:
+        """A stream for each request whose last prompt chunk runs now: its layers are saved
+        as this forward pass writes them."""
+        streams = []
+        for s in batch:
+            request = s.request
+            if not s.samples or request.id in self.sending:
+                continue
+            peer, remote = self._handoff.pop(request.id)
+            try:
+                stream = self.agent.stream_to(peer, request.blocks, remote, request.id)
+            except KVMoveError as error:
+                request.error = f"cannot stream to {peer!r}: {error}"
+                continue
+            request.timings.kv_start = time.monotonic()
+            self.sending[request.id] = (request, stream)
+            streams.append(stream)
+        return streams
+
+    def _poll_transfers(self) -> list[Request]:
+        now = time.monotonic()
+        ended = [r for r in self._poll_sending(now)] + [r for r in self._poll_loading(now)]
+        kept = []
+        for release_at, blocks in self._quarantine:
+            if now >= release_at:
+                self.cache.pool.free(blocks)
+            else:
+                kept.append((release_at, blocks))
+        self._quarantine = kept
+        return ended
+
+    def _poll_sending(self, now: float) -> list[Request]:
+        ended = []
+        for rid, (request, stream) in list(self.sending.items()):
+            state = stream.state
+            if state == StreamState.OPEN and now - request.timings.kv_start > self.transfer_timeout:
+                stream.abort(wait=False)
+                continue
+            if state == StreamState.OPEN:
+                continue
+            del self.sending[rid]
+            request.timings.kv_end = now
+            self.cache.pool.free(request.blocks)
+            request.blocks = []
+            if state == StreamState.DONE:
+                request.finish(FinishReason.HANDED_OFF)
+            else:
+                request.finish(FinishReason.ABORT, stream.error or f"stream {state.name}")
+            ended.append(request)
+        return ended
+
+    def _poll_loading(self, now: float) -> list[Request]:
+        ended = []
+        for rid, (request, load) in list(self.loading.items()):
+            state = load.state
+            if state == StreamState.OPEN and now - request.timings.kv_start <= self.transfer_timeout:
+                continue
+            del self.loading[rid]
+            request.timings.kv_end = now
+            if state == StreamState.DONE:
+                request.num_computed = len(request.prompt)
+                self.scheduler.add_running(request)
+                ended += self._emit(request, _TOKEN.unpack(load.payload)[0], now)
+                continue
+            if state == StreamState.OPEN:  # abandoned: the sender may still write a while
+                load.cancel()
+                self._quarantine.append((now + self.transfer_timeout, request.blocks))
+                request.finish(FinishReason.ABORT, f"KV of {rid!r} not in after "
+                                                   f"{self.transfer_timeout:g} s")
+            else:
+                self.cache.pool.free(request.blocks)
+                request.finish(FinishReason.ABORT, load.error or f"load {state.name}")
+            request.blocks = []
+            ended.append(request)
+        return ended
+
+    def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
+
