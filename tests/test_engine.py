@@ -236,3 +236,25 @@ def test_bad_worker_arguments_are_refused(model) -> None:
         worker.reserve(Request("r", [1, 2]))
     with pytest.raises(ConfigError, match="empty prompt"):
         Request("e", [])
+
+
+def test_a_dead_prefill_worker_ends_its_requests_on_the_decode_side() -> None:
+    """The decode worker reserved blocks and is loading; the prefill process is SIGKILLed:
+    the request ends (abort, naming the peer) instead of waiting forever, and its blocks come
+    back."""
+    kwargs = {"num_blocks": 64, "block_size": BLOCK, "agent_kwargs": TCP}
+    prefill = WorkerProcess("prefill", SEED, **kwargs)
+    decode = WorkerProcess("decode", SEED, timeout=30.0, **kwargs)
+    try:
+        decode.call("connect", *prefill.address)
+        params = {"max_tokens": 4, "ignore_eos": True}
+        assert decode.call("reserve", "doomed", prompts()[4], params) is not None
+        decode.call("load", "doomed", "prefill")
+        prefill.process.kill()
+        ended = decode.wait_ended(["doomed"])["doomed"]
+        assert ended["reason"] == "abort"
+        assert "prefill" in ended["error"], ended
+        assert decode.call("free_blocks") == 64
+    finally:
+        decode.stop()
+        prefill.stop()
