@@ -224,6 +224,38 @@ def test_stream_bad_option_exits_2(bench: Bench, args: list[str], value: str) ->
     assert result.stdout == ""
 
 
+# --- engine ---------------------------------------------------------------------------------
+
+ENGINE_TINY = ["--model", "tiny", "--prompt-tokens", "64", "--context-tokens", "32",
+               "--decode-batch-sizes", "1", "2", "--iters", "1"]
+
+
+def test_engine_json_has_prefill_and_decode_against_batch_1(bench: Bench) -> None:
+    report = _json(bench("engine", *ENGINE_TINY, "--json"))
+    assert report["prefill"]["num_tokens"] == 64 and report["prefill"]["tokens_per_s"] > 0
+    assert [row["batch_size"] for row in report["decode"]] == [1, 2]
+    first, second = report["decode"]
+    assert first["tokens_per_s_vs_batch_1"] == 1.0
+    assert second["tokens_per_s_vs_batch_1"] == second["tokens_per_s"] / first["tokens_per_s"]
+
+
+def test_engine_text(bench: Bench) -> None:
+    result = bench("engine", *ENGINE_TINY)
+    assert result.returncode == 0, result.stderr
+    assert "asymmetry:" in result.stdout and "tiny Llama" in result.stdout
+
+
+@pytest.mark.parametrize(("args", "value"), [
+    (["--model", "huge"], "huge"), (["--decode-batch-sizes", "0"], "got 0"),
+    (["--prompt-tokens", "-3"], "-3"), (["--iters", "0"], "got 0"),
+])
+def test_engine_bad_option_exits_2(bench: Bench, args: list[str], value: str) -> None:
+    result = bench("engine", *args)
+    assert result.returncode == 2, result.stderr
+    assert value in result.stderr and "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
 # --- bad input and failures -----------------------------------------------------------------
 
 @pytest.mark.parametrize(

@@ -217,6 +217,11 @@ def _fields(config) -> dict:
     return asdict(config)
 
 
+def _with(**overrides: object):
+    config = MODEL_PRESETS["tiny"]
+    return config.__class__(**{**_fields(config), **overrides})
+
+
 @pytest.mark.parametrize("bad", [
     {"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"seed": -1},
     {"stop": ("",)},
@@ -226,12 +231,29 @@ def test_bad_sampling_params_are_refused(bad) -> None:
         SamplingParams(**bad)
 
 
+def test_stop_string_ends_the_request_and_is_cut_from_the_text(model, reference) -> None:
+    out = reference[5]
+    k = next(i for i, t in enumerate(out) if 32 <= t <= 126)  # the first printable ASCII byte
+    stop = chr(out[k])
+    requests, worker = colocated(model, [prompts()[5]],
+                                 SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                stop=(stop,)))
+    request = requests[0]
+    assert request.output == out[:k + 1]
+    assert request.finish_reason is FinishReason.STOP
+    assert request.text == worker.tokenizer.decode(out[:k])
+    assert stop not in request.text
+
+
 def test_bad_worker_arguments_are_refused(model) -> None:
     with pytest.raises(ConfigError, match="role"):
         Worker(model, role="both")
-    worker = Worker(model, num_blocks=16, block_size=BLOCK)
+    worker = Worker(model, num_blocks=16, block_size=BLOCK, tokenizer=None)
+    nameless = Worker(LlamaForCausalLM.random(_with(eos_token_id=65), seed=SEED),
+                      num_blocks=16, block_size=BLOCK)  # EOS among the bytes: no byte tokenizer
+    assert worker.tokenizer is not None and nameless.tokenizer is None
     with pytest.raises(ConfigError, match="stop strings"):
-        worker.add_request(Request("s", [1, 2], SamplingParams(stop=("x",))))
+        nameless.add_request(Request("s", [1, 2], SamplingParams(stop=("x",))))
     with pytest.raises(ConfigError, match="reserve"):
         worker.reserve(Request("r", [1, 2]))
     with pytest.raises(ConfigError, match="empty prompt"):

@@ -6,6 +6,8 @@ Subcommands:
               in the same run, then with the article's links.
     stream    how much of that hand-off layer-wise streaming hides behind a (simulated) prefill:
               bulk vs streamed, between two processes, every byte verified.
+    engine    the reference engine's prefill and decode throughput on this machine, and the
+              asymmetry: decode gains from batching, prefill does not (needs torch).
     plan      what moving one prompt's KV cache costs on each link, and whether to disaggregate
               (arithmetic from the model's layout; nothing is sent).
 
@@ -68,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_transfer(commands)
     _add_stream(commands)
+    _add_engine(commands)
     _add_plan(commands)
     return parser
 
@@ -224,6 +227,45 @@ def _run_stream(args: argparse.Namespace) -> int:
         print("kvmove-bench stream: error: bytes arrived wrong on the receiving side",
               file=sys.stderr)
         return 1
+    return 0
+
+
+# --- engine ---------------------------------------------------------------------------------
+
+
+def _add_engine(commands: argparse._SubParsersAction) -> None:
+    sub = commands.add_parser(
+        "engine", help="the reference engine's prefill and decode throughput here",
+        description="Times LlamaForCausalLM.forward (random weights) on this machine: a long "
+        "prefill, prefills of several prompts at once, and decode steps at several batch "
+        "sizes, each against batch 1 in the same run. Needs torch (kvmove[engine]).")
+    sub.add_argument("--model", default="small", metavar="PRESET",
+                     help="engine model preset: tiny or small (default small)")
+    sub.add_argument("--prompt-tokens", type=int, default=2000,
+                     help="the long prefill's prompt length (default 2000)")
+    sub.add_argument("--decode-batch-sizes", type=int, nargs="+", default=[1, 4, 16],
+                     metavar="N", help="decode batch sizes (default 1 4 16)")
+    sub.add_argument("--context-tokens", type=int, default=512,
+                     help="tokens already in the cache of each decoding sequence (default 512)")
+    sub.add_argument("--iters", type=int, default=5,
+                     help="timed iterations, after one warm-up; the median is shown (default 5)")
+    sub.add_argument("--json", action="store_true", help="print the report as JSON only")
+    sub.set_defaults(run=_run_engine)
+
+
+def _run_engine(args: argparse.Namespace) -> int:
+    try:  # torch is the engine's, not the core's
+        from kvmove import bench_engine
+        from kvmove.cli.report_engine import format_engine
+    except ImportError as error:
+        raise ConfigError(f"kvmove-bench engine needs the engine's dependencies: pip install "
+                          f"kvmove[engine] ({error})") from None
+    config = bench_engine.EngineConfig(
+        model=args.model, prompt_tokens=args.prompt_tokens,
+        decode_batch_sizes=tuple(args.decode_batch_sizes), context_tokens=args.context_tokens,
+        iters=args.iters)
+    report = bench_engine.run(config)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_engine(report))
     return 0
 
 

@@ -103,6 +103,14 @@ class ModelConfig:
                               f"{hf.get('model_type')!r}")
         if hf.get("rope_scaling"):
             raise ConfigError(f"rope_scaling {hf['rope_scaling']!r} is not supported")
+        hf = {k: v for k, v in hf.items() if v is not None}  # null: the default applies
+        rope = hf.get("rope_parameters")  # transformers >= 5 keeps rope_theta in here
+        if rope:
+            if rope.get("rope_type", "default") != "default":
+                raise ConfigError(f"rope_parameters {rope!r}: only the default (unscaled) "
+                                  "rope is supported")
+            if "rope_theta" in rope:
+                hf["rope_theta"] = rope["rope_theta"]
         inverse = {v: k for k, v in cls._HF_NAMES.items()}
         known = {f.name for f in fields(cls)}
         kwargs = {inverse.get(k, k): v for k, v in hf.items() if inverse.get(k, k) in known}
@@ -272,6 +280,11 @@ class LlamaForCausalLM(nn.Module):
         model = cls(config)
         if config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
+        ours = model.state_dict()
+        wrong = [f"{k}: {tuple(v.shape)} in the file, {tuple(ours[k].shape)} for the config"
+                 for k, v in state.items() if k in ours and v.shape != ours[k].shape]
+        if wrong:
+            raise ConfigError(f"{path!r} does not match its config: {wrong[:3]}")
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
         unexpected = [u for u in unexpected if "rotary_emb" not in u]
@@ -352,13 +365,15 @@ class LlamaForCausalLM(nn.Module):
             keys = kv[table, 0].reshape(-1, attn.num_kv_heads, attn.head_dim)[:context]
             values = kv[table, 1].reshape(-1, attn.num_kv_heads, attn.head_dim)[:context]
             n = stop - first
-            # query j (position start + j) sees keys 0 .. start + j
-            mask = torch.arange(context)[None, :] <= torch.arange(start, start + n)[:, None]
+            # query j (position start + j) sees keys 0 .. start + j: a whole prompt is plain
+            # causal, one new token sees everything, a later chunk needs the mask
+            mask = None
+            if 1 < n < context:
+                mask = torch.arange(context)[None, :] <= torch.arange(start, start + n)[:, None]
             out[first:stop] = F.scaled_dot_product_attention(
-                q[first:stop].transpose(0, 1),
-                keys.transpose(0, 1).repeat_interleave(groups, dim=0),
-                values.transpose(0, 1).repeat_interleave(groups, dim=0),
-                attn_mask=mask, scale=1.0 / math.sqrt(attn.head_dim),
+                q[first:stop].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                attn_mask=mask, is_causal=n == context and n > 1,
+                scale=1.0 / math.sqrt(attn.head_dim), enable_gqa=groups > 1,
             ).transpose(0, 1)
         return attn.o_proj(out.reshape(T, -1))
 

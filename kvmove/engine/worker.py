@@ -26,6 +26,7 @@ from kvmove.engine.model import LlamaForCausalLM, SeqChunk
 from kvmove.engine.request import FinishReason, Request, RequestState
 from kvmove.engine.sampling import sample
 from kvmove.engine.scheduler import Scheduled, Scheduler, SchedulerConfig
+from kvmove.engine.tokenizer import load_tokenizer
 from kvmove.errors import ConfigError, KVMoveError
 from kvmove.kv_cache import KVCache
 from kvmove.stream import LoadStream, SaveStream, StreamState
@@ -44,8 +45,9 @@ class Worker:
         role: one of ``ROLES``.
         num_blocks: KV cache size in blocks of ``block_size`` tokens.
         scheduler: batch limits, chunked prefill, prefix caching.
-        tokenizer: decodes output for stop strings (``decode(ids) -> str``); None: stop
-            strings are refused.
+        tokenizer: decodes output for stop strings (``decode(ids) -> str``); None: the byte
+            tokenizer when the model's special ids allow it (``load_tokenizer``), else none,
+            and stop strings are refused.
         name: the kvmove agent's name (prefill and decode roles).
         agent_kwargs: passed to ``kvmove.Agent`` (``transports``, ``error_mode``...).
         transfer_timeout: seconds a KV hand-off may take before it is abandoned.
@@ -60,7 +62,7 @@ class Worker:
             raise ConfigError(f"role must be one of {ROLES}, got {role!r}")
         self.model = model
         self.role = role
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer if tokenizer is not None else _default_tokenizer(model)
         self.transfer_timeout = transfer_timeout
         self.cache = KVCache(model.config.kv_layout(block_size), num_blocks)
         self.kv = self.cache.torch()
@@ -282,3 +284,9 @@ class Worker:
         if self.agent is not None:
             self.agent.close()
 
+
+def _default_tokenizer(model: LlamaForCausalLM) -> Any:
+    try:
+        return load_tokenizer(None, model.config)
+    except ConfigError:  # special ids among the bytes, or a vocabulary under 256
+        return None
