@@ -111,6 +111,7 @@ class Request:
         self.num_cached = 0             # of those, prompt tokens taken from the prefix cache
         self.num_committed = 0          # full blocks tagged with their hash
         self.num_preemptions = 0
+        self.kv_bytes = 0               # KV handed off (prefill role)
         self.timings = Timings()
         self.generator = torch.Generator()
         self.generator.manual_seed(self.params.seed if self.params.seed is not None else

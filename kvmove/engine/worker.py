@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import struct
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvmove.agent import Agent
@@ -51,19 +52,23 @@ class Worker:
         name: the kvmove agent's name (prefill and decode roles).
         agent_kwargs: passed to ``kvmove.Agent`` (``transports``, ``error_mode``...).
         transfer_timeout: seconds a KV hand-off may take before it is abandoned.
+        on_token: called with (request, token) for every token sampled (or received with the
+            KV), as it happens: how a server streams tokens out.
     """
 
     def __init__(self, model: LlamaForCausalLM, *, role: str = "colocated",
                  num_blocks: int = 1024, block_size: int = 16,
                  scheduler: SchedulerConfig | None = None, tokenizer: Any = None,
                  name: str | None = None, agent_kwargs: dict[str, Any] | None = None,
-                 transfer_timeout: float = 60.0) -> None:
+                 transfer_timeout: float = 60.0,
+                 on_token: Callable[[Request, int], None] | None = None) -> None:
         if role not in ROLES:
             raise ConfigError(f"role must be one of {ROLES}, got {role!r}")
         self.model = model
         self.role = role
         self.tokenizer = tokenizer if tokenizer is not None else _default_tokenizer(model)
         self.transfer_timeout = transfer_timeout
+        self.on_token = on_token
         self.cache = KVCache(model.config.kv_layout(block_size), num_blocks)
         self.kv = self.cache.torch()
         self.scheduler = Scheduler(scheduler or SchedulerConfig(), self.cache.pool, block_size)
@@ -167,6 +172,8 @@ class Worker:
         if request.timings.first_token is None:
             request.timings.first_token = now
         request.timings.tokens.append(now)
+        if self.on_token is not None and self.role != "prefill":
+            self.on_token(request, token)
         if self.role == "prefill":
             self.scheduler.remove(request, free=False)  # the blocks stream out until acked
             request.state = RequestState.HANDING_OFF
@@ -246,6 +253,7 @@ class Worker:
                 continue
             del self.sending[rid]
             request.timings.kv_end = now
+            request.kv_bytes = len(request.blocks) * self.cache.layout.bytes_per_block
             self.cache.pool.free(request.blocks)
             request.blocks = []
             if state == StreamState.DONE:

@@ -1,0 +1,116 @@
+"""``kvmove-serve``: a router and its engine worker processes, behind an OpenAI-compatible API.
+
+    kvmove-serve --mode disagg --prefill 1 --decode 1 --model tiny --port 8000
+
+starts one process per engine instance, waits until every one is ready, prints
+``kvmove-serve ready on http://HOST:PORT ...`` and serves until SIGINT or SIGTERM, then stops
+every worker process before exiting (none is left behind: workers also exit by themselves
+when the server process is gone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+from kvmove.errors import ConfigError, KVMoveError
+from kvmove.serve.router import MODES, Router, ServeConfig
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvmove-serve",
+        description="Serve a model with kvmove: colocated, chunked-prefill or disaggregated "
+        "prefill/decode workers behind an OpenAI-compatible API.")
+    p.add_argument("--mode", choices=MODES, default="disagg",
+                   help="colocated: whole-prompt prefill and decode in one batch; chunked: "
+                   "the same with chunked prefill; disagg: prefill and decode workers, KV "
+                   "streamed layer by layer over kvmove (default disagg)")
+    p.add_argument("--workers", type=int, default=2,
+                   help="engine instances for colocated/chunked (default 2)")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (disagg; default 1)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (disagg; default 1)")
+    p.add_argument("--chunk-size", type=int, default=512,
+                   help="prefill chunk in tokens (chunked, and disagg's prefill; default 512)")
+    p.add_argument("--model", default="tiny",
+                   help="engine preset (tiny, small) or a local Hugging Face Llama directory")
+    p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per worker")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="batch size limit per worker")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port, 0 for any (default 8000)")
+    p.add_argument("--control-host", default="127.0.0.1",
+                   help="address of the router's ZeroMQ control plane")
+    p.add_argument("--agent-host", default="127.0.0.1",
+                   help="address the workers' kvmove agents listen on")
+    p.add_argument("--transports", default=None, help="UCX transports for the KV (default: "
+                   "UCX's choice)")
+    p.add_argument("--request-timeout", type=float, default=120.0,
+                   help="seconds a request may go without a token (default 120)")
+    return p
+
+
+def _model_facts(model: str) -> tuple[object, int]:
+    """The tokenizer and context length the router needs (workers load the weights)."""
+    from kvmove.engine.model import MODEL_PRESETS, ModelConfig
+    from kvmove.engine.tokenizer import load_tokenizer
+
+    if model in MODEL_PRESETS:
+        config, path = MODEL_PRESETS[model], None
+    else:
+        config_file = os.path.join(model, "config.json")
+        if not os.path.isfile(config_file):
+            raise ConfigError(f"--model {model!r} is neither a preset nor a directory with a "
+                              "config.json")
+        with open(config_file) as f:
+            config, path = ModelConfig.from_hf(json.load(f)), model
+    return load_tokenizer(path, config), config.max_position_embeddings
+
+
+async def _serve(config: ServeConfig) -> int:
+    import uvicorn
+
+    from kvmove.serve.app import create_app
+
+    tokenizer, max_positions = _model_facts(config.model)
+    name = os.path.basename(config.model.rstrip("/"))
+    router = Router(config)
+    app = create_app(router, tokenizer, name, max_positions)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                           log_level="warning", lifespan="on"))
+    serving = asyncio.create_task(server.serve())
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        roles = ", ".join(f"{n} ({r})" for n, r in config.roles())
+        print(f"kvmove-serve ready on http://{host}:{port} (mode {config.mode}, model {name}, "
+              f"workers: {roles})", flush=True)
+    await serving
+    return 0 if server.started else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        config = ServeConfig(
+            mode=args.mode, workers=args.workers, prefill=args.prefill, decode=args.decode,
+            model=args.model, chunk_size=args.chunk_size, num_blocks=args.num_blocks,
+            block_size=args.block_size, max_num_seqs=args.max_num_seqs, host=args.host,
+            port=args.port, control_host=args.control_host, agent_host=args.agent_host,
+            transports=args.transports, request_timeout=args.request_timeout)
+        return asyncio.run(_serve(config))
+    except ConfigError as error:
+        print(f"kvmove-serve: error: {error}", file=sys.stderr)
+        return 2
+    except KVMoveError as error:
+        print(f"kvmove-serve: error: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,384 @@
+"""The router: worker processes, the ZeroMQ control plane, request placement, metrics.
+
+It binds one ROUTER socket; every worker process (``worker_main``) connects a DEALER socket
+named after itself. Placement:
+
+* ``colocated`` / ``chunked``: the worker with the fewest queued + running requests.
+* ``disagg``: the decode worker with the most free blocks reserves the request's blocks
+  (none free: the request waits in the decode queue and asks again; never dropped); the
+  prefill worker with the fewest requests gets the prompt and where its KV goes; the decode
+  worker starts loading. Prefill streams the KV layer by layer into the reserved blocks
+  (kvmove, not this router), decode generates, and its tokens come back through here.
+
+A worker process that dies is seen within ~0.1 s (its process handle): ``/health`` reports
+it, its requests end with an error event, and the others keep being served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from kvmove.errors import ConfigError, KVMoveError
+from kvmove.serve.metrics import Metrics
+
+__all__ = ["MODES", "Handle", "Router", "ServeConfig", "WorkerInfo"]
+
+MODES = ("colocated", "chunked", "disagg")
+MONITOR_SECONDS = 0.1
+RESERVE_RETRY_SECONDS = 0.02
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What ``kvmove-serve`` runs: the mode, how many workers of each kind, the engine."""
+
+    mode: str = "disagg"
+    workers: int = 2        # colocated / chunked: engine instances
+    prefill: int = 1        # disagg
+    decode: int = 1         # disagg
+    model: str = "tiny"
+    chunk_size: int = 512   # chunked (and the prefill workers of disagg)
+    num_blocks: int = 2048
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    host: str = "127.0.0.1"          # the HTTP server
+    port: int = 8000
+    control_host: str = "127.0.0.1"  # the ZeroMQ control plane
+    agent_host: str = "127.0.0.1"    # where workers' kvmove agents listen
+    transports: str | None = None
+    request_timeout: float = 120.0
+    start_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("workers", "prefill", "decode", "chunk_size", "num_blocks", "block_size",
+                     "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("request_timeout", "start_timeout"):
+            if not 0 < getattr(self, name) < 1e6:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+
+    def roles(self) -> list[tuple[str, str]]:
+        """(worker name, role) for every worker process."""
+        if self.mode == "disagg":
+            return ([(f"prefill-{i}", "prefill") for i in range(self.prefill)] +
+                    [(f"decode-{i}", "decode") for i in range(self.decode)])
+        return [(f"worker-{i}", "colocated") for i in range(self.workers)]
+
+    def pools(self) -> tuple[str, ...]:
+        return ("prefill", "decode") if self.mode == "disagg" else ("colocated",)
+
+
+@dataclass
+class WorkerInfo:
+    name: str
+    role: str
+    process: subprocess.Popen
+    agent: list | None = None
+    ready: bool = False
+    alive: bool = True
+    stats: dict[str, int] = field(default_factory=dict)
+    requests: set[str] = field(default_factory=set)
+
+    @property
+    def load(self) -> int:
+        return len(self.requests)
+
+
+class Handle:
+    """One client request: its tokens arrive in ``events`` as ("token", id) and one
+    ("end", reason, text, error)."""
+
+    def __init__(self, rid: str, prompt: list[int], params: dict) -> None:
+        self.rid, self.prompt, self.params = rid, prompt, params
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.arrival = time.monotonic()
+        self.last_token: float | None = None
+        self.num_tokens = 0
+        self.workers: list[str] = []
+        self.done = False
+        self.kv_seconds: float | None = None
+        self.ttft: float | None = None
+
+
+class Router:
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.workers: dict[str, WorkerInfo] = {}
+        self.handles: dict[str, Handle] = {}
+        self._ids = itertools.count()
+        self._futures: dict[tuple[str, str], asyncio.Future] = {}
+        self._waiting_for_blocks = 0
+        self._tasks: list[asyncio.Task] = []
+        self.context = zmq.asyncio.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        port = self.socket.bind_to_random_port(f"tcp://{config.control_host}")
+        self.endpoint = f"tcp://{config.control_host}:{port}"
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Spawns every worker process and returns once all are ready (and, disaggregated,
+        every decode worker is a kvmove peer of every prefill worker)."""
+        c = self.config
+        for name, role in c.roles():
+            command = [sys.executable, "-m", "kvmove.serve.worker_main", "--name", name,
+                       "--role", role, "--router", self.endpoint, "--model", c.model,
+                       "--num-blocks", str(c.num_blocks), "--block-size", str(c.block_size),
+                       "--chunk-size", str(c.chunk_size if c.mode != "colocated" else 0),
+                       "--max-num-seqs", str(c.max_num_seqs),
+                       "--max-num-batched-tokens", str(c.max_num_batched_tokens),
+                       "--agent-host", c.agent_host]
+            if c.transports:
+                command += ["--transports", c.transports]
+            process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+            self.workers[name] = WorkerInfo(name, role, process)
+        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._monitor())]
+        deadline = time.monotonic() + c.start_timeout
+        while not all(w.ready for w in self.workers.values()):
+            dead = [w.name for w in self.workers.values() if not w.alive]
+            if dead:
+                raise KVMoveError(f"worker processes {dead} exited during start-up")
+            if time.monotonic() > deadline:
+                raise KVMoveError(f"workers not ready after {c.start_timeout:g} s: "
+                                  f"{[w.name for w in self.workers.values() if not w.ready]}")
+            await asyncio.sleep(0.05)
+        for decode in self._alive("decode"):
+            for prefill in self._alive("prefill"):
+                future = self._expect(decode.name, "connect")
+                self._send(decode, {"op": "connect", "host": prefill.agent[0],
+                                    "port": prefill.agent[1]})
+                await asyncio.wait_for(future, c.start_timeout)
+
+    async def stop(self) -> None:
+        """Asks every worker to exit, then terminates, then kills what is left."""
+        for worker in self.workers.values():
+            if worker.alive:
+                try:
+                    self._send(worker, {"op": "shutdown"})
+                except zmq.ZMQError:
+                    pass
+        deadline = time.monotonic() + 10.0
+        for worker in self.workers.values():
+            while worker.process.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            if worker.process.poll() is None:
+                worker.process.terminate()
+                try:
+                    worker.process.wait(3)
+                except subprocess.TimeoutExpired:
+                    worker.process.kill()
+                    worker.process.wait(3)
+        for task in self._tasks:
+            task.cancel()
+        for handle in list(self.handles.values()):
+            self._end(handle, "abort", "", "the server is shutting down")
+        self.socket.close()
+        self.context.term()
+
+    # --- requests -------------------------------------------------------------------------
+
+    def submit(self, prompt: list[int], params: dict) -> Handle:
+        handle = Handle(f"req-{next(self._ids)}", prompt, params)
+        self.handles[handle.rid] = handle
+        self._tasks.append(asyncio.create_task(self._place(handle)))
+        return handle
+
+    async def _place(self, handle: Handle) -> None:
+        try:
+            if self.config.mode == "disagg":
+                await self._place_disaggregated(handle)
+            else:
+                worker = self._least_loaded("colocated")
+                self._assign(handle, worker)
+                self._send(worker, {"op": "add", "rid": handle.rid, "prompt": handle.prompt,
+                                    "params": handle.params})
+        except Exception as error:  # no worker left, or the control plane failed
+            self._end(handle, "abort", "", f"{type(error).__name__}: {error}")
+
+    async def _place_disaggregated(self, handle: Handle) -> None:
+        message = {"rid": handle.rid, "prompt": handle.prompt, "params": handle.params}
+        waiting = False
+        try:
+            while True:
+                decode = max(self._alive("decode"),
+                             key=lambda w: (w.stats.get("free_blocks", 0), -w.load))
+                future = self._expect(decode.name, handle.rid)
+                self._send(decode, {"op": "reserve", **message})
+                blocks = await asyncio.wait_for(future, self.config.request_timeout)
+                if handle.done:
+                    if blocks:
+                        self._send(decode, {"op": "release", "rid": handle.rid})
+                    return
+                if blocks:
+                    break
+                if not waiting:
+                    waiting = True
+                    self._waiting_for_blocks += 1
+                await asyncio.sleep(RESERVE_RETRY_SECONDS)
+        finally:
+            if waiting:
+                self._waiting_for_blocks -= 1
+        prefill = self._least_loaded("prefill")
+        self._assign(handle, decode)
+        self._assign(handle, prefill)
+        self._send(prefill, {"op": "add", **message, "decode_peer": decode.name,
+                             "remote_blocks": blocks})
+        self._send(decode, {"op": "load", "rid": handle.rid, "peer": prefill.name})
+
+    def _alive(self, role: str) -> list[WorkerInfo]:
+        workers = [w for w in self.workers.values() if w.role == role and w.alive and w.ready]
+        if not workers:
+            raise KVMoveError(f"no {role} worker is alive")
+        return workers
+
+    def _least_loaded(self, role: str) -> WorkerInfo:
+        return min(self._alive(role), key=lambda w: (w.load, w.stats.get("waiting", 0)))
+
+    def _assign(self, handle: Handle, worker: WorkerInfo) -> None:
+        handle.workers.append(worker.name)
+        worker.requests.add(handle.rid)
+
+    def _expect(self, worker: str, key: str) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        self._futures[worker, key] = future
+        return future
+
+    def _send(self, worker: WorkerInfo, message: dict) -> None:
+        self.socket.send_multipart([worker.name.encode(), json.dumps(message).encode()],
+                                   flags=zmq.NOBLOCK)
+
+    def _end(self, handle: Handle, reason: str, text: str, error: str | None) -> None:
+        if handle.done:
+            return
+        handle.done = True
+        self.handles.pop(handle.rid, None)
+        for name in handle.workers:
+            self.workers[name].requests.discard(handle.rid)
+        self.metrics.requests.labels(outcome="error" if reason == "abort" else reason).inc()
+        handle.events.put_nowait(("end", reason, text, error))
+
+    # --- events from workers --------------------------------------------------------------
+
+    async def _receive(self) -> None:
+        while True:
+            name, payload = await self.socket.recv_multipart()
+            worker = self.workers.get(name.decode())
+            if worker is not None:
+                self._on_event(worker, json.loads(payload))
+
+    def _on_event(self, worker: WorkerInfo, event: dict) -> None:
+        kind = event["ev"]
+        if kind == "ready":
+            worker.agent, worker.ready = event["agent"], True
+        elif kind == "stats":
+            worker.stats = event
+            self._update_gauges()
+        elif kind == "connected":
+            self._resolve(worker.name, "connect", event["peer"])
+        elif kind == "reserved":
+            self._resolve(worker.name, event["rid"], event["blocks"])
+        elif kind == "tokens":
+            now = time.monotonic()
+            for rid, token in event["items"]:
+                handle = self.handles.get(rid)
+                if handle is None:
+                    continue
+                if handle.last_token is None:
+                    handle.ttft = now - handle.arrival
+                    self.metrics.ttft.observe(handle.ttft)
+                else:
+                    self.metrics.itl.observe(now - handle.last_token)
+                handle.last_token = now
+                handle.num_tokens += 1
+                self.metrics.tokens.inc()
+                handle.events.put_nowait(("token", token))
+        elif kind == "ended":
+            self._on_ended(worker, event)
+
+    def _on_ended(self, worker: WorkerInfo, event: dict) -> None:
+        rid = event["rid"]
+        self._resolve(worker.name, rid, None)  # a failed reserve
+        handle = self.handles.get(rid)
+        worker.requests.discard(rid)
+        if event["reason"] == "handed_off":
+            self.metrics.kv_bytes.inc(event["kv_bytes"])
+            if event["kv_seconds"] is not None:
+                self.metrics.kv_seconds.observe(event["kv_seconds"])
+                if handle is not None:
+                    handle.kv_seconds = event["kv_seconds"]
+            return
+        if handle is None:
+            return
+        if handle.kv_seconds is not None and handle.ttft:
+            self.metrics.kv_share.observe(handle.kv_seconds / handle.ttft)
+        error = event.get("error")
+        if event["reason"] == "abort":
+            error = f"{worker.name}: {error or 'request aborted'}"
+        self._end(handle, event["reason"], event.get("text", ""), error)
+
+    def _resolve(self, worker: str, key: str, value: Any) -> None:
+        future = self._futures.pop((worker, key), None)
+        if future is not None and not future.done():
+            future.set_result(value)
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        for pool in self.config.pools():
+            members = [w for w in self.workers.values() if w.role == pool and w.alive]
+            queue = sum(w.stats.get("waiting", 0) + w.stats.get("loading", 0) for w in members)
+            if pool == "decode":
+                queue += self._waiting_for_blocks
+            m.queue.labels(pool=pool).set(queue)
+            m.running.labels(pool=pool).set(sum(w.stats.get("running", 0) for w in members))
+        for w in self.workers.values():
+            if "free_blocks" in w.stats:
+                m.free_blocks.labels(worker=w.name).set(w.stats["free_blocks"])
+
+    async def _monitor(self) -> None:
+        """A dead worker process: ``/health`` shows it, its requests end with an error."""
+        while True:
+            for worker in self.workers.values():
+                self.metrics.alive.labels(worker=worker.name).set(int(worker.alive))
+                if worker.alive and worker.process.poll() is not None:
+                    worker.alive = False
+                    code = worker.process.returncode
+                    for rid in list(worker.requests):
+                        handle = self.handles.get(rid)
+                        if handle is not None:
+                            self._end(handle, "abort", "",
+                                      f"worker {worker.name} died (exit code {code})")
+                    for (name, key), future in list(self._futures.items()):
+                        if name == worker.name and not future.done():
+                            future.set_exception(KVMoveError(f"worker {name} died"))
+            await asyncio.sleep(MONITOR_SECONDS)
+
+    def health(self) -> dict[str, Any]:
+        workers = [{"name": w.name, "role": w.role, "alive": w.alive, "ready": w.ready,
+                    "pid": w.process.pid, **{k: v for k, v in w.stats.items() if k != "ev"}}
+                   for w in self.workers.values()]
+        serving = all(any(w.alive and w.role == role for w in self.workers.values())
+                      for role in {w.role for w in self.workers.values()})
+        everyone = all(w.alive for w in self.workers.values())
+        status = "ok" if everyone else ("degraded" if serving else "down")
+        return {"status": status, "mode": self.config.mode, "workers": workers}
+
