@@ -48,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="address the workers' kvmove agents listen on")
     p.add_argument("--transports", default=None, help="UCX transports for the KV (default: "
                    "UCX's choice)")
+    p.add_argument("--no-pin-cpus", action="store_true",
+                   help="let workers share every core (default: each worker on its own cores "
+                   "when there are at least as many cores as workers)")
     p.add_argument("--request-timeout", type=float, default=120.0,
                    help="seconds a request may go without a token (default 120)")
     return p
@@ -102,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model, chunk_size=args.chunk_size, num_blocks=args.num_blocks,
             block_size=args.block_size, max_num_seqs=args.max_num_seqs, host=args.host,
             port=args.port, control_host=args.control_host, agent_host=args.agent_host,
-            transports=args.transports, request_timeout=args.request_timeout)
+            transports=args.transports, request_timeout=args.request_timeout,
+            pin_cpus=not args.no_pin_cpus)
         return asyncio.run(_serve(config))
     except ConfigError as error:
         print(f"kvmove-serve: error: {error}", file=sys.stderr)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -59,6 +60,7 @@ class ServeConfig:
     transports: str | None = None
     request_timeout: float = 120.0
     start_timeout: float = 120.0
+    pin_cpus: bool = True   # each worker on its own cores when there are enough
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -127,6 +129,7 @@ class Router:
         self._futures: dict[tuple[str, str], asyncio.Future] = {}
         self._waiting_for_blocks = 0
         self._tasks: list[asyncio.Task] = []
+        self._stopped = False
         self.context = zmq.asyncio.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -138,9 +141,18 @@ class Router:
 
     async def start(self) -> None:
         """Spawns every worker process and returns once all are ready (and, disaggregated,
-        every decode worker is a kvmove peer of every prefill worker)."""
+        every decode worker is a kvmove peer of every prefill worker). On failure every
+        process it started is stopped again."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
         c = self.config
-        for name, role in c.roles():
+        cpus = cpu_shares(len(c.roles())) if c.pin_cpus else [[] for _ in c.roles()]
+        for (name, role), mine in zip(c.roles(), cpus):
             command = [sys.executable, "-m", "kvmove.serve.worker_main", "--name", name,
                        "--role", role, "--router", self.endpoint, "--model", c.model,
                        "--num-blocks", str(c.num_blocks), "--block-size", str(c.block_size),
@@ -150,6 +162,8 @@ class Router:
                        "--agent-host", c.agent_host]
             if c.transports:
                 command += ["--transports", c.transports]
+            if mine:
+                command += ["--cpus", ",".join(map(str, mine))]
             process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
             self.workers[name] = WorkerInfo(name, role, process)
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._monitor())]
@@ -162,6 +176,8 @@ class Router:
                 raise KVMoveError(f"workers not ready after {c.start_timeout:g} s: "
                                   f"{[w.name for w in self.workers.values() if not w.ready]}")
             await asyncio.sleep(0.05)
+        if c.mode != "disagg":
+            return
         for decode in self._alive("decode"):
             for prefill in self._alive("prefill"):
                 future = self._expect(decode.name, "connect")
@@ -170,7 +186,10 @@ class Router:
                 await asyncio.wait_for(future, c.start_timeout)
 
     async def stop(self) -> None:
-        """Asks every worker to exit, then terminates, then kills what is left."""
+        """Asks every worker to exit, then terminates, then kills what is left. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
         for worker in self.workers.values():
             if worker.alive:
                 try:
@@ -382,3 +401,13 @@ class Router:
         status = "ok" if everyone else ("degraded" if serving else "down")
         return {"status": status, "mode": self.config.mode, "workers": workers}
 
+
+def cpu_shares(num_workers: int) -> list[list[int]]:
+    """Disjoint CPU sets, one per worker, when every worker can have at least one core (an
+    engine instance on a real cluster has its own GPU; here its own cores); otherwise no
+    pinning (empty sets) and the OS shares the cores."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if num_workers > len(cpus):
+        return [[] for _ in range(num_workers)]
+    each = len(cpus) // num_workers
+    return [cpus[i * each:(i + 1) * each] for i in range(num_workers)]

@@ -21,6 +21,7 @@ import sys
 import time
 from typing import Any
 
+import torch
 import zmq
 
 from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
@@ -57,12 +58,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--transports", default=None)
     p.add_argument("--error-mode", default="peer")
     p.add_argument("--transfer-timeout", type=float, default=60.0)
+    p.add_argument("--cpus", default="", help="comma-separated CPU ids to run on (its own "
+                   "cores, as an instance on a real cluster has its own GPU); torch uses "
+                   "that many threads")
     return p
 
 
 class WorkerServer:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        if args.cpus:
+            cpus = {int(c) for c in args.cpus.split(",")}
+            os.sched_setaffinity(0, cpus)
+            torch.set_num_threads(len(cpus))
         model, path = load_model(args.model, args.seed)
         self.tokenizer = load_tokenizer(path, model.config)
         self.tokens: list[list[Any]] = []
