@@ -8,6 +8,8 @@ Subcommands:
               bulk vs streamed, between two processes, every byte verified.
     engine    the reference engine's prefill and decode throughput on this machine, and the
               asymmetry: decode gains from batching, prefill does not (needs torch).
+    serve     one seeded request trace against kvmove-serve in each mode (colocated, chunked,
+              disagg): TTFT, ITL, throughput, goodput (needs kvmove[serve] and openai).
     plan      what moving one prompt's KV cache costs on each link, and whether to disaggregate
               (arithmetic from the model's layout; nothing is sent).
 
@@ -71,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_transfer(commands)
     _add_stream(commands)
     _add_engine(commands)
+    _add_serve(commands)
     _add_plan(commands)
     return parser
 
@@ -266,6 +269,73 @@ def _run_engine(args: argparse.Namespace) -> int:
         iters=args.iters)
     report = bench_engine.run(config)
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_engine(report))
+    return 0
+
+
+# --- serve ----------------------------------------------------------------------------------
+
+
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    sub = commands.add_parser(
+        "serve", help="the article, measured: one trace against each serving mode",
+        description="Replays one seeded Poisson trace of long-prompt/short-output and "
+        "short-prompt/long-output requests against kvmove-serve in each mode, with the "
+        "official openai client, on the same number of worker processes; reports TTFT, ITL, "
+        "decode tokens/s, goodput under a TTFT+ITL SLO and the KV hand-off's share of TTFT.")
+    sub.add_argument("--modes", nargs="+", default=["colocated", "chunked", "disagg"],
+                     metavar="MODE", help="colocated chunked disagg (default: all three)")
+    sub.add_argument("--workers", type=int, default=2,
+                     help="worker processes per mode (default 2)")
+    sub.add_argument("--prefill", type=int, default=None, help="disagg prefill workers")
+    sub.add_argument("--decode", type=int, default=None, help="disagg decode workers")
+    sub.add_argument("--model", default="small", help="engine preset or HF directory "
+                     "(default small)")
+    sub.add_argument("--chunk-size", type=int, default=256, help="prefill chunk (default 256)")
+    sub.add_argument("--requests", type=int, default=40, help="requests in the trace (default 40)")
+    sub.add_argument("--rate", type=float, default=2.0, help="arrivals per second (default 2)")
+    sub.add_argument("--long-fraction", type=float, default=0.5,
+                     help="share of long-prompt requests (default 0.5)")
+    sub.add_argument("--long-prompt", type=int, default=1024, help="long prompt bytes (1024)")
+    sub.add_argument("--long-output", type=int, default=16, help="long requests' max_tokens (16)")
+    sub.add_argument("--short-prompt", type=int, default=64, help="short prompt bytes (64)")
+    sub.add_argument("--short-output", type=int, default=128,
+                     help="short requests' max_tokens (128)")
+    sub.add_argument("--ttft-slo", type=float, default=2.0, help="goodput's TTFT bound, s (2)")
+    sub.add_argument("--itl-slo", type=float, default=0.1, help="goodput's mean ITL bound, s "
+                     "(0.1)")
+    sub.add_argument("--url", default=None, help="a running kvmove-serve instead (one mode)")
+    sub.add_argument("--seed", type=int, default=0, help="the trace's seed (default 0)")
+    sub.add_argument("--timeout", type=float, default=120.0,
+                     help="deadline of every wait in seconds (default 120)")
+    sub.add_argument("--json", action="store_true", help="print the report as JSON only")
+    sub.add_argument("--plot", metavar="PREFIX", default=None,
+                     help="also write PREFIX-itl.png and PREFIX-queues.png (needs matplotlib)")
+    sub.set_defaults(run=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from kvmove import bench_serve
+    from kvmove.cli.report_serve import format_serve, plot_serve
+
+    config = bench_serve.ServeConfig(
+        modes=tuple(args.modes), workers=args.workers, prefill=args.prefill,
+        decode=args.decode, model=args.model, chunk_size=args.chunk_size,
+        num_requests=args.requests, rate=args.rate, long_fraction=args.long_fraction,
+        long_prompt_bytes=args.long_prompt, long_output_tokens=args.long_output,
+        short_prompt_bytes=args.short_prompt, short_output_tokens=args.short_output,
+        ttft_slo=args.ttft_slo, itl_slo=args.itl_slo, seed=args.seed, url=args.url,
+        timeout=args.timeout)
+    if args.plot:
+        _check_plot(args.plot)
+    try:
+        import openai  # noqa: F401
+    except ImportError:
+        raise ConfigError("kvmove-bench serve needs the openai client: pip install openai "
+                          "kvmove[serve]") from None
+    report = bench_serve.run(config)
+    if args.plot:
+        plot_serve(report, args.plot)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_serve(report))
     return 0
 
 

@@ -112,6 +112,8 @@ class Request:
         self.num_committed = 0          # full blocks tagged with their hash
         self.num_preemptions = 0
         self.kv_bytes = 0               # KV handed off (prefill role)
+        self.kv_seconds: float | None = None          # first layer posted -> last landed
+        self.kv_exposed_seconds: float | None = None  # last layer posted -> last landed
         self.timings = Timings()
         self.generator = torch.Generator()
         self.generator.manual_seed(self.params.seed if self.params.seed is not None else

@@ -254,6 +254,11 @@ class Worker:
             del self.sending[rid]
             request.timings.kv_end = now
             request.kv_bytes = len(request.blocks) * self.cache.layout.bytes_per_block
+            times = [t for t in stream.layer_times() if None not in t]
+            if times and state == StreamState.DONE:
+                posted, landed = zip(*times)
+                request.kv_seconds = max(landed) - min(posted)
+                request.kv_exposed_seconds = max(landed) - max(posted)
             self.cache.pool.free(request.blocks)
             request.blocks = []
             if state == StreamState.DONE:

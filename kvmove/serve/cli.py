@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import sys
 
 from kvmove.errors import ConfigError, KVMoveError
@@ -73,8 +75,24 @@ def _model_facts(model: str) -> tuple[object, int]:
     return load_tokenizer(path, config), config.max_position_embeddings
 
 
+def _server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGINT/SIGTERM after its shutdown (so the process dies of the
+        signal); kvmove-serve handles them itself and exits 0 once everything stopped."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # type: ignore[override]
+            yield
+
+    return Server
+
+
 async def _serve(config: ServeConfig) -> int:
     import uvicorn
+
+    _Server = _server_class()
 
     from kvmove.serve.app import create_app
 
@@ -82,8 +100,11 @@ async def _serve(config: ServeConfig) -> int:
     name = os.path.basename(config.model.rstrip("/"))
     router = Router(config)
     app = create_app(router, tokenizer, name, max_positions)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
-                                           log_level="warning", lifespan="on"))
+    server = _Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                    log_level="warning", lifespan="on"))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a clean shutdown, then exit status 0
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
     serving = asyncio.create_task(server.serve())
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)

@@ -30,11 +30,17 @@ class Metrics:
         self.kv_bytes = Counter("kvmove_kv_bytes", "KV bytes handed from prefill to decode.",
                                 registry=r)
         self.kv_seconds = Histogram("kvmove_kv_transfer_seconds",
-                                    "A request's KV hand-off, stream opened to acknowledged.",
+                                    "A request's KV transfer: its first layer posted to its "
+                                    "last layer landed in the decode worker's blocks.",
                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.kv_exposed = Histogram("kvmove_kv_exposed_seconds",
+                                    "The part of the transfer after the prefill's last layer: "
+                                    "its last layer posted to landed (what streaming leaves on "
+                                    "TTFT).", buckets=_LATENCY_BUCKETS, registry=r)
         self.kv_share = Histogram("kvmove_kv_transfer_ttft_share",
-                                  "KV hand-off time over the request's TTFT.",
-                                  buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0), registry=r)
+                                  "Exposed KV transfer time over the request's TTFT.",
+                                  buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0),
+                                  registry=r)
         self.requests = Counter("kvmove_requests", "Requests by outcome.", ["outcome"],
                                 registry=r)
         self.tokens = Counter("kvmove_generated_tokens", "Tokens sent to clients.", registry=r)

@@ -115,7 +115,7 @@ class Handle:
         self.num_tokens = 0
         self.workers: list[str] = []
         self.done = False
-        self.kv_seconds: float | None = None
+        self.kv_exposed: float | None = None
         self.ttft: float | None = None
 
 
@@ -283,8 +283,11 @@ class Router:
         return future
 
     def _send(self, worker: WorkerInfo, message: dict) -> None:
-        self.socket.send_multipart([worker.name.encode(), json.dumps(message).encode()],
-                                   flags=zmq.NOBLOCK)
+        """Sends now or raises (ZMQError: a worker that is gone is unreachable)."""
+        sent = self.socket.send_multipart([worker.name.encode(), json.dumps(message).encode()],
+                                          flags=zmq.NOBLOCK)
+        if sent.done() and sent.exception() is not None:
+            raise sent.exception()
 
     def _end(self, handle: Handle, reason: str, text: str, error: str | None) -> None:
         if handle.done:
@@ -343,13 +346,14 @@ class Router:
             self.metrics.kv_bytes.inc(event["kv_bytes"])
             if event["kv_seconds"] is not None:
                 self.metrics.kv_seconds.observe(event["kv_seconds"])
+                self.metrics.kv_exposed.observe(event["kv_exposed_seconds"])
                 if handle is not None:
-                    handle.kv_seconds = event["kv_seconds"]
+                    handle.kv_exposed = event["kv_exposed_seconds"]
             return
         if handle is None:
             return
-        if handle.kv_seconds is not None and handle.ttft:
-            self.metrics.kv_share.observe(handle.kv_seconds / handle.ttft)
+        if handle.kv_exposed is not None and handle.ttft:
+            self.metrics.kv_share.observe(handle.kv_exposed / handle.ttft)
         error = event.get("error")
         if event["reason"] == "abort":
             error = f"{worker.name}: {error or 'request aborted'}"

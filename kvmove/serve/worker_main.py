@@ -130,13 +130,11 @@ class WorkerServer:
             self.tokens = []
         for request in ended:
             self.requests.pop(request.id, None)
-            t = request.timings
             self.send({"ev": "ended", "rid": request.id, "reason": request.finish_reason.value,
                        "error": request.error, "text": request.text,
                        "num_output": len(request.output), "num_cached": request.num_cached,
-                       "kv_bytes": request.kv_bytes,
-                       "kv_seconds": (t.kv_end - t.kv_start) if t.kv_end and t.kv_start
-                       else None})
+                       "kv_bytes": request.kv_bytes, "kv_seconds": request.kv_seconds,
+                       "kv_exposed_seconds": request.kv_exposed_seconds})
 
     def handle(self, message: dict) -> None:
         op, rid = message.get("op"), message.get("rid")
@@ -169,7 +167,8 @@ class WorkerServer:
             self.requests.pop(rid, None)
             self.send({"ev": "ended", "rid": rid, "reason": "abort", "op": op,
                        "error": f"{type(error).__name__}: {error}", "text": "",
-                       "num_output": 0, "num_cached": 0, "kv_bytes": 0, "kv_seconds": None})
+                       "num_output": 0, "num_cached": 0, "kv_bytes": 0, "kv_seconds": None,
+                       "kv_exposed_seconds": None})
 
     def _request(self, message: dict) -> Request:
         request = Request(message["rid"], message["prompt"],
