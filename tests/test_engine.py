@@ -115,6 +115,21 @@ def test_disaggregated_greedy_equals_colocated(disaggregated, reference) -> None
     assert decode.call("free_blocks") == 256
 
 
+def test_seeded_sampling_disaggregated_equals_colocated(disaggregated, model) -> None:
+    """The decode worker continues the request's seeded generator where the prefill worker,
+    which drew the first token, left it."""
+    prefill, decode = disaggregated
+    params = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0.9, "top_p": 0.9,
+              "seed": 77}
+    want, _ = colocated(model, prompts()[2:5], SamplingParams(**params))
+    ids = [f"seeded-{i}" for i in range(3)]
+    for rid, prompt in zip(ids, prompts()[2:5]):
+        handoff(prefill, decode, rid, prompt, params)
+    done = decode.wait_ended(ids)
+    prefill.wait_ended(ids)
+    assert [done[rid]["output"] for rid in ids] == [r.output for r in want]
+
+
 def test_decode_reserve_is_back_pressure_not_an_error() -> None:
     model = LlamaForCausalLM.random(MODEL_PRESETS["tiny"], seed=SEED)
     worker = Worker(model, role="decode", num_blocks=8, block_size=BLOCK, name="d",
@@ -280,3 +295,18 @@ def test_a_dead_prefill_worker_ends_its_requests_on_the_decode_side() -> None:
     finally:
         decode.stop()
         prefill.stop()
+
+
+def test_abort_drops_a_request_and_returns_its_blocks(model) -> None:
+    worker = Worker(model, num_blocks=64, block_size=BLOCK)
+    keep, drop = Request("keep", prompts()[3], greedy()), Request("drop", prompts()[4], greedy())
+    worker.add_request(keep)
+    worker.add_request(drop)
+    worker.step()
+    assert drop.blocks and drop in worker.scheduler.running
+    assert worker.abort("drop") is drop
+    assert drop.finish_reason is FinishReason.ABORT and not drop.blocks
+    assert worker.abort("unknown") is None
+    worker.run()
+    assert keep.finish_reason is FinishReason.LENGTH
+    assert worker.cache.pool.num_free == 64

@@ -8,7 +8,7 @@ import torch
 
 from kvmove.engine.request import Request
 
-__all__ = ["sample"]
+__all__ = ["sample", "skip_draw"]
 
 
 def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
@@ -29,3 +29,14 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         choice = torch.multinomial(probs / probs.sum(), 1, generator=request.generator)
         out.append(int(choice))
     return out
+
+
+def skip_draw(request: Request, vocab_size: int) -> None:
+    """Advances the request's generator past one draw, as ``sample`` makes it: a decode
+    worker that received the first token from the prefill worker continues the seeded
+    sequence where the prefill worker left it, so a seeded request gives the same tokens
+    disaggregated and colocated. (``multinomial`` draws one exponential per vocabulary entry
+    whatever the probabilities, so a uniform row consumes exactly as much.)"""
+    if request.params.temperature > 0:
+        torch.multinomial(torch.full((vocab_size,), 1.0 / vocab_size), 1,
+                          generator=request.generator)

@@ -25,7 +25,7 @@ from typing import Any
 from kvmove.agent import Agent
 from kvmove.engine.model import LlamaForCausalLM, SeqChunk
 from kvmove.engine.request import FinishReason, Request, RequestState
-from kvmove.engine.sampling import sample
+from kvmove.engine.sampling import sample, skip_draw
 from kvmove.engine.scheduler import Scheduled, Scheduler, SchedulerConfig
 from kvmove.engine.tokenizer import load_tokenizer
 from kvmove.errors import ConfigError, KVMoveError
@@ -127,6 +127,30 @@ class Worker:
     @property
     def has_work(self) -> bool:
         return bool(self.scheduler.has_work or self.sending or self.loading)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Drops a request wherever it is (queued, in the batch, its KV streaming in or out);
+        its blocks come back (a load's after ``transfer_timeout``: the sender may still write
+        them). Returns it, finished with ``abort``, or None when it is not here."""
+        now = time.monotonic()
+        if request_id in self.loading:
+            request, load = self.loading.pop(request_id)
+            load.cancel()
+            self._quarantine.append((now + self.transfer_timeout, request.blocks))
+        elif request_id in self.sending:
+            request, stream = self.sending[request_id]
+            stream.abort(wait=False)  # polling frees the blocks once the posted layers landed
+            return request
+        else:
+            request = next((r for r in [*self.scheduler.running, *self.scheduler.waiting]
+                            if r.id == request_id), None)
+            if request is None:
+                return None
+            self._handoff.pop(request_id, None)
+            self.scheduler.remove(request)
+        request.blocks = []
+        request.finish(FinishReason.ABORT, "aborted")
+        return request
 
     # --- one step -------------------------------------------------------------------------
 
@@ -278,6 +302,7 @@ class Worker:
             request.timings.kv_end = now
             if state == StreamState.DONE:
                 request.num_computed = len(request.prompt)
+                skip_draw(request, self.model.config.vocab_size)  # the prefill's first token
                 self.scheduler.add_running(request)
                 ended += self._emit(request, _TOKEN.unpack(load.payload)[0], now)
                 continue

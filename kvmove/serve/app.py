@@ -79,6 +79,10 @@ class TextStream:
         self.ids.append(token)
         text = self.tokenizer.decode(self.ids)
         safe = len(text)
+        for s in self.stop:  # a whole stop string: nothing from it on is ever sent
+            found = text.find(s)
+            if found >= 0:
+                safe = min(safe, found)
         while safe > self.sent and text[safe - 1] == "\ufffd":
             safe -= 1
         for s in self.stop:
@@ -117,8 +121,11 @@ def create_app(router: Router, tokenizer: Any, model_name: str, max_positions: i
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0] if error.errors() else {}
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return JSONResponse(_error_body(f"{param}: {first.get('msg', 'invalid request')}",
+        where = first.get("loc", ())[1:]
+        param = ".".join(str(p) for p in where) if where and isinstance(where[0], str) else None
+        message = first.get("msg", "invalid request")
+        return JSONResponse(_error_body(f"{param}: {message}" if param else
+                                        f"the body is not a valid request: {message}",
                                         "invalid_request_error", param), status_code=400)
 
     @app.exception_handler(APIError)
@@ -156,7 +163,7 @@ def create_app(router: Router, tokenizer: Any, model_name: str, max_positions: i
             try:
                 event = await asyncio.wait_for(handle.events.get(), config.request_timeout)
             except asyncio.TimeoutError:
-                router._end(handle, "abort", "", f"no token for {config.request_timeout:g} s")
+                router.abort(handle, f"no token for {config.request_timeout:g} s")
                 event = await handle.events.get()
             yield event
             if event[0] == "end":
@@ -221,7 +228,7 @@ def create_app(router: Router, tokenizer: Any, model_name: str, max_positions: i
                 yield "data: [DONE]\n\n"
         finally:
             if not handle.done:  # the client went away
-                router._end(handle, "abort", "", "the client disconnected")
+                router.abort(handle, "the client disconnected")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody) -> Response:

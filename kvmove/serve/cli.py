@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 
 from kvmove.errors import ConfigError, KVMoveError
@@ -89,27 +90,45 @@ def _server_class() -> type:
     return Server
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound before any worker starts: a taken port fails at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise KVMoveError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    sock.listen(2048)
+    return sock
+
+
 async def _serve(config: ServeConfig) -> int:
     import uvicorn
-
-    _Server = _server_class()
 
     from kvmove.serve.app import create_app
 
     tokenizer, max_positions = _model_facts(config.model)
     name = os.path.basename(config.model.rstrip("/"))
+    listener = _listen(config.host, config.port)
     router = Router(config)
     app = create_app(router, tokenizer, name, max_positions)
-    server = _Server(uvicorn.Config(app, host=config.host, port=config.port,
-                                    log_level="warning", lifespan="on"))
+    server = _server_class()(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                            timeout_graceful_shutdown=5))
+
+    def shut_down() -> None:  # streams in flight get an error event instead of a long wait
+        router.abort_all("the server is shutting down")
+        server.should_exit = True
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):  # a clean shutdown, then exit status 0
-        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
-    serving = asyncio.create_task(server.serve())
+        loop.add_signal_handler(sig, shut_down)
+    serving = asyncio.create_task(server.serve(sockets=[listener]))
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)
     if server.started:
-        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        host, port = listener.getsockname()[:2]
         roles = ", ".join(f"{n} ({r})" for n, r in config.roles())
         print(f"kvmove-serve ready on http://{host}:{port} (mode {config.mode}, model {name}, "
               f"workers: {roles})", flush=True)

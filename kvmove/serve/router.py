@@ -289,6 +289,23 @@ class Router:
         if sent.done() and sent.exception() is not None:
             raise sent.exception()
 
+    def abort(self, handle: Handle, reason: str) -> None:
+        """Ends a request for its client, and has its workers drop it (its batch slot and
+        blocks go back; a KV hand-off in flight is aborted)."""
+        workers = list(handle.workers)
+        self._end(handle, "abort", "", reason)
+        for name in workers:
+            worker = self.workers[name]
+            if worker.alive:
+                try:
+                    self._send(worker, {"op": "abort", "rid": handle.rid})
+                except zmq.ZMQError:
+                    pass  # gone: the monitor will notice
+
+    def abort_all(self, reason: str) -> None:
+        for handle in list(self.handles.values()):
+            self.abort(handle, reason)
+
     def _end(self, handle: Handle, reason: str, text: str, error: str | None) -> None:
         if handle.done:
             return

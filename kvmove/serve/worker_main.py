@@ -151,6 +151,9 @@ class WorkerServer:
                 self.send({"ev": "reserved", "rid": rid, "blocks": blocks})
             elif op == "load":
                 self.worker.start_load(self.requests[rid], message["peer"])
+            elif op == "abort":  # the client is gone
+                self.worker.abort(rid)
+                self.requests.pop(rid, None)
             elif op == "release":  # a reservation the router gave up on
                 request = self.requests.pop(rid, None)
                 if request is not None and request.blocks and rid not in self.worker.loading:
