@@ -64,18 +64,10 @@ def _cancel_if_open(core: Any) -> None:
         core.cancel()
 
 
-class SaveStream:
-    """The sending half of one request's layer stream (made by ``Agent.stream_to``).
+class _Stream:
+    """What both halves of a stream show: who, which request, how far."""
 
-    A stream dropped while still open is aborted, so its receiver is told instead of waiting
-    for a final message that will never come.
-    """
-
-    def __init__(self, core: _C.SaveStream, agent: Any) -> None:
-        self._core = core
-        self._agent = agent  # the agent must outlive its streams
-        self._closing = False  # finish() or abort() was called
-        weakref.finalize(self, _abort_if_open, core)
+    _core: Any
 
     @property
     def peer(self) -> str:
@@ -95,8 +87,23 @@ class SaveStream:
 
     @property
     def error(self) -> str:
-        """Why the stream failed; empty unless FAILED."""
+        """Why it failed; empty unless FAILED."""
         return self._core.error
+
+
+class SaveStream(_Stream):
+    """The sending half of one request's layer stream (made by ``Agent.stream_to``).
+
+    A stream dropped while still open is aborted, so its receiver is told instead of waiting
+    for a final message that will never come.
+    """
+
+    def __init__(self, core: _C.SaveStream, agent: Any) -> None:
+        self._core = core
+        self._agent = agent  # the agent must outlive its streams
+        self._closing = False  # finish() or abort() was called
+        weakref.finalize(self, _abort_if_open, core)
+
 
     def save_layer(self, layer: int, event: Any = None) -> None:
         """Posts layer ``layer``'s puts and returns at once.
@@ -177,7 +184,7 @@ class SaveStream:
                 f"{self.num_layers} layers, {self.state.name})")
 
 
-class LoadStream:
+class LoadStream(_Stream):
     """The receiving half of one request's layer stream (made by ``Agent.expect``).
 
     A load dropped while still open is cancelled. Cancelling does not stop the sender: until
@@ -189,30 +196,10 @@ class LoadStream:
         self._agent = agent
         weakref.finalize(self, _cancel_if_open, core)
 
-    @property
-    def peer(self) -> str:
-        return self._core.peer
-
-    @property
-    def request_id(self) -> str:
-        return self._core.request_id
-
-    @property
-    def num_layers(self) -> int:
-        return self._core.num_layers
 
     @property
     def local_ids(self) -> list[int]:
         return self._core.local_ids
-
-    @property
-    def state(self) -> StreamState:
-        return self._core.state
-
-    @property
-    def error(self) -> str:
-        """Why the load failed; empty unless FAILED."""
-        return self._core.error
 
     @property
     def payload(self) -> bytes:
