@@ -104,7 +104,6 @@ class SaveStream(_Stream):
         self._closing = False  # finish() or abort() was called
         weakref.finalize(self, _abort_if_open, core)
 
-
     def save_layer(self, layer: int, event: Any = None) -> None:
         """Posts layer ``layer``'s puts and returns at once.
 
