@@ -464,7 +464,8 @@ class ServerProcess:
         try:
             self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL,
                                          stdout=subprocess.PIPE, stderr=self._stderr,
-                                         text=True, start_new_session=True)
+                                         text=True, start_new_session=True,
+                                         env={**os.environ, "PYTHONSAFEPATH": "1"})
         except BaseException:
             self._stderr.close()
             raise

@@ -23,7 +23,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 
 import httpx
 import openai
@@ -36,7 +35,9 @@ STOP_SECONDS = 30.0     # graceful: the router tells each worker to exit, then w
 GONE_SECONDS = 10.0     # once the server has exited, no process of it is left
 HTTP_SECONDS = 30.0     # one request, or the gap between two stream chunks
 POLL_SECONDS = 0.05
-REPO = Path(__file__).resolve().parents[1]
+# Servers run from a neutral directory: from the repository root, `python -m` would import the
+# source tree's kvmove (no compiled core in a non-editable install) instead of the installed one.
+WORKDIR = tempfile.gettempdir()
 
 
 def process_alive(pid: int, marker: str = WORKER_MARKER) -> bool:
@@ -90,7 +91,7 @@ class Server:
         self.tag = uuid.uuid4().hex
         self.stderr = tempfile.TemporaryFile(mode="w+")  # a file: a full pipe cannot block it
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvmove.serve.cli", *self.args], cwd=REPO, text=True,
+            [sys.executable, "-m", "kvmove.serve.cli", *self.args], cwd=WORKDIR, text=True,
             stdout=subprocess.PIPE, stderr=self.stderr,
             env={**os.environ, TAG_VARIABLE: self.tag, "PYTHONUNBUFFERED": "1"})
         self.lines: queue.Queue[str | None] = queue.Queue()

@@ -42,7 +42,7 @@ _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 from serve_helpers import (  # noqa: E402
-    GONE_SECONDS, REPO, START_SECONDS, TAG_VARIABLE, Server, ServerPool, process_alive,
+    GONE_SECONDS, START_SECONDS, TAG_VARIABLE, WORKDIR, Server, ServerPool, process_alive,
     tagged_pids, wait_until)
 
 from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM  # noqa: E402
@@ -447,7 +447,7 @@ def test_a_port_in_use_exits_1_and_leaves_no_worker(servers: ServerPool) -> None
     tag = uuid.uuid4().hex
     result = subprocess.run(
         [*_serve_command(), "--mode", "colocated", "--workers", "1", "--port", port],
-        capture_output=True, text=True, cwd=REPO, timeout=START_SECONDS,
+        capture_output=True, text=True, cwd=WORKDIR, timeout=START_SECONDS,
         env={**os.environ, TAG_VARIABLE: tag})
     try:
         wait_until(lambda: not tagged_pids(tag), GONE_SECONDS, "no worker of it left")
@@ -476,7 +476,7 @@ BAD_OPTIONS = {  # id: (arguments, words the message must hold)
 def test_a_bad_option_exits_2_naming_it(args: list[str], words: list[str]) -> None:
     tag = uuid.uuid4().hex
     result = subprocess.run([*_serve_command(), "--port", "0", *args], capture_output=True,
-                            text=True, cwd=REPO, timeout=START_SECONDS,
+                            text=True, cwd=WORKDIR, timeout=START_SECONDS,
                             env={**os.environ, TAG_VARIABLE: tag})
     assert result.returncode == 2, result.stderr
     assert not tagged_pids(tag)

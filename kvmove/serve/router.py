@@ -164,7 +164,10 @@ class Router:
                 command += ["--transports", c.transports]
             if mine:
                 command += ["--cpus", ",".join(map(str, mine))]
-            process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+            # PYTHONSAFEPATH: run from a source checkout, `-m` would import the checkout's
+            # kvmove (without its compiled core) instead of the installed one
+            process = subprocess.Popen(command, stdout=subprocess.DEVNULL,
+                                       env={**os.environ, "PYTHONSAFEPATH": "1"})
             self.workers[name] = WorkerInfo(name, role, process)
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._monitor())]
         deadline = time.monotonic() + c.start_timeout
