@@ -128,7 +128,7 @@ class Router:
         self._ids = itertools.count()
         self._futures: dict[tuple[str, str], asyncio.Future] = {}
         self._waiting_for_blocks = 0
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: set[asyncio.Task] = set()  # running ones only: each drops itself
         self._stopped = False
         self.context = zmq.asyncio.Context()
         self.socket = self.context.socket(zmq.ROUTER)
@@ -169,7 +169,8 @@ class Router:
             process = subprocess.Popen(command, stdout=subprocess.DEVNULL,
                                        env={**os.environ, "PYTHONSAFEPATH": "1"})
             self.workers[name] = WorkerInfo(name, role, process)
-        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._monitor())]
+        self._spawn(self._receive())
+        self._spawn(self._monitor())
         deadline = time.monotonic() + c.start_timeout
         while not all(w.ready for w in self.workers.values()):
             dead = [w.name for w in self.workers.values() if not w.alive]
@@ -210,7 +211,7 @@ class Router:
                 except subprocess.TimeoutExpired:
                     worker.process.kill()
                     worker.process.wait(3)
-        for task in self._tasks:
+        for task in list(self._tasks):
             task.cancel()
         for handle in list(self.handles.values()):
             self._end(handle, "abort", "", "the server is shutting down")
@@ -222,8 +223,13 @@ class Router:
     def submit(self, prompt: list[int], params: dict) -> Handle:
         handle = Handle(f"req-{next(self._ids)}", prompt, params)
         self.handles[handle.rid] = handle
-        self._tasks.append(asyncio.create_task(self._place(handle)))
+        self._spawn(self._place(handle))
         return handle
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _place(self, handle: Handle) -> None:
         try:
