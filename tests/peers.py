@@ -70,6 +70,9 @@ class _Far:
         self.agent = kvmove.Agent(name, self.cache, **agent_kwargs)
         self.transfers: list[Any] = []
 
+    def close(self) -> None:
+        self.agent.close()
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -136,10 +139,15 @@ def _stats(t: Any) -> dict:
 
 def serve(conn: Any, name: str, layout_kwargs: dict, num_blocks: int,
           agent_kwargs: dict) -> None:
-    """Child main loop: ``(command, args)`` in, ``("ok", result)`` or ``("err", type, msg)``
-    out; ``None`` (or the parent going away) ends it and closes the agent."""
+    """Child main loop around a :class:`_Far`."""
+    serve_far(conn, _Far, name, layout_kwargs, num_blocks, agent_kwargs)
+
+
+def serve_far(conn: Any, make: Any, *args: Any) -> None:
+    """Child main loop around ``make(*args)``: ``(command, args)`` in, ``("ok", result)`` or
+    ``("err", type, msg)`` out; ``None`` (or the parent going away) ends it and closes it."""
     try:
-        far = _Far(name, layout_kwargs, num_blocks, agent_kwargs)
+        far = make(*args)
     except BaseException as e:  # report start-up failures instead of dying silently
         conn.send(("err", type(e).__name__, str(e)))
         return
@@ -158,7 +166,7 @@ def serve(conn: Any, name: str, layout_kwargs: dict, num_blocks: int,
             except Exception as e:
                 conn.send(("err", type(e).__name__, str(e)))
     finally:
-        far.agent.close()
+        far.close()
         conn.close()
 
 

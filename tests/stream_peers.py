@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from peers import IDLE_EXIT_SECONDS, FarPeer, _Far, raw_view
+from peers import FarPeer, _Far, raw_view, serve_far
 
 
 def layer_data(seed: int, layer: int, num_blocks: int, block_nbytes: int) -> np.ndarray:
@@ -46,6 +46,11 @@ class _StreamFar(_Far):
         self.streams: dict[str, Any] = {}
         self.loads: dict[str, Any] = {}
         self.runs: dict[str, dict] = {}  # background streams: request id -> result
+
+    def close(self) -> None:
+        self.streams.clear()
+        self.loads.clear()
+        super().close()
 
     # -- the cache's BlockPool ------------------------------------------------------------
 
@@ -173,30 +178,7 @@ class _StreamFar(_Far):
 def serve_streams(conn: Any, name: str, layout_kwargs: dict, num_blocks: int,
                   agent_kwargs: dict) -> None:
     """``peers.serve``'s loop around a :class:`_StreamFar`."""
-    try:
-        far = _StreamFar(name, layout_kwargs, num_blocks, agent_kwargs)
-    except BaseException as e:  # report start-up failures instead of dying silently
-        conn.send(("err", type(e).__name__, str(e)))
-        return
-    conn.send(("ok", None))
-    try:
-        while conn.poll(IDLE_EXIT_SECONDS):
-            try:
-                msg = conn.recv()
-            except EOFError:
-                break
-            if msg is None:
-                break
-            command, args = msg
-            try:
-                conn.send(("ok", getattr(far, command)(*args)))
-            except Exception as e:
-                conn.send(("err", type(e).__name__, str(e)))
-    finally:
-        far.streams.clear()
-        far.loads.clear()
-        far.agent.close()
-        conn.close()
+    serve_far(conn, _StreamFar, name, layout_kwargs, num_blocks, agent_kwargs)
 
 
 class StreamPeer(FarPeer):

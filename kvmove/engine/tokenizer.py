@@ -53,7 +53,22 @@ def _check_ids(ids: Iterable[int]) -> list[int]:
     return out
 
 
-class ByteTokenizer:
+class _Specials:
+    """BOS and EOS ids, which both tokenizers keep in ``_bos`` / ``_eos``."""
+
+    _bos: int
+    _eos: int
+
+    @property
+    def bos_token_id(self) -> int:
+        return self._bos
+
+    @property
+    def eos_token_id(self) -> int:
+        return self._eos
+
+
+class ByteTokenizer(_Specials):
     """One token per UTF-8 byte (ids 0..255); BOS and EOS above the bytes.
 
     Args:
@@ -67,14 +82,6 @@ class ByteTokenizer:
                 raise ConfigError(f"{name} must be an int >= {NUM_BYTES} (ids below are bytes), "
                                   f"got {value!r}")
         self._bos, self._eos = bos_token_id, eos_token_id
-
-    @property
-    def bos_token_id(self) -> int:
-        return self._bos
-
-    @property
-    def eos_token_id(self) -> int:
-        return self._eos
 
     @property
     def vocab_size(self) -> int:
@@ -101,7 +108,7 @@ class ByteTokenizer:
         return f"ByteTokenizer(bos_token_id={self._bos}, eos_token_id={self._eos})"
 
 
-class HFTokenizer:
+class HFTokenizer(_Specials):
     """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` library.
 
     Special ids, in this order of precedence: ``tokenizer_config.json``'s ``bos_token`` /
@@ -131,14 +138,6 @@ class HFTokenizer:
         self._eos = self._special("eos", eos_token_id)
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self._vocab_size = max([*vocab.values(), self._bos, self._eos]) + 1
-
-    @property
-    def bos_token_id(self) -> int:
-        return self._bos
-
-    @property
-    def eos_token_id(self) -> int:
-        return self._eos
 
     @property
     def vocab_size(self) -> int:
