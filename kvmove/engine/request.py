@@ -109,7 +109,7 @@ class Request:
         self.blocks: list[int] = []     # block table
         self.num_computed = 0           # tokens whose K/V are in the cache
         self.num_cached = 0             # of those, prompt tokens taken from the prefix cache
-        self.num_committed = 0          # full blocks tagged with their hash
+        self.hashes: list[int] = []     # chain hashes of its full blocks, tagged in the pool
         self.num_preemptions = 0
         self.kv_bytes = 0               # KV handed off (prefill role)
         self.kv_seconds: float | None = None          # first layer posted -> last landed

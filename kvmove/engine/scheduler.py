@@ -170,7 +170,7 @@ class Scheduler:
             self.pool.free(request.blocks)
         request.blocks = []
         request.num_computed = 0
-        request.num_committed = 0
+        request.hashes = []
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -191,14 +191,17 @@ class Scheduler:
         if ids:
             request.blocks = list(ids)
             request.num_computed = len(ids) * self.block_size
-            request.num_committed = len(ids)
+            request.hashes = list(hashes[:len(ids)])
             request.num_cached += min(request.num_computed, len(request.prompt))
 
     def _commit(self, request: Request) -> None:
-        full = request.num_computed // self.block_size
-        if full <= request.num_committed:
+        """Tags the newly full blocks, chaining from the last tagged one (each token is hashed
+        once per request)."""
+        done, full = len(request.hashes), request.num_computed // self.block_size
+        if full <= done:
             return
-        hashes = block_hashes(request.tokens[:full * self.block_size], self.block_size)
-        self.pool.commit(request.blocks[request.num_committed:full],
-                         hashes[request.num_committed:])
-        request.num_committed = full
+        b = self.block_size
+        hashes = block_hashes(request.tokens[done * b:full * b], b,
+                              request.hashes[-1] if request.hashes else None)
+        self.pool.commit(request.blocks[done:full], hashes)
+        request.hashes += hashes
