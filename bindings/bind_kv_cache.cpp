@@ -36,7 +36,7 @@ void register_kv_cache(py::module_& m) {
         .def(py::init<int64_t, int64_t, int64_t, bool>(), py::arg("num_layers"),
              py::arg("num_blocks"), py::arg("block_nbytes"), py::arg("huge_pages") = false)
         .def_property_readonly("pool", &KVCache::pool, py::return_value_policy::reference_internal)
-        .def_property_readonly("region", &KVCache::region,
+        .def_property_readonly("region", py::overload_cast<>(&KVCache::region),
                                py::return_value_policy::reference_internal)
         .def_property_readonly("num_layers", &KVCache::num_layers)
         .def_property_readonly("num_blocks", &KVCache::num_blocks)

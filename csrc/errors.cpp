@@ -24,6 +24,8 @@ const char* error_class_name(ErrorKind kind) {
             return "UCXError";
         case ErrorKind::Cuda:
             return "CudaError";
+        case ErrorKind::Store:
+            return "StoreError";
     }
     return "KVMoveError";
 }

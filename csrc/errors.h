@@ -21,6 +21,7 @@ enum class ErrorKind {
     Timeout,
     Ucx,
     Cuda,
+    Store,       // a storage tier's files are unusable (I/O error, full disk)
 };
 
 // The name of the Python exception class in kvmove.errors for each kind.

@@ -1,6 +1,7 @@
 #include "kv_cache.h"
 
 #include <climits>
+#include <cstring>
 
 #include "errors.h"
 
@@ -64,6 +65,46 @@ std::vector<Descriptor> KVCache::descriptors(
         }
     }
     return out;
+}
+
+namespace {
+
+void check_ids(const KVCache& cache, const std::vector<BlockId>& ids, const char* which) {
+    for (BlockId id : ids) {
+        KVMOVE_CHECK(id >= 0 && id < cache.num_blocks(), Block,
+                     which << " block id " << id << " is out of range: ids are in [0, "
+                           << cache.num_blocks() << ")");
+    }
+}
+
+}  // namespace
+
+void copy_blocks(const KVCache& src, const std::vector<BlockId>& src_ids, KVCache& dst,
+                 const std::vector<BlockId>& dst_ids) {
+    KVMOVE_CHECK(src_ids.size() == dst_ids.size(), Config,
+                 "copy_blocks needs as many destination ids as source ids, got "
+                     << dst_ids.size() << " for " << src_ids.size());
+    KVMOVE_CHECK(src.num_layers() == dst.num_layers() && src.block_nbytes() == dst.block_nbytes(),
+                 Config,
+                 "copy_blocks needs caches of the same shape, got " << src.num_layers() << " x "
+                     << src.block_nbytes() << " B and " << dst.num_layers() << " x "
+                     << dst.block_nbytes() << " B (layers x bytes per block and layer)");
+    check_ids(src, src_ids, "source");
+    check_ids(dst, dst_ids, "destination");
+    const auto* from = static_cast<const char*>(src.region().data());
+    auto* to = static_cast<char*>(dst.region().data());
+    for (size_t i = 0; i < src_ids.size();) {
+        size_t n = 1;  // a run consecutive on both sides
+        while (i + n < src_ids.size() && src_ids[i + n] == src_ids[i] + static_cast<int64_t>(n) &&
+               dst_ids[i + n] == dst_ids[i] + static_cast<int64_t>(n)) {
+            ++n;
+        }
+        for (int64_t layer = 0; layer < src.num_layers(); ++layer) {
+            std::memcpy(to + dst.offset(layer, dst_ids[i]), from + src.offset(layer, src_ids[i]),
+                        n * src.block_nbytes());
+        }
+        i += n;
+    }
 }
 
 }  // namespace kvmove

@@ -35,6 +35,7 @@ public:
 
     BlockPool& pool() { return pool_; }
     Region& region() { return region_; }
+    const Region& region() const { return region_; }
     int64_t num_layers() const { return num_layers_; }
     int64_t num_blocks() const { return pool_.num_blocks(); }
     uint64_t block_nbytes() const { return block_nbytes_; }
@@ -53,5 +54,11 @@ private:
     BlockPool pool_;
     Region region_;
 };
+
+// Copies block src_ids[i] of src into block dst_ids[i] of dst, every layer (a storage tier in
+// host memory is a KVCache). Both caches must have the same layers and block size; runs
+// consecutive on both sides copy as one memcpy per layer.
+void copy_blocks(const KVCache& src, const std::vector<BlockId>& src_ids, KVCache& dst,
+                 const std::vector<BlockId>& dst_ids);
 
 }  // namespace kvmove

@@ -23,6 +23,7 @@ __all__ = [
     "TimeoutError",
     "UCXError",
     "CudaError",
+    "StoreError",
 ]
 
 
@@ -69,3 +70,9 @@ class UCXError(KVMoveError):
 
 class CudaError(KVMoveError):
     """A CUDA call failed, or CUDA is not available in this build or on this machine."""
+
+
+class StoreError(KVMoveError):
+    """A storage tier cannot be used: its directory or files are unreadable, in use by another
+    process, or were written for another KV layout. (I/O failures while a store runs, a full
+    disk included, are not raised: the blocks are reported as not stored, or as misses.)"""

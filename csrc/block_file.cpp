@@ -1,0 +1,200 @@
+#include "block_file.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+
+#include "block_hash.h"
+#include "errors.h"
+
+namespace kvmove {
+
+void StagingFree::operator()(char* p) const { std::free(p); }
+
+namespace {
+
+uint64_t round_up(uint64_t n, uint64_t align) { return (n + align - 1) / align * align; }
+
+// Writes all of [data, data + nbytes) at offset; false with errno set on failure.
+bool pwrite_all(int fd, const char* data, uint64_t nbytes, uint64_t offset) {
+    while (nbytes > 0) {
+        ssize_t n = ::pwrite(fd, data, nbytes, static_cast<off_t>(offset));
+        if (n < 0 && errno == EINTR) {
+            continue;
+        }
+        if (n <= 0) {
+            if (n == 0) {
+                errno = ENOSPC;
+            }
+            return false;
+        }
+        data += n;
+        nbytes -= static_cast<uint64_t>(n);
+        offset += static_cast<uint64_t>(n);
+    }
+    return true;
+}
+
+// Reads up to nbytes at offset; the count read (short at end of file), or -1 with errno set.
+int64_t pread_all(int fd, char* data, uint64_t nbytes, uint64_t offset) {
+    uint64_t done = 0;
+    while (done < nbytes) {
+        ssize_t n = ::pread(fd, data + done, nbytes - done, static_cast<off_t>(offset + done));
+        if (n < 0 && errno == EINTR) {
+            continue;
+        }
+        if (n < 0) {
+            return -1;
+        }
+        if (n == 0) {
+            break;
+        }
+        done += static_cast<uint64_t>(n);
+    }
+    return static_cast<int64_t>(done);
+}
+
+}  // namespace
+
+BlockFile::BlockFile(const std::string& path, uint64_t block_nbytes, int64_t num_slots,
+                     bool direct)
+    : path_(path),
+      block_nbytes_(block_nbytes),
+      slot_nbytes_(round_up(block_nbytes, kSlotAlign)),
+      num_slots_(num_slots) {
+    KVMOVE_CHECK(block_nbytes > 0, Config, "block_nbytes must be positive, got " << block_nbytes);
+    KVMOVE_CHECK(num_slots > 0, Config, "a block file needs at least one slot, got " << num_slots);
+    int flags = O_RDWR | O_CREAT | O_CLOEXEC;
+    fd_ = direct ? ::open(path.c_str(), flags | O_DIRECT, 0644) : -1;
+    direct_ = fd_ >= 0;
+    if (fd_ < 0) {  // not asked for, or the file system refuses O_DIRECT (tmpfs: EINVAL)
+        fd_ = ::open(path.c_str(), flags, 0644);
+    }
+    KVMOVE_CHECK(fd_ >= 0, Store, "cannot open block file " << path << ": " << std::strerror(errno));
+    const uint64_t file_nbytes = slot_nbytes_ * static_cast<uint64_t>(num_slots);
+    if (::ftruncate(fd_, static_cast<off_t>(file_nbytes)) != 0) {
+        int err = errno;
+        ::close(fd_);
+        KVMOVE_FAIL(Store, "cannot size block file " << path << " to " << file_nbytes
+                                                     << " bytes: " << std::strerror(err));
+    }
+    staging_nbytes_ = std::max(slot_nbytes_, kStagingNbytes / slot_nbytes_ * slot_nbytes_);
+    void* p = nullptr;
+    if (posix_memalign(&p, kSlotAlign, staging_nbytes_) != 0) {
+        ::close(fd_);
+        KVMOVE_FAIL(Allocation, "cannot allocate a " << staging_nbytes_ << " B staging buffer");
+    }
+    staging_.reset(static_cast<char*>(p));
+}
+
+BlockFile::~BlockFile() {
+    if (fd_ >= 0) {
+        ::close(fd_);
+    }
+}
+
+void BlockFile::check_args(const KVCache& cache, const std::vector<BlockId>& ids,
+                           const std::vector<int64_t>& slots, size_t num_hashes) const {
+    const uint64_t cache_block_nbytes = cache.block_nbytes() * cache.num_layers();
+    KVMOVE_CHECK(cache_block_nbytes == block_nbytes_, Config,
+                 "the cache's blocks are " << cache_block_nbytes << " B, this block file's are "
+                                           << block_nbytes_ << " B");
+    KVMOVE_CHECK(ids.size() == slots.size() && ids.size() == num_hashes, Config,
+                 "need one slot and one hash per block id, got " << ids.size() << " ids, "
+                     << slots.size() << " slots and " << num_hashes << " hashes");
+    for (size_t i = 0; i < ids.size(); ++i) {
+        KVMOVE_CHECK(ids[i] >= 0 && ids[i] < cache.num_blocks(), Block,
+                     "block id " << ids[i] << " is out of range: ids are in [0, "
+                                 << cache.num_blocks() << ")");
+        KVMOVE_CHECK(slots[i] >= 0 && slots[i] < num_slots_, Config,
+                     "slot " << slots[i] << " is out of range: slots are in [0, " << num_slots_
+                             << ")");
+    }
+}
+
+std::vector<std::pair<size_t, size_t>> BlockFile::chunks(const std::vector<int64_t>& slots) const {
+    const size_t max_slots = staging_nbytes_ / slot_nbytes_;
+    std::vector<std::pair<size_t, size_t>> out;
+    for (size_t begin = 0; begin < slots.size();) {
+        size_t end = begin + 1;
+        while (end < slots.size() && end - begin < max_slots &&
+               slots[end] == slots[end - 1] + 1) {
+            ++end;
+        }
+        out.emplace_back(begin, end);
+        begin = end;
+    }
+    return out;
+}
+
+std::vector<uint64_t> BlockFile::write(const KVCache& cache, const std::vector<BlockId>& ids,
+                                       const std::vector<int64_t>& slots,
+                                       const std::vector<uint64_t>& hashes) {
+    check_args(cache, ids, slots, hashes.size());
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto* base = static_cast<const char*>(cache.region().data());
+    const uint64_t layer_nbytes = cache.block_nbytes();
+    std::vector<uint64_t> checksums(ids.size());
+    for (auto [begin, end] : chunks(slots)) {
+        char* out = staging_.get();
+        for (size_t i = begin; i < end; ++i, out += slot_nbytes_) {
+            for (int64_t layer = 0; layer < cache.num_layers(); ++layer) {
+                std::memcpy(out + layer * layer_nbytes, base + cache.offset(layer, ids[i]),
+                            layer_nbytes);
+            }
+            std::memset(out + block_nbytes_, 0, slot_nbytes_ - block_nbytes_);
+            checksums[i] = xxh64(out, block_nbytes_, hashes[i]);
+        }
+        const uint64_t nbytes = (end - begin) * slot_nbytes_;
+        const uint64_t offset = static_cast<uint64_t>(slots[begin]) * slot_nbytes_;
+        KVMOVE_CHECK(pwrite_all(fd_, staging_.get(), nbytes, offset), Store,
+                     "cannot write " << nbytes << " B at offset " << offset << " of " << path_
+                                     << ": " << std::strerror(errno));
+    }
+    return checksums;
+}
+
+std::vector<uint8_t> BlockFile::read(KVCache& cache, const std::vector<BlockId>& ids,
+                                     const std::vector<int64_t>& slots,
+                                     const std::vector<uint64_t>& hashes,
+                                     const std::vector<uint64_t>& checksums) {
+    check_args(cache, ids, slots, hashes.size());
+    KVMOVE_CHECK(checksums.size() == ids.size(), Config,
+                 "need one checksum per block id, got " << checksums.size() << " for "
+                                                        << ids.size());
+    std::lock_guard<std::mutex> lock(mu_);
+    auto* base = static_cast<char*>(cache.region().data());
+    const uint64_t layer_nbytes = cache.block_nbytes();
+    std::vector<uint8_t> ok(ids.size(), 0);
+    for (auto [begin, end] : chunks(slots)) {
+        const uint64_t offset = static_cast<uint64_t>(slots[begin]) * slot_nbytes_;
+        int64_t got = pread_all(fd_, staging_.get(), (end - begin) * slot_nbytes_, offset);
+        if (got < 0) {
+            continue;  // an I/O error: these blocks are misses
+        }
+        const char* in = staging_.get();
+        for (size_t i = begin; i < end; ++i, in += slot_nbytes_) {
+            const auto slot_end = static_cast<int64_t>((i - begin) * slot_nbytes_ + block_nbytes_);
+            if (got < slot_end || xxh64(in, block_nbytes_, hashes[i]) != checksums[i]) {
+                continue;  // truncated, torn or overwritten
+            }
+            for (int64_t layer = 0; layer < cache.num_layers(); ++layer) {
+                std::memcpy(base + cache.offset(layer, ids[i]), in + layer * layer_nbytes,
+                            layer_nbytes);
+            }
+            ok[i] = 1;
+        }
+    }
+    return ok;
+}
+
+void BlockFile::sync() {
+    KVMOVE_CHECK(::fdatasync(fd_) == 0, Store,
+                 "cannot sync " << path_ << ": " << std::strerror(errno));
+}
+
+}  // namespace kvmove

@@ -1,0 +1,92 @@
+// BlockFile: KV blocks in fixed-size slots of one file, each written with its checksum.
+//
+// The bytes of a disk storage tier. A slot holds one block across every layer, contiguous,
+// padded to a multiple of 4 KiB so the file can be opened with O_DIRECT:
+//
+//   file:  | slot 0                              | slot 1      | ...
+//   slot:  | layer 0 | layer 1 | ... | layer L-1 | zero pad to kSlotAlign |
+//
+//   offset(slot) = slot * slot_nbytes
+//
+// A KVCache keeps a block's layers apart (layer-major, see kv_cache.h), so writes gather each
+// block's L slices into a page-aligned staging buffer and reads scatter them back. Runs of
+// consecutive slots move as one pwrite/pread of up to kStagingNbytes: large sequential I/O
+// whatever the blocks' ids in the cache.
+//
+// Integrity: write() returns XXH64(slot data, seed = the block's content hash) per block;
+// read() recomputes it and scatters only blocks that match. Seeding with the content hash
+// makes a slot that holds another block's (intact) data fail too. A torn, truncated or
+// overwritten slot is reported, never copied into the cache.
+//
+// Which slot holds which block is the caller's index (kvmove/store.py); this class only
+// moves bytes. Calls are serialized by an internal mutex (they share the staging buffer) and
+// are meant to run with the GIL released.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "kv_cache.h"
+
+namespace kvmove {
+
+struct StagingFree {
+    void operator()(char* p) const;
+};
+
+class BlockFile {
+public:
+    static constexpr uint64_t kSlotAlign = 4096;
+    static constexpr uint64_t kStagingNbytes = 16ULL << 20;
+
+    // Opens (creating if needed) path and sizes it to num_slots slots of block_nbytes data.
+    // direct: O_DIRECT, bypassing the page cache (falls back to buffered I/O where the file
+    // system refuses it; direct() says which).
+    BlockFile(const std::string& path, uint64_t block_nbytes, int64_t num_slots, bool direct);
+    ~BlockFile();
+    BlockFile(const BlockFile&) = delete;
+    BlockFile& operator=(const BlockFile&) = delete;
+
+    const std::string& path() const { return path_; }
+    uint64_t block_nbytes() const { return block_nbytes_; }
+    uint64_t slot_nbytes() const { return slot_nbytes_; }
+    int64_t num_slots() const { return num_slots_; }
+    bool direct() const { return direct_; }
+
+    // Writes block ids[i] of cache (every layer) into slots[i]; returns each block's checksum.
+    // Throws StoreError on an I/O error (a full disk included): the slots' contents are then
+    // undefined, and the caller must not record them.
+    std::vector<uint64_t> write(const KVCache& cache, const std::vector<BlockId>& ids,
+                                const std::vector<int64_t>& slots,
+                                const std::vector<uint64_t>& hashes);
+    // Reads slots[i] into block ids[i] of cache when its checksum matches checksums[i];
+    // ok[i] says whether it did (a block that fails is left untouched in the cache).
+    std::vector<uint8_t> read(KVCache& cache, const std::vector<BlockId>& ids,
+                              const std::vector<int64_t>& slots,
+                              const std::vector<uint64_t>& hashes,
+                              const std::vector<uint64_t>& checksums);
+    // Flushes written data to the device (fdatasync).
+    void sync();
+
+private:
+    void check_args(const KVCache& cache, const std::vector<BlockId>& ids,
+                    const std::vector<int64_t>& slots, size_t num_hashes) const;
+    // Consecutive-slot groups [begin, end) of indexes into slots, each fitting the staging
+    // buffer.
+    std::vector<std::pair<size_t, size_t>> chunks(const std::vector<int64_t>& slots) const;
+
+    const std::string path_;
+    const uint64_t block_nbytes_;
+    const uint64_t slot_nbytes_;
+    const int64_t num_slots_;
+    int fd_ = -1;
+    bool direct_ = false;
+    std::mutex mu_;
+    std::unique_ptr<char, StagingFree> staging_;
+    uint64_t staging_nbytes_ = 0;
+};
+
+}  // namespace kvmove

@@ -1,0 +1,359 @@
+"""KVStore: KV blocks kept below the live cache, by content hash, so a repeated prefix is
+loaded instead of prefilled again.
+
+Tiers, fastest first (``kvmove/store_tiers.py``)::
+
+    live KVCache (the engine's)  --put-->  HostTier  --demote (LRU)-->  DiskTier  --> dropped
+                                 <--get--            <------get--------
+
+* Keys are the chained block hashes of ``kvmove.block_hashes``: equal hashes, equal prefixes.
+* ``put`` copies blocks into the first tier; a full tier pushes its least recently used blocks
+  one tier down, and the last tier drops them. Capacities are never exceeded.
+* ``lookup`` says how many leading blocks are stored, where, and whether loading them beats
+  recomputing them (the ``Lookup``); ``get`` brings them back into live blocks.
+* ``put`` and ``get`` run on the store's I/O thread and return a ``StoreHandle``: an engine
+  computes while they run. The C++ below releases the GIL.
+* Nothing in the engine's path raises for lack of room or a failing disk: a block that cannot
+  be stored is reported as not stored, a block that reads back corrupt (its checksum, seeded
+  with its hash, does not match) is dropped and reported as a miss. Never served.
+
+Load or recompute: loading block i costs ``bytes_per_block / read bandwidth of its tier``,
+recomputing it ``block_size / prefill tokens per second``. The store measures each tier's read
+bandwidth on every ``get``; the engine reports its prefill throughput (``observe_prefill``).
+``lookup`` picks the prefix length that saves the most time (loading a leading run, computing
+the rest), and before anything is measured it assumes loading wins.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import asdict, dataclass, field
+
+from kvmove import _C
+from kvmove.errors import ConfigError, StoreError, TimeoutError
+from kvmove.kv_cache import KVCache
+from kvmove.layout import KVLayout
+from kvmove.store_tiers import DiskTier, HostTier, OpenTier, TierStats
+
+__all__ = ["DiskTier", "HostTier", "KVStore", "Lookup", "StoreHandle", "StoreStats"]
+
+_EMA = 0.3
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """What the store holds of a prefix, and whether to load it.
+
+    ``int(lookup)`` is ``num_blocks``. The decision is ``load_blocks``: load that many leading
+    blocks and recompute the rest (0: recompute everything).
+    """
+
+    tiers: tuple[str, ...]            # the tier of each leading stored block
+    load_blocks: int
+    load_seconds: float | None        # estimated time to load the ``load_blocks``
+    recompute_seconds: float | None   # estimated time to prefill the same blocks instead
+    read_gbps: dict[str, float | None]
+    prefill_tokens_per_second: float | None
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.tiers)
+
+    @property
+    def decision(self) -> str:
+        """``"load"``, ``"recompute"``, ``"partial"`` (load some), or ``"miss"`` (none stored)."""
+        if not self.tiers:
+            return "miss"
+        if self.load_blocks == len(self.tiers):
+            return "load"
+        return "partial" if self.load_blocks else "recompute"
+
+    def __int__(self) -> int:
+        return len(self.tiers)
+
+    __index__ = __int__
+
+
+@dataclass
+class StoreStats:
+    """A snapshot of a store's counters: per tier, and the decisions its lookups made."""
+
+    tiers: dict[str, TierStats]
+    blocks: dict[str, int]             # blocks held per tier now
+    capacity_blocks: dict[str, int]
+    lookups: int = 0
+    lookup_misses: int = 0             # blocks asked for that no tier held
+    decisions: dict[str, int] = field(default_factory=dict)
+    prefill_tokens_per_second: float | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class StoreHandle:
+    """A ``put`` or ``get`` in flight. ``wait`` gives its result: blocks stored (put) or
+    leading blocks brought back intact (get)."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float) -> int:
+        """Raises ``kvmove.errors.TimeoutError`` past ``timeout`` seconds (the operation goes
+        on: wait again before touching its blocks)."""
+        _C.check_timeout(timeout)
+        try:
+            return self._future.result(timeout)
+        except FutureTimeout:
+            raise TimeoutError(f"store operation not done after {timeout:g} s") from None
+
+
+class KVStore:
+    """Storage tiers for one model's KV blocks.
+
+    Args:
+        layout: the model's KV layout; caches passed to put/get must have it.
+        tiers: ``HostTier`` and/or ``DiskTier``, at most one of each, host first.
+        namespace: what else makes equal tokens give equal KV: the model and its weights
+            (e.g. a checkpoint name and revision). Stored with the layout; a disk tier written
+            under another namespace or layout is refused with ``StoreError``.
+
+    Raises:
+        ConfigError: tiers missing, repeated or out of order; a capacity under one block.
+        StoreError: a disk tier directory that cannot be used.
+    """
+
+    def __init__(self, layout: KVLayout, tiers: Sequence[HostTier | DiskTier], *,
+                 namespace: str = "") -> None:
+        kinds = [type(t).__name__ for t in tiers]
+        if not tiers or kinds not in (["HostTier"], ["DiskTier"], ["HostTier", "DiskTier"]):
+            raise ConfigError(f"tiers must be [HostTier], [DiskTier] or [HostTier, DiskTier], "
+                              f"got {kinds}")
+        self.layout = layout
+        self.namespace = namespace
+        fingerprint = {"layout": asdict(layout), "namespace": namespace}
+        self._tiers: list[OpenTier] = []
+        try:
+            for spec in tiers:
+                self._tiers.append(OpenTier.open(spec, layout, fingerprint))
+        except BaseException:
+            self.close()
+            raise
+        self._lock = threading.Lock()
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="kvmove-store")
+        self._prefill_tps: float | None = None
+        self._lookups = self._lookup_misses = 0
+        self._decisions = {"load": 0, "partial": 0, "recompute": 0, "miss": 0}
+        self._closed = False
+
+    @property
+    def tier_names(self) -> list[str]:
+        return [t.name for t in self._tiers]
+
+    # --- lookup and the load-or-recompute decision ----------------------------------------
+
+    def lookup(self, hashes: Sequence[int]) -> Lookup:
+        """The leading ``hashes`` stored (each in the fastest tier holding it) and the
+        decision; counts hits per tier."""
+        with self._lock:
+            tiers: list[str] = []
+            for h in hashes:
+                tier = self._holder(h)
+                if tier is None:
+                    break
+                tiers.append(tier.name)
+                tier.stats.hits += 1
+            self._lookups += 1
+            self._lookup_misses += len(hashes) - len(tiers)
+            result = self._decide(tuple(tiers))
+            self._decisions[result.decision] += 1
+            return result
+
+    def _decide(self, tiers: tuple[str, ...]) -> Lookup:
+        read = {t.name: t.stats.read_gbps for t in self._tiers}
+        tps = self._prefill_tps
+        per_block = self.layout.bytes_per_block
+        load = [0.0 if read[name] is None else per_block / (read[name] * 1e9) for name in tiers]
+        compute = (None if tps is None else self.layout.block_size / tps)
+        best, saved, gain = len(tiers), 0.0, 0.0  # unmeasured: load everything
+        if compute is not None:
+            best = 0
+            for i, cost in enumerate(load):
+                saved += compute - cost
+                if saved > gain:
+                    best, gain = i + 1, saved
+        unknown = any(read[name] is None for name in tiers[:best])
+        return Lookup(tiers, best, None if unknown else sum(load[:best]),
+                      None if compute is None else compute * best, read, tps)
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """The engine's measured prefill throughput (a moving average of these)."""
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        tps = num_tokens / seconds
+        with self._lock:
+            old = self._prefill_tps
+            self._prefill_tps = tps if old is None else _EMA * tps + (1 - _EMA) * old
+
+    # --- put and get ----------------------------------------------------------------------
+
+    def put(self, hashes: Sequence[int], cache: KVCache, block_ids: Sequence[int]) -> StoreHandle:
+        """Stores blocks ``block_ids`` of ``cache`` under ``hashes`` (those not stored yet).
+        The blocks must not change until the handle is done; its result is how many of them
+        the store holds afterwards."""
+        hashes, ids = self._check(hashes, cache, block_ids)
+        return self._submit(self._put, hashes, cache, ids)
+
+    def get(self, hashes: Sequence[int], cache: KVCache, block_ids: Sequence[int]) -> StoreHandle:
+        """Brings the stored blocks ``hashes`` back into ``block_ids`` of ``cache``, in order,
+        stopping at the first one missing or corrupt; the result is how many leading blocks
+        arrived (only those may be used)."""
+        hashes, ids = self._check(hashes, cache, block_ids)
+        return self._submit(self._get, hashes, cache, ids)
+
+    def _check(self, hashes: Sequence[int], cache: KVCache,
+               block_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+        if self._closed:
+            raise StoreError("the store is closed")
+        if getattr(cache, "layout", None) != self.layout:
+            raise ConfigError(f"the cache's layout {getattr(cache, 'layout', None)!r} is not "
+                              f"the store's {self.layout!r}")
+        hashes, ids = [int(h) for h in hashes], [int(i) for i in block_ids]
+        if len(hashes) != len(ids):
+            raise ConfigError(f"need one hash per block id, got {len(hashes)} hashes for "
+                              f"{len(ids)} ids")
+        if any(not 0 <= h < 2**64 for h in hashes):
+            raise ConfigError(f"hashes must be in [0, 2**64), got {min(hashes)}..{max(hashes)}")
+        if any(not 0 <= i < cache.num_blocks for i in ids):
+            bad = next(i for i in ids if not 0 <= i < cache.num_blocks)
+            raise ConfigError(f"block id {bad} is out of range: ids are in "
+                              f"[0, {cache.num_blocks})")
+        return hashes, ids
+
+    def _submit(self, fn, *args) -> StoreHandle:
+        return StoreHandle(self._io.submit(fn, *args))
+
+    def _put(self, hashes: list[int], cache: KVCache, ids: list[int]) -> int:
+        self._store(0, cache, ids, hashes)
+        with self._lock:
+            return sum(any(h in t.index for t in self._tiers) for h in hashes)
+
+    def _store(self, level: int, cache: KVCache, ids: list[int], hashes: list[int]) -> None:
+        """Writes the blocks not yet in tier ``level`` into it, first pushing its least
+        recently used blocks down (or out) to make room."""
+        tier = self._tiers[level]
+        todo: dict[int, int] = {}
+        with self._lock:
+            for h, i in zip(hashes, ids):
+                if h in tier.index:
+                    tier.touch(h)
+                elif h not in todo:
+                    todo[h] = i
+        capacity = len(tier.index) + len(tier.free) if tier.full else tier.num_slots
+        items = list(todo.items())
+        if len(items) > capacity and level + 1 < len(self._tiers):
+            # More than the tier holds: the leading blocks (shared by the most prefixes) stay
+            # here, the rest go straight to the tier below rather than in and out of this one.
+            rest = items[capacity:]
+            self._store(level + 1, cache, [i for _, i in rest], [h for h, _ in rest])
+        items = items[:capacity]
+        if not items:
+            return
+        self._make_room(level, len(items), {h for h, _ in items})
+        items = items[:len(tier.free)]
+        slots = tier.take_slots(len(items))
+        written = tier.write(cache, [i for _, i in items], [h for h, _ in items], slots)
+        with self._lock:
+            tier.insert(written)
+
+    def _make_room(self, level: int, n: int, keep: set[int]) -> None:
+        tier = self._tiers[level]
+        short = n - len(tier.free)
+        if short <= 0:
+            return
+        victims = tier.lru(short, keep)
+        if level + 1 < len(self._tiers) and tier.cache is not None:
+            slots = [tier.index[h][0] for h in victims]
+            self._store(level + 1, tier.cache, slots, victims)
+        with self._lock:
+            tier.remove(victims)
+            tier.stats.evicted += len(victims)
+
+    def _get(self, hashes: list[int], cache: KVCache, ids: list[int]) -> int:
+        """Reads runs of blocks tier by tier; stops at the first block missing or bad."""
+        done = 0
+        while done < len(hashes):
+            tier = self._holder(hashes[done])
+            if tier is None:
+                break
+            end = done + 1
+            while end < len(hashes) and self._holder(hashes[end]) is tier:
+                end += 1
+            n = tier.read(cache, ids[done:end], hashes[done:end])
+            with self._lock:
+                for h in hashes[done:done + n]:
+                    tier.touch(h)
+                tier.stats.served += n
+                if done + n < end:  # corrupt, torn or unreadable: never served again
+                    tier.stats.corrupt += 1
+                    tier.remove([hashes[done + n]])
+            done += n
+            if done < end:
+                break
+        return done
+
+    def _holder(self, block_hash: int) -> OpenTier | None:
+        """The fastest tier holding a block. The I/O thread, the index's only writer, calls
+        it without the lock; other threads hold the lock."""
+        return next((t for t in self._tiers if block_hash in t.index), None)
+
+    # --- metrics and life cycle ------------------------------------------------------------
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            return StoreStats(
+                tiers={t.name: TierStats(**asdict(t.stats)) for t in self._tiers},
+                blocks={t.name: len(t.index) for t in self._tiers},
+                capacity_blocks={t.name: t.num_slots for t in self._tiers},
+                lookups=self._lookups, lookup_misses=self._lookup_misses,
+                decisions=dict(self._decisions), prefill_tokens_per_second=self._prefill_tps)
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Waits for every queued operation, then syncs the disk tier's data and index."""
+        def sync() -> int:
+            for tier in self._tiers:
+                if tier.journal is not None:
+                    tier.file.sync()
+                    tier.journal.sync()
+            return 0
+        self._submit(sync).wait(timeout)
+
+    def close(self) -> None:
+        """Finishes queued operations and closes the tiers (the disk tier's index is synced)."""
+        if getattr(self, "_closed", True) is False:
+            self._closed = True
+            self._io.shutdown(wait=True)
+        for tier in self._tiers:
+            tier.close()
+        self._tiers = []
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{t.name}: {len(t.index)}/{t.num_slots} blocks" for t in self._tiers)
+        return f"KVStore({self.layout!r}, {parts})"

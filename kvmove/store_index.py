@@ -1,0 +1,163 @@
+"""The disk tier's index: which slot of its block file holds which block, kept as a journal.
+
+File ``index.kvm`` in the tier's directory::
+
+    | b"KVMINDEX" | u32 version | u32 n | n bytes: JSON fingerprint | record | record | ...
+
+    record (32 B, little-endian): u8 op (1 put, 2 drop) | 3 pad | u32 crc32 of the record
+                                  with this field zeroed | i64 slot | u64 hash | u64 checksum
+
+A put is appended only after its bytes were written, a drop before its slot is reused, so the
+journal never points at a slot that was not written for it. Replaying it at open rebuilds the
+index; a torn last record (a crash mid-append) fails its crc32 and is cut off. Nothing is
+fsynced per record: after a machine crash the journal may name data that never reached the disk,
+and the block checksum turns that into a miss on read. When dead records outnumber live
+entries the journal is rewritten (to a temporary file, then renamed over the old one).
+
+Why a journal and not an index rewritten on every change: appends are O(1) per block and a
+restart loses nothing written before it; a rewritten index would be O(entries) per change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from collections import OrderedDict
+from typing import Any
+
+from kvmove.errors import StoreError
+
+__all__ = ["IndexJournal"]
+
+_MAGIC = b"KVMINDEX"
+_VERSION = 1
+_HEADER = struct.Struct("<8sII")
+_RECORD = struct.Struct("<B3xIqQQ")
+_PUT, _DROP = 1, 2
+
+
+class IndexJournal:
+    """The index of one disk tier: ``entries`` maps hash -> (slot, checksum), oldest first.
+
+    Args:
+        path: the journal file (created when missing).
+        fingerprint: what the blocks are (layout, namespace, slot size); an existing journal
+            with another fingerprint is refused with StoreError.
+        num_slots: the block file's slots now; entries in slots past it are dropped.
+    """
+
+    def __init__(self, path: str, fingerprint: dict[str, Any], num_slots: int) -> None:
+        self.path = path
+        self.entries: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        self._header = self._encode_header(fingerprint)
+        self._num_records = 0
+        if os.path.exists(path):
+            self._replay(fingerprint, num_slots)
+            if any(slot >= num_slots for slot, _ in self.entries.values()):
+                self.entries = OrderedDict((h, e) for h, e in self.entries.items()
+                                           if e[0] < num_slots)
+                self._rewrite()
+        else:
+            self._rewrite()
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+
+    @staticmethod
+    def _encode_header(fingerprint: dict[str, Any]) -> bytes:
+        text = json.dumps(fingerprint, sort_keys=True).encode()
+        return _HEADER.pack(_MAGIC, _VERSION, len(text)) + text
+
+    def _replay(self, fingerprint: dict[str, Any], num_slots: int) -> None:
+        with open(self.path, "rb") as f:
+            data = f.read()
+        magic, version, n = _HEADER.unpack_from(data) if len(data) >= _HEADER.size else (b"", 0, 0)
+        if magic != _MAGIC or version != _VERSION:
+            raise StoreError(f"{self.path} is not a kvmove store index (version {_VERSION})")
+        try:
+            stored = json.loads(data[_HEADER.size:_HEADER.size + n])
+        except ValueError as error:
+            raise StoreError(f"{self.path} has a damaged header: {error}") from None
+        if stored != json.loads(json.dumps(fingerprint)):
+            raise StoreError(f"{os.path.dirname(self.path) or '.'} holds KV blocks of another "
+                             f"layout: stored {stored}, this store {fingerprint}; open another "
+                             "directory or delete this one")
+        offset = good = _HEADER.size + n
+        slot_of: dict[int, int] = {}  # slot -> hash, so a reused slot drops its old block
+        while offset + _RECORD.size <= len(data):
+            record = data[offset:offset + _RECORD.size]
+            op, crc, slot, block_hash, checksum = _RECORD.unpack(record)
+            if crc != _crc(op, slot, block_hash, checksum) or op not in (_PUT, _DROP):
+                break  # torn or damaged: everything after it is suspect too
+            offset += _RECORD.size
+            good = offset
+            self._apply(op, slot, block_hash, checksum, slot_of)
+        self._num_records = (good - _HEADER.size - n) // _RECORD.size
+        if good < len(data):
+            os.truncate(self.path, good)
+
+    def _apply(self, op: int, slot: int, block_hash: int, checksum: int,
+               slot_of: dict[int, int]) -> None:
+        if op == _DROP:
+            entry = self.entries.pop(block_hash, None)
+            if entry is not None:
+                slot_of.pop(entry[0], None)
+            return
+        old = slot_of.get(slot)
+        if old is not None:
+            self.entries.pop(old, None)
+        self.entries.pop(block_hash, None)
+        self.entries[block_hash] = (slot, checksum)
+        slot_of[slot] = block_hash
+
+    def put(self, items: list[tuple[int, int, int]]) -> None:
+        """Records ``(hash, slot, checksum)`` for blocks whose bytes are written."""
+        self._append([(_PUT, slot, h, checksum) for h, slot, checksum in items])
+        for h, slot, checksum in items:
+            self.entries.pop(h, None)
+            self.entries[h] = (slot, checksum)
+
+    def drop(self, hashes: list[int]) -> None:
+        """Forgets blocks (before their slots are reused)."""
+        gone = [(h, self.entries.pop(h)) for h in hashes if h in self.entries]
+        self._append([(_DROP, slot, h, checksum) for h, (slot, checksum) in gone])
+
+    def touch(self, block_hash: int) -> None:
+        """Marks a block most recently used (in memory only: a restart keeps write order)."""
+        self.entries.move_to_end(block_hash)
+
+    def _append(self, records: list[tuple[int, int, int, int]]) -> None:
+        if not records:
+            return
+        os.write(self._fd, b"".join(_RECORD.pack(op, _crc(op, slot, h, c), slot, h, c)
+                                    for op, slot, h, c in records))
+        self._num_records += len(records)
+        if self._num_records > 2 * len(self.entries) + 4096:
+            os.close(self._fd)
+            self._rewrite()
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+
+    def _rewrite(self) -> None:
+        """The live entries, oldest first, into a new journal that replaces the old one."""
+        tmp = self.path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(self._header)
+            f.write(b"".join(_RECORD.pack(_PUT, _crc(_PUT, slot, h, c), slot, h, c)
+                             for h, (slot, c) in self.entries.items()))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        self._num_records = len(self.entries)
+
+    def sync(self) -> None:
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _crc(op: int, slot: int, block_hash: int, checksum: int) -> int:
+    return zlib.crc32(_RECORD.pack(op, 0, slot, block_hash, checksum))

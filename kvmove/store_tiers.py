@@ -1,0 +1,250 @@
+"""Storage tiers below the live KVCache: what each one is (``HostTier``, ``DiskTier``, the
+configs users pass to ``KVStore``) and how it keeps blocks (``OpenTier``, one per open store).
+
+A tier holds whole blocks (every layer) in numbered slots, and an index hash -> slot kept in
+least-recently-used order. The host tier's slots are the blocks of a ``KVCache`` of its own;
+the disk tier's are slots of a ``BlockFile`` (``csrc/block_file.h``) with an ``IndexJournal``.
+Bytes move in C++ with the GIL released; the index lives here, changed only by the store's
+I/O thread (``kvmove/store.py``), read by lookups under the store's lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import heapq
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmove import _C
+from kvmove.errors import ConfigError, StoreError
+from kvmove.kv_cache import KVCache
+from kvmove.layout import KVLayout
+from kvmove.store_index import IndexJournal
+from kvmove.validation import require_positive_int
+
+__all__ = ["DiskTier", "HostTier", "OpenTier", "TierStats"]
+
+_EMA = 0.3  # weight of the newest measurement in a tier's read/write bandwidth
+
+
+@dataclass(frozen=True, slots=True)
+class HostTier:
+    """Host memory for ``capacity_bytes`` of blocks (rounded down to whole blocks)."""
+
+    capacity_bytes: int
+
+    def __post_init__(self) -> None:
+        require_positive_int("HostTier capacity_bytes", self.capacity_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class DiskTier:
+    """A directory holding up to ``capacity_bytes`` of blocks (``blocks.dat``, ``index.kvm``).
+
+    ``direct``: read and write with O_DIRECT, past the page cache (the host tier is the
+    memory cache; the page cache would double it and make disk reads look faster than the
+    disk). Falls back to buffered I/O where the file system refuses O_DIRECT.
+    """
+
+    path: str
+    capacity_bytes: int
+    direct: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
+            raise ConfigError(f"DiskTier path must be a non-empty path, got {self.path!r}")
+        require_positive_int("DiskTier capacity_bytes", self.capacity_bytes)
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier since the store opened (blocks, bytes, seconds)."""
+
+    hits: int = 0            # blocks a lookup found here (the first tier holding each)
+    served: int = 0          # blocks get() brought back from here
+    corrupt: int = 0         # blocks that failed their checksum or could not be read: dropped
+    stored: int = 0          # blocks written here (put, or demoted from the tier above)
+    evicted: int = 0         # blocks pushed out to make room (demoted, or dropped from the last)
+    write_errors: int = 0    # writes that failed (a full disk): the blocks were not stored
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_seconds: float = 0.0
+    read_seconds: float = 0.0
+    read_gbps: float | None = None   # recent read bandwidth (moving average), None: no read yet
+    write_gbps: float | None = None
+
+    def record_write(self, nbytes: int, seconds: float) -> None:
+        self.bytes_written += nbytes
+        self.write_seconds += seconds
+        self.write_gbps = _average(self.write_gbps, nbytes, seconds)
+
+    def record_read(self, nbytes: int, seconds: float) -> None:
+        self.bytes_read += nbytes
+        self.read_seconds += seconds
+        self.read_gbps = _average(self.read_gbps, nbytes, seconds)
+
+
+def _average(old: float | None, nbytes: int, seconds: float) -> float | None:
+    if nbytes == 0 or seconds <= 0:
+        return old
+    gbps = nbytes / seconds / 1e9
+    return gbps if old is None else _EMA * gbps + (1 - _EMA) * old
+
+
+@dataclass
+class OpenTier:
+    """One tier of an open store: its slots, its LRU index, its counters and its bytes."""
+
+    name: str
+    num_slots: int
+    block_nbytes: int
+    cache: KVCache | None = None          # host: the blocks themselves
+    file: Any = None                      # disk: a _C.BlockFile
+    journal: IndexJournal | None = None   # disk: the persistent index
+    index: OrderedDict[int, tuple[int, int]] = field(default_factory=OrderedDict)
+    free: list[int] = field(default_factory=list)  # a heap: lowest slots first, runs coalesce
+    stats: TierStats = field(default_factory=TierStats)
+    lock_fd: int = -1
+    full: bool = False                    # the disk said ENOSPC: reuse written slots only
+
+    @classmethod
+    def open(cls, spec: HostTier | DiskTier, layout: KVLayout,
+             fingerprint: dict[str, Any]) -> OpenTier:
+        nbytes = layout.bytes_per_block
+        if isinstance(spec, HostTier):
+            n = _blocks_in(spec.capacity_bytes, nbytes, "HostTier")
+            tier = cls("host", n, nbytes, cache=KVCache(layout, n))
+            tier.free = list(range(n))
+            return tier
+        return cls._open_disk(spec, layout, fingerprint)
+
+    @classmethod
+    def _open_disk(cls, spec: DiskTier, layout: KVLayout,
+                   fingerprint: dict[str, Any]) -> OpenTier:
+        path = os.fspath(spec.path)
+        try:
+            os.makedirs(path, exist_ok=True)
+            lock_fd = os.open(os.path.join(path, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
+        except OSError as error:
+            raise StoreError(f"cannot use {path!r} as a disk tier: {error}") from None
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(lock_fd)
+            raise StoreError(f"disk tier {path!r} is in use by another store (one process per "
+                             "directory)") from None
+        try:
+            file = _C.BlockFile(os.path.join(path, "blocks.dat"), layout.bytes_per_block,
+                                _blocks_in(spec.capacity_bytes, _slot_nbytes(layout), "DiskTier"),
+                                spec.direct)
+            journal = IndexJournal(os.path.join(path, "index.kvm"),
+                                   {**fingerprint, "slot_nbytes": file.slot_nbytes},
+                                   file.num_slots)
+        except BaseException:
+            os.close(lock_fd)
+            raise
+        tier = cls("disk", file.num_slots, layout.bytes_per_block, file=file, journal=journal,
+                   index=journal.entries, lock_fd=lock_fd)
+        used = {slot for slot, _ in journal.entries.values()}
+        tier.free = [s for s in range(file.num_slots) if s not in used]
+        return tier
+
+    # --- index (the store's I/O thread changes it, lookups read it) -----------------------
+
+    def take_slots(self, n: int) -> list[int]:
+        return [heapq.heappop(self.free) for _ in range(n)]
+
+    def lru(self, n: int, keep: set[int]) -> list[int]:
+        """The ``n`` least recently used hashes not in ``keep``."""
+        out = []
+        for h in self.index:
+            if len(out) == n:
+                break
+            if h not in keep:
+                out.append(h)
+        return out
+
+    def remove(self, hashes: list[int]) -> None:
+        slots = [self.index[h][0] for h in hashes if h in self.index]
+        if self.journal is not None:
+            self.journal.drop(hashes)   # before the slots can be reused
+        else:
+            for h in hashes:
+                self.index.pop(h, None)
+        for slot in slots:
+            heapq.heappush(self.free, slot)
+
+    def touch(self, block_hash: int) -> None:
+        self.index.move_to_end(block_hash)
+
+    # --- bytes (no lock held) -------------------------------------------------------------
+
+    def write(self, cache: KVCache, ids: list[int], hashes: list[int],
+              slots: list[int]) -> list[tuple[int, int, int]]:
+        """Copies blocks into slots; ``(hash, slot, checksum)`` of those written (none when the
+        write failed: the slots go back to the free heap)."""
+        start = time.perf_counter()
+        if self.file is None:
+            _C.copy_blocks(cache, ids, self.cache, slots)
+            checksums = [0] * len(ids)
+        else:
+            try:
+                checksums = self.file.write(cache, ids, slots, hashes)
+            except StoreError as error:
+                self.stats.write_errors += 1
+                if "No space" in str(error):
+                    # Slots never written have no disk space behind them (the file is sparse):
+                    # from now on only slots freed by eviction are reused.
+                    self.full, self.free = True, []
+                else:
+                    for slot in slots:
+                        heapq.heappush(self.free, slot)
+                return []
+        self.stats.stored += len(ids)
+        self.stats.record_write(len(ids) * self.block_nbytes, time.perf_counter() - start)
+        return list(zip(hashes, slots, checksums))
+
+    def read(self, cache: KVCache, ids: list[int], hashes: list[int]) -> int:
+        """Copies stored blocks into ``ids`` of ``cache``; how many leading ones arrived
+        intact (the caller drops the first bad one)."""
+        entries = [self.index[h] for h in hashes]
+        slots = [slot for slot, _ in entries]
+        start = time.perf_counter()
+        if self.file is None:
+            _C.copy_blocks(self.cache, slots, cache, ids)
+            ok = [1] * len(ids)
+        else:
+            ok = self.file.read(cache, ids, slots, hashes, [c for _, c in entries])
+        self.stats.record_read(len(ids) * self.block_nbytes, time.perf_counter() - start)
+        return ok.index(0) if 0 in ok else len(ok)
+
+    def insert(self, items: list[tuple[int, int, int]]) -> None:
+        if self.journal is not None:
+            self.journal.put(items)
+        else:
+            for h, slot, checksum in items:
+                self.index[h] = (slot, checksum)
+
+    def close(self) -> None:
+        if self.journal is not None:
+            self.file.sync()
+            self.journal.close()
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)
+            self.lock_fd = -1
+
+
+def _slot_nbytes(layout: KVLayout) -> int:
+    align = _C.BlockFile.SLOT_ALIGN
+    return -(-layout.bytes_per_block // align) * align
+
+
+def _blocks_in(capacity_bytes: int, block_nbytes: int, what: str) -> int:
+    n = capacity_bytes // block_nbytes
+    if n < 1:
+        raise ConfigError(f"{what} capacity_bytes {capacity_bytes} holds no block: one block "
+                          f"takes {block_nbytes} B")
+    return n
