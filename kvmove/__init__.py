@@ -1,7 +1,8 @@
 """kvmove: KV-cache transfer and storage for disaggregated LLM serving.
 
 Start with ``KVLayout`` (the shape of a model's KV cache), ``KVCache`` (blocks of it in
-memory) and ``BlockPool`` (which blocks a request owns).
+memory) and ``BlockPool`` (which blocks a request owns); ``Agent`` moves blocks between
+processes, ``KVStore`` keeps them in host and disk tiers.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kvmove._C import BlockPool, Region, block_hashes, runs  # noqa: E402
 from kvmove.agent import Agent, Transfer, TransferState, TransferStats  # noqa: E402
 from kvmove.kv_cache import KVCache  # noqa: E402
 from kvmove.layout import KVLayout  # noqa: E402
+from kvmove.store import DiskTier, HostTier, KVStore, Lookup, StoreHandle  # noqa: E402
 from kvmove.stream import LoadStream, SaveStream, StreamState  # noqa: E402
 from kvmove.runtime import CudaStatus, cuda_available, cuda_status, ucx_version  # noqa: E402
 
@@ -28,11 +30,16 @@ __all__ = [
     "Agent",
     "BlockPool",
     "CudaStatus",
+    "DiskTier",
+    "HostTier",
     "KVCache",
     "KVLayout",
+    "KVStore",
+    "Lookup",
     "LoadStream",
     "Region",
     "SaveStream",
+    "StoreHandle",
     "StreamState",
     "Transfer",
     "TransferState",
