@@ -22,6 +22,7 @@ __all__ = ["FinishReason", "Request", "RequestState", "SamplingParams", "Timings
 
 class RequestState(enum.Enum):
     WAITING = "waiting"            # queued for (re)admission
+    FETCHING = "fetching"          # out of the queue while its prefix comes from the store
     RUNNING = "running"            # in the batch: prefill chunks, then decode steps
     LOADING = "loading"            # decode role: its KV is streaming in
     HANDING_OFF = "handing_off"    # prefill role: its KV is streaming out
@@ -109,6 +110,7 @@ class Request:
         self.blocks: list[int] = []     # block table
         self.num_computed = 0           # tokens whose K/V are in the cache
         self.num_cached = 0             # of those, prompt tokens taken from the prefix cache
+        self.num_stored = 0             # of those, tokens whose KV came from the KVStore
         self.hashes: list[int] = []     # chain hashes of its full blocks, tagged in the pool
         self.num_preemptions = 0
         self.kv_bytes = 0               # KV handed off (prefill role)

@@ -9,7 +9,9 @@ Every step, in order:
 2. waiting requests, first come first served, while the token budget, the sequence limit and
    the free blocks allow. A new request first takes the longest cached prefix of its prompt
    (``BlockPool.match``) and computes only the rest. ``allocate`` returning None is
-   back-pressure: the request waits, never dropped.
+   back-pressure: the request waits, never dropped. With a ``PrefixStore``, the blocks past
+   the live prefix that the KVStore holds are fetched first (the request steps out of the
+   queue meanwhile, see ``prefix_store.py``).
 
 After the forward pass, ``update`` advances each request and tags its newly full blocks with
 their hashes (``BlockPool.commit``), so that a later request with the same prefix finds them.
@@ -23,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvmove._C import BlockPool, block_hashes
+from kvmove.engine.prefix_store import PrefixStore
 from kvmove.engine.request import Request, RequestState
 from kvmove.errors import ConfigError
 
@@ -64,10 +67,14 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int,
+                 store: PrefixStore | None = None) -> None:
+        if store is not None and not config.prefix_caching:
+            raise ConfigError("a KV store needs prefix_caching (its keys are the block hashes)")
         self.config = config
         self.pool = pool
         self.block_size = block_size
+        self.store = store
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -98,23 +105,35 @@ class Scheduler:
 
     def remove(self, request: Request, free: bool = True) -> None:
         """Takes a request out of the batch; frees its blocks unless ``free`` is False (the
-        caller keeps them, e.g. while they stream out)."""
-        if request in self.running:
+        caller keeps them, e.g. while they stream out). A finished request's full blocks are
+        offered to the store first."""
+        if self.store is not None and self.store.cancel(request):
+            pass  # its fetched blocks come back when the store is done with them
+        elif request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         if free:
+            if request.finished:
+                self.offer(request)
             self._release(request)
+
+    def offer(self, request: Request) -> None:
+        """Offers a request's full blocks to the store (when there is one)."""
+        if self.store is not None:
+            self.store.offer(request)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or (self.store and self.store.fetching))
 
     # --- one step -------------------------------------------------------------------------
 
     def schedule(self) -> list[Scheduled]:
         budget = self.config.max_num_batched_tokens
         batch: list[Scheduled] = []
+        if self.store is not None:
+            self.waiting.extendleft(reversed(self.store.poll()))
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -129,8 +148,10 @@ class Scheduler:
             batch = [s for s in batch if s.request is not victim]
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if not request.blocks and self.config.prefix_caching:
-                self._match_prefix(request)
+            if not request.blocks and self.config.prefix_caching and \
+                    self._match_prefix(request):
+                self.waiting.popleft()  # fetching from the store: back when it ends
+                continue
             n = self._chunk(request, budget)
             if not self._grow(request, request.num_computed + n):
                 self._release(request)  # do not sit on matched blocks while queued
@@ -180,12 +201,13 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _match_prefix(self, request: Request) -> None:
+    def _match_prefix(self, request: Request) -> bool:
         """Takes the longest cached prefix, leaving at least one token to compute (its
-        logits give the next token)."""
+        logits give the next token), then asks the store for more. True when a fetch from the
+        store started."""
         usable = (request.num_tokens - 1) // self.block_size
         if usable == 0:
-            return
+            return False
         hashes = block_hashes(request.tokens[:usable * self.block_size], self.block_size)
         ids = self.pool.match(hashes)
         if ids:
@@ -193,6 +215,8 @@ class Scheduler:
             request.num_computed = len(ids) * self.block_size
             request.hashes = list(hashes[:len(ids)])
             request.num_cached += min(request.num_computed, len(request.prompt))
+        return self.store is not None and len(ids) < usable and \
+            self.store.fetch(request, hashes)
 
     def _commit(self, request: Request) -> None:
         """Tags the newly full blocks, chaining from the last tagged one (each token is hashed

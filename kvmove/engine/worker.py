@@ -10,6 +10,10 @@
   ``start_load`` from the prefill worker, and once the KV is in, decode it in the batch until
   EOS, ``max_tokens`` or a stop string.
 
+Colocated and prefill workers may keep a ``KVStore`` (host and disk tiers): the prefixes it
+holds are loaded instead of prefilled, and finished requests' blocks are offered to it
+(``prefix_store.py``).
+
 ``step()`` runs one scheduler step and one forward pass, and returns the requests that ended
 in it (for ``prefill``: handed off). Everything is synchronous and single-threaded; kvmove's
 own threads move the bytes.
@@ -24,18 +28,21 @@ from typing import Any
 
 from kvmove.agent import Agent
 from kvmove.engine.model import LlamaForCausalLM, SeqChunk
+from kvmove.engine.prefix_store import PrefixStore
 from kvmove.engine.request import FinishReason, Request, RequestState
 from kvmove.engine.sampling import sample, skip_draw
 from kvmove.engine.scheduler import Scheduled, Scheduler, SchedulerConfig
 from kvmove.engine.tokenizer import load_tokenizer
 from kvmove.errors import ConfigError, KVMoveError
 from kvmove.kv_cache import KVCache
+from kvmove.store import KVStore
 from kvmove.stream import LoadStream, SaveStream, StreamState
 
 __all__ = ["ROLES", "Worker"]
 
 ROLES = ("colocated", "prefill", "decode")
 _TOKEN = struct.Struct("<q")  # the first token, as the final message's payload
+_IDLE_WAIT = 0.001  # seconds an idle step waits for a fetch from the store
 
 
 class Worker:
@@ -54,6 +61,9 @@ class Worker:
         transfer_timeout: seconds a KV hand-off may take before it is abandoned.
         on_token: called with (request, token) for every token sampled (or received with the
             KV), as it happens: how a server streams tokens out.
+        store: KV storage tiers under the cache (colocated and prefill roles; the caller owns
+            and closes it): stored prefixes are loaded instead of prefilled when the store
+            decides that is faster, finished requests' full blocks are offered to it.
     """
 
     def __init__(self, model: LlamaForCausalLM, *, role: str = "colocated",
@@ -61,9 +71,13 @@ class Worker:
                  scheduler: SchedulerConfig | None = None, tokenizer: Any = None,
                  name: str | None = None, agent_kwargs: dict[str, Any] | None = None,
                  transfer_timeout: float = 60.0,
-                 on_token: Callable[[Request, int], None] | None = None) -> None:
+                 on_token: Callable[[Request, int], None] | None = None,
+                 store: KVStore | None = None) -> None:
         if role not in ROLES:
             raise ConfigError(f"role must be one of {ROLES}, got {role!r}")
+        if store is not None and role == "decode":
+            raise ConfigError("a decode worker does not prefill: give the store to the "
+                              "prefill (or colocated) workers")
         self.model = model
         self.role = role
         self.tokenizer = tokenizer if tokenizer is not None else _default_tokenizer(model)
@@ -71,7 +85,9 @@ class Worker:
         self.on_token = on_token
         self.cache = KVCache(model.config.kv_layout(block_size), num_blocks)
         self.kv = self.cache.torch()
-        self.scheduler = Scheduler(scheduler or SchedulerConfig(), self.cache.pool, block_size)
+        self.store = PrefixStore(store, self.cache) if store is not None else None
+        self.scheduler = Scheduler(scheduler or SchedulerConfig(), self.cache.pool, block_size,
+                                   self.store)
         self.agent = (Agent(name or f"{role}-worker", self.cache, **(agent_kwargs or {}))
                       if role != "colocated" else None)
         self.sending: dict[str, tuple[Request, SaveStream]] = {}   # prefill: KV going out
@@ -142,8 +158,9 @@ class Worker:
             stream.abort(wait=False)  # polling frees the blocks once the posted layers landed
             return request
         else:
-            request = next((r for r in [*self.scheduler.running, *self.scheduler.waiting]
-                            if r.id == request_id), None)
+            fetching = [f.request for f in self.store.fetching] if self.store else []
+            request = next((r for r in [*self.scheduler.running, *self.scheduler.waiting,
+                                        *fetching] if r.id == request_id), None)
             if request is None:
                 return None
             self._handoff.pop(request_id, None)
@@ -159,6 +176,8 @@ class Worker:
         ended = self._poll_transfers()
         batch = self.scheduler.schedule()
         if not batch:
+            if self.store is not None:
+                self.store.wait_fetch(_IDLE_WAIT)  # rather than spin while the store reads
             return ended
         self.num_steps += 1
         streams = self._open_streams(batch) if self.role == "prefill" else []
@@ -173,7 +192,10 @@ class Worker:
         seqs = [SeqChunk(s.request.tokens[s.request.num_computed:
                                           s.request.num_computed + s.num_tokens],
                          s.request.num_computed, s.request.blocks) for s in batch]
+        start = time.perf_counter()
         logits = self.model(seqs, self.kv, hook)
+        if self.store is not None:
+            self.store.observe(sum(s.num_tokens for s in batch), time.perf_counter() - start)
         sampling = [(i, s) for i, s in enumerate(batch) if s.samples]
         tokens = sample(logits[[i for i, _ in sampling]], [s.request for _, s in sampling])
         self.scheduler.update(batch)
@@ -283,6 +305,8 @@ class Worker:
                 posted, landed = zip(*times)
                 request.kv_seconds = max(landed) - min(posted)
                 request.kv_exposed_seconds = max(landed) - max(posted)
+            if state == StreamState.DONE:
+                self.scheduler.offer(request)
             self.cache.pool.free(request.blocks)
             request.blocks = []
             if state == StreamState.DONE:
@@ -319,6 +343,8 @@ class Worker:
         return ended
 
     def close(self) -> None:
+        if self.store is not None:
+            self.store.drain(self.transfer_timeout)
         if self.agent is not None:
             self.agent.close()
 
