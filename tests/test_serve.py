@@ -433,6 +433,37 @@ def test_metrics_count_latencies_queues_and_kv_bytes(servers: ServerPool) -> Non
         assert after["kvmove_worker_alive", (("worker", worker),)] == 1
 
 
+def _store_sample(server: Server, name: str, tier: str) -> float:
+    return _samples(server).get((name, (("tier", tier), ("worker", "prefill-0"))), 0.0)
+
+
+def test_a_restarted_server_loads_a_repeated_prompt_from_its_disk_store(
+        tmp_path: Path, reference: dict[str, list[int]]) -> None:
+    """``--store-dir``: the prefill worker offers a prompt's blocks to its disk tier; a new
+    server on the same directory (an empty live cache) loads them instead of prefilling, and
+    the text is the same."""
+    prompt = PROMPTS[-1]
+    usable = (num_tokens(prompt) - 1) // BLOCK  # the last token is always computed
+    args = ("--mode", "disagg", "--chunk-size", str(CHUNK), "--store-dir", str(tmp_path))
+    texts = []
+    for run in range(2):
+        server = Server(*args)
+        try:
+            result = server.client().completions.create(model=MODEL, prompt=prompt,
+                                                        max_tokens=MAX_TOKENS, **GREEDY)
+            texts.append(result.choices[0].text)
+            wait_until(lambda: _store_sample(server, "kvmove_store_blocks", "disk") >= usable,
+                       5.0, "prefill-0's disk tier holds the prompt's blocks")
+            if run == 1:
+                wait_until(lambda: _store_sample(server, "kvmove_store_served", "disk") > 0,
+                           5.0, "prefill-0 loaded blocks from its disk tier")
+                assert _store_sample(server, "kvmove_store_served", "disk") == usable
+                assert _store_sample(server, "kvmove_store_corrupt", "disk") == 0
+        finally:
+            server.close()
+    assert texts == [text_of(reference[prompt])] * 2
+
+
 # --- a port in use, bad options -----------------------------------------------------------------
 
 def _serve_command() -> list[str]:

@@ -56,6 +56,15 @@ def _parser() -> argparse.ArgumentParser:
                    "when there are at least as many cores as workers)")
     p.add_argument("--request-timeout", type=float, default=120.0,
                    help="seconds a request may go without a token (default 120)")
+    p.add_argument("--store-dir", default=None,
+                   help="keep KV blocks on disk here (a KVStore disk tier per prefill or "
+                   "colocated worker, in DIR/<worker>): a repeated prefix is loaded, not "
+                   "prefilled again, even after a restart")
+    p.add_argument("--store-host-gb", type=float, default=0.0,
+                   help="a KVStore host-memory tier of this many GB per prefill or colocated "
+                   "worker (default 0: none)")
+    p.add_argument("--store-disk-gb", type=float, default=16.0,
+                   help="the disk tier's size per worker with --store-dir (default 16)")
     return p
 
 
@@ -146,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             block_size=args.block_size, max_num_seqs=args.max_num_seqs, host=args.host,
             port=args.port, control_host=args.control_host, agent_host=args.agent_host,
             transports=args.transports, request_timeout=args.request_timeout,
-            pin_cpus=not args.no_pin_cpus)
+            pin_cpus=not args.no_pin_cpus, store_dir=args.store_dir,
+            store_host_gb=args.store_host_gb, store_disk_gb=args.store_disk_gb)
         return asyncio.run(_serve(config))
     except ConfigError as error:
         print(f"kvmove-serve: error: {error}", file=sys.stderr)

@@ -44,3 +44,39 @@ class Metrics:
         self.requests = Counter("kvmove_requests", "Requests by outcome.", ["outcome"],
                                 registry=r)
         self.tokens = Counter("kvmove_generated_tokens", "Tokens sent to clients.", registry=r)
+        self.store = {key: Gauge(f"kvmove_store_{key}", text, ["worker", "tier"], registry=r)
+                      for key, text in _STORE_TIER_GAUGES.items()}
+        self.store_decisions = Gauge("kvmove_store_decisions",
+                                     "Store lookups by load-or-recompute decision (since the "
+                                     "worker started).", ["worker", "decision"], registry=r)
+        self.store_prefill = Gauge("kvmove_store_prefill_tokens_per_second",
+                                   "The prefill throughput the worker reports to its store "
+                                   "(the recompute side of the decision).", ["worker"],
+                                   registry=r)
+
+    def set_store(self, worker: str, stats: dict) -> None:
+        """A worker's store counters, as its last stats event gave them."""
+        for tier, values in stats["tiers"].items():
+            for key, gauge in self.store.items():
+                if values.get(key) is not None:
+                    gauge.labels(worker=worker, tier=tier).set(values[key])
+        for decision, count in stats["decisions"].items():
+            self.store_decisions.labels(worker=worker, decision=decision).set(count)
+        if stats.get("prefill_tokens_per_second") is not None:
+            self.store_prefill.labels(worker=worker).set(stats["prefill_tokens_per_second"])
+
+
+# KVStore counters exported per worker and tier (values since the worker started).
+_STORE_TIER_GAUGES = {
+    "blocks": "KV blocks held.",
+    "capacity_blocks": "KV blocks the tier can hold.",
+    "hits": "Blocks lookups found in the tier.",
+    "served": "Blocks loaded back from the tier.",
+    "corrupt": "Blocks that failed their checksum: dropped, never served.",
+    "evicted": "Blocks pushed out of the tier (demoted, or dropped from the last).",
+    "write_errors": "Writes that failed (a full disk): those blocks were not stored.",
+    "bytes_read": "Bytes read from the tier.",
+    "bytes_written": "Bytes written to the tier.",
+    "read_gbps": "Recent read bandwidth, GB/s (the load side of the decision).",
+    "write_gbps": "Recent write bandwidth, GB/s.",
+}

@@ -61,6 +61,9 @@ class ServeConfig:
     request_timeout: float = 120.0
     start_timeout: float = 120.0
     pin_cpus: bool = True   # each worker on its own cores when there are enough
+    store_dir: str | None = None  # a KVStore disk tier per prefill/colocated worker, in here
+    store_host_gb: float = 0.0    # and a host tier of this size (0: none)
+    store_disk_gb: float = 16.0   # the disk tier's size per worker
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -75,6 +78,21 @@ class ServeConfig:
         for name in ("request_timeout", "start_timeout"):
             if not 0 < getattr(self, name) < 1e6:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if not 0 <= self.store_host_gb < 1e6:
+            raise ConfigError(f"store_host_gb must be >= 0, got {self.store_host_gb!r}")
+        if not 0 < self.store_disk_gb < 1e6:
+            raise ConfigError(f"store_disk_gb must be positive, got {self.store_disk_gb!r}")
+
+    def store_args(self, name: str, role: str) -> list[str]:
+        """A worker's KVStore options: prefill and colocated workers only (decode workers
+        never prefill), each with its own directory (a disk tier is one process's)."""
+        if role == "decode" or (self.store_dir is None and not self.store_host_gb):
+            return []
+        args = ["--store-host-gb", str(self.store_host_gb)]
+        if self.store_dir is not None:
+            args += ["--store-dir", os.path.join(self.store_dir, name),
+                     "--store-disk-gb", str(self.store_disk_gb)]
+        return args
 
     def roles(self) -> list[tuple[str, str]]:
         """(worker name, role) for every worker process."""
@@ -162,6 +180,7 @@ class Router:
                        "--agent-host", c.agent_host]
             if c.transports:
                 command += ["--transports", c.transports]
+            command += c.store_args(name, role)
             if mine:
                 command += ["--cpus", ",".join(map(str, mine))]
             # PYTHONSAFEPATH: run from a source checkout, `-m` would import the checkout's
@@ -402,6 +421,8 @@ class Router:
         for w in self.workers.values():
             if "free_blocks" in w.stats:
                 m.free_blocks.labels(worker=w.name).set(w.stats["free_blocks"])
+            if w.stats.get("store"):
+                m.set_store(w.name, w.stats["store"])
 
     async def _monitor(self) -> None:
         """A dead worker process: ``/health`` shows it, its requests end with an error."""

@@ -5,8 +5,8 @@
 The worker connects a DEALER socket (identity = its name) to the router's ROUTER socket.
 Commands in (JSON): ``add``, ``reserve``, ``load``, ``connect``, ``shutdown``. Events out:
 ``ready`` (with its kvmove agent's listen address), ``reserved``, ``connected``, ``tokens``
-(every token sampled this step), ``ended``, ``stats`` (queue, running, free blocks; also the
-router's heartbeat), ``error``. The KV never goes through here: prefill and decode workers
+(every token sampled this step), ``ended``, ``stats`` (queue, running, free blocks, the
+KVStore's counters; also the router's heartbeat), ``error``. The KV never goes through here: prefill and decode workers
 move it between their own kvmove agents.
 
 The process exits when told to, when its parent (the server) is gone, or on SIGTERM.
@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from kvmove.engine.scheduler import SchedulerConfig
 from kvmove.engine.tokenizer import load_tokenizer
 from kvmove.engine.worker import ROLES, Worker
 from kvmove.errors import KVMoveError
+from kvmove.store import DiskTier, HostTier, KVStore
 
 STATS_SECONDS = 0.1  # how often a worker reports its queue and free blocks
 IDLE_POLL_MS = 20
@@ -58,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--transports", default=None)
     p.add_argument("--error-mode", default="peer")
     p.add_argument("--transfer-timeout", type=float, default=60.0)
+    p.add_argument("--store-dir", default=None, help="KVStore disk tier directory")
+    p.add_argument("--store-disk-gb", type=float, default=16.0)
+    p.add_argument("--store-host-gb", type=float, default=0.0, help="KVStore host tier size")
     p.add_argument("--cpus", default="", help="comma-separated CPU ids to run on (its own "
                    "cores, as an instance on a real cluster has its own GPU); torch uses "
                    "that many threads")
@@ -77,12 +82,14 @@ class WorkerServer:
         scheduler = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             chunk_size=args.chunk_size or None)
+        self.store = _open_store(args, model)
         self.worker = Worker(
             model, role=args.role, num_blocks=args.num_blocks, block_size=args.block_size,
             scheduler=scheduler, tokenizer=self.tokenizer, name=args.name,
             agent_kwargs={"transports": args.transports, "error_mode": args.error_mode},
             transfer_timeout=args.transfer_timeout,
-            on_token=lambda request, token: self.tokens.append([request.id, token]))
+            on_token=lambda request, token: self.tokens.append([request.id, token]),
+            store=self.store)
         self.requests: dict[str, Request] = {}
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
@@ -122,7 +129,8 @@ class WorkerServer:
         scheduler = self.worker.scheduler
         self.send({"ev": "stats", "free_blocks": self.worker.cache.pool.num_free,
                    "waiting": len(scheduler.waiting), "running": len(scheduler.running),
-                   "loading": len(self.worker.loading), "sending": len(self.worker.sending)})
+                   "loading": len(self.worker.loading), "sending": len(self.worker.sending),
+                   "store": _store_stats(self.store)})
 
     def report(self, ended: list[Request]) -> None:
         if self.tokens:
@@ -133,6 +141,7 @@ class WorkerServer:
             self.send({"ev": "ended", "rid": request.id, "reason": request.finish_reason.value,
                        "error": request.error, "text": request.text,
                        "num_output": len(request.output), "num_cached": request.num_cached,
+                       "num_stored": request.num_stored,
                        "kv_bytes": request.kv_bytes, "kv_seconds": request.kv_seconds,
                        "kv_exposed_seconds": request.kv_exposed_seconds})
 
@@ -181,8 +190,35 @@ class WorkerServer:
 
     def close(self) -> None:
         self.worker.close()
+        if self.store is not None:
+            self.store.close()
         self.socket.close()
         self.context.term()
+
+
+def _open_store(args: argparse.Namespace, model: LlamaForCausalLM) -> KVStore | None:
+    """The worker's KVStore, when asked for. Its namespace is the model and seed: blocks of
+    another model's weights must never match."""
+    tiers: list[HostTier | DiskTier] = []
+    if args.store_host_gb > 0:
+        tiers.append(HostTier(int(args.store_host_gb * 1e9)))
+    if args.store_dir:
+        tiers.append(DiskTier(args.store_dir, int(args.store_disk_gb * 1e9)))
+    if not tiers:
+        return None
+    return KVStore(model.config.kv_layout(args.block_size), tiers,
+                   namespace=f"{args.model}:seed={args.seed}")
+
+
+def _store_stats(store: KVStore | None) -> dict | None:
+    if store is None:
+        return None
+    stats = store.stats()
+    tiers = {name: {**asdict(t), "blocks": stats.blocks[name],
+                    "capacity_blocks": stats.capacity_blocks[name]}
+             for name, t in stats.tiers.items()}
+    return {"tiers": tiers, "decisions": stats.decisions,
+            "prefill_tokens_per_second": stats.prefill_tokens_per_second}
 
 
 def main(argv: list[str] | None = None) -> int:
