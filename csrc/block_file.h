@@ -19,7 +19,7 @@
 // overwritten slot is reported, never copied into the cache.
 //
 // Which slot holds which block is the caller's index (kvmove/store.py); this class only
-// moves bytes. Calls are serialized by an internal mutex (they share the staging buffer) and
+// moves bytes. Calls are serialized by an internal mutex (they share the staging buffers) and
 // are meant to run with the GIL released.
 #pragma once
 
@@ -85,7 +85,7 @@ private:
     int fd_ = -1;
     bool direct_ = false;
     std::mutex mu_;
-    std::unique_ptr<char, StagingFree> staging_;
+    std::unique_ptr<char, StagingFree> staging_[2];  // one filled while the other is in I/O
     uint64_t staging_nbytes_ = 0;
 };
 

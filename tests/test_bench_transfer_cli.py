@@ -256,6 +256,50 @@ def test_engine_bad_option_exits_2(bench: Bench, args: list[str], value: str) ->
     assert result.stdout == ""
 
 
+# --- store ----------------------------------------------------------------------------------
+
+STORE_TINY = ["--model", "llama-3.2-1b", "--tokens", "64", "--iters", "1", "--engine-model",
+              "tiny", "--prompt-tokens", "64"]
+
+
+def test_store_json_has_every_tier_row_and_the_three_ttft_cases(bench: Bench,
+                                                                tmp_path: Path) -> None:
+    report = _json(bench("store", *STORE_TINY, "--dir", str(tmp_path), "--json"))
+    assert report["nbytes"] == TINY_BYTES
+    rows = [(r["tier"], r["op"]) for r in report["tiers"]]
+    assert rows == [("host", "write"), ("host", "read"), ("disk", "write"), ("disk", "read")]
+    for row in report["tiers"]:
+        assert row["gbps"] > 0 and row["baseline_gbps"] > 0
+        assert row["ratio"] == pytest.approx(row["gbps"] / row["baseline_gbps"])
+    cases = {r["case"]: r for r in report["ttft"]}
+    assert list(cases) == ["recompute", "host hit", "disk hit"]
+    assert cases["recompute"]["loaded_tokens"] == 0 and cases["recompute"]["decision"] is None
+    for case in ("host hit", "disk hit"):  # (64 - 1) // 16 blocks: the last token is computed
+        assert cases[case]["loaded_tokens"] == 48
+        assert cases[case]["decision"] in ("load", "partial", "recompute")
+        assert isinstance(cases[case]["picked_faster"], bool)
+    assert os.listdir(tmp_path) == []  # its scratch directory is gone
+
+
+def test_store_text_without_ttft(bench: Bench) -> None:
+    result = bench("store", *STORE_TINY, "--no-ttft")
+    assert result.returncode == 0, result.stderr
+    assert "dd iflag=direct" in result.stdout and "memcpy" in result.stdout
+    assert "time to first token" not in result.stdout
+
+
+@pytest.mark.parametrize(("args", "value"), [
+    (["--engine-model", "huge"], "huge"), (["--iters", "0"], "got 0"),
+    (["--dir", "/nonexistent-kvmove-dir"], "/nonexistent-kvmove-dir"),
+    (["--prompt-tokens", "0"], "got 0"), (["--tokens", "8"], "got 8"),
+])
+def test_store_bad_option_exits_2(bench: Bench, args: list[str], value: str) -> None:
+    result = bench("store", *STORE_TINY, *args)
+    assert result.returncode == 2, result.stderr
+    assert value in result.stderr and "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
 # --- bad input and failures -----------------------------------------------------------------
 
 @pytest.mark.parametrize(

@@ -8,6 +8,8 @@ Subcommands:
               bulk vs streamed, between two processes, every byte verified.
     engine    the reference engine's prefill and decode throughput on this machine, and the
               asymmetry: decode gains from batching, prefill does not (needs torch).
+    store     the KVStore's host and disk tiers against memcpy / dd / a plain file, and the
+              time to first token of a repeated prompt: recompute vs host hit vs disk hit.
     serve     one seeded request trace against kvmove-serve in each mode (colocated, chunked,
               disagg): TTFT, ITL, throughput, goodput (needs kvmove[serve] and openai).
     plan      what moving one prompt's KV cache costs on each link, and whether to disaggregate
@@ -73,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_transfer(commands)
     _add_stream(commands)
     _add_engine(commands)
+    _add_store(commands)
     _add_serve(commands)
     _add_plan(commands)
     return parser
@@ -269,6 +272,58 @@ def _run_engine(args: argparse.Namespace) -> int:
         iters=args.iters)
     report = bench_engine.run(config)
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_engine(report))
+    return 0
+
+
+# --- store ----------------------------------------------------------------------------------
+
+
+def _add_store(commands: argparse._SubParsersAction) -> None:
+    sub = commands.add_parser(
+        "store", help="KVStore tiers vs memcpy/dd, and TTFT of a stored prefix",
+        description="Writes one prompt's KV into the KVStore's host and disk tiers and reads it "
+        "back (every byte checked), against memcpy, dd (O_DIRECT) and a plain file in the same "
+        "run; then the time to first token of a repeated prompt when recomputed, loaded from "
+        "the host tier and loaded from the disk tier, and whether the store's "
+        "load-or-recompute decision picked the faster (the TTFT part needs torch).")
+    _add_prompt_args(sub)
+    sub.add_argument("--dtype", choices=list(DTYPE_BYTES), default="float16",
+                     help="KV element type (default float16)")
+    sub.add_argument("--dir", default=None, help="where the disk tier and the baselines write "
+                     "(default: a temporary directory, removed afterwards)")
+    sub.add_argument("--engine-model", default="small",
+                     help="engine preset for the TTFT rows (default small)")
+    sub.add_argument("--prompt-tokens", type=int, default=2000,
+                     help="the repeated prompt's length (default 2000)")
+    sub.add_argument("--no-ttft", action="store_true", help="tiers only (no torch needed)")
+    sub.add_argument("--iters", type=int, default=3,
+                     help="timed runs per row after a warm-up; the median is shown (default 3)")
+    sub.add_argument("--json", action="store_true", help="print the report as JSON only")
+    sub.set_defaults(run=_run_store)
+
+
+def _run_store(args: argparse.Namespace) -> int:
+    from kvmove import bench_store
+    from kvmove.cli.report_store import format_store
+
+    if args.dir is not None and not os.path.isdir(args.dir):
+        raise ConfigError(f"--dir {args.dir!r} is not a directory")
+    if not args.no_ttft:
+        try:
+            from kvmove.engine.model import MODEL_PRESETS
+        except ImportError as error:
+            raise ConfigError(f"the TTFT rows need the engine's dependencies: pip install "
+                              f"kvmove[engine], or pass --no-ttft ({error})") from None
+        if args.engine_model not in MODEL_PRESETS:
+            raise ConfigError(f"--engine-model must be one of {list(MODEL_PRESETS)}, got "
+                              f"{args.engine_model!r}")
+    config = bench_store.StoreBenchConfig(
+        model=args.model, tokens=args.tokens, block_size=args.block_size, dtype=args.dtype,
+        iters=args.iters, directory=args.dir,
+        engine_model=None if args.no_ttft else args.engine_model,
+        prompt_tokens=args.prompt_tokens)
+    report = bench_store.run(config)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_store(report))
     return 0
 
 

@@ -1,0 +1,314 @@
+"""``kvmove-bench store``: what the KVStore's tiers move per second, against the machine's own
+baselines, and what a stored prefix saves a repeated prompt. No printing: the CLI formats.
+
+Tiers (one prompt's KV, e.g. Llama-3.1-8B x 4,000 tokens = 524 MB, ``iters`` timed runs
+each, after one warm-up; every run stores new hashes, so every put really writes):
+
+* host tier ``put`` / ``get`` against ``memcpy`` of the same bytes (numpy ``copyto``);
+* disk tier ``put`` (O_DIRECT writes plus the index journal) / ``get`` (O_DIRECT reads and
+  checksums) against ``dd`` (``oflag=direct`` / ``iflag=direct``, 16 MiB blocks) and a plain
+  file (``write`` + ``fsync``; ``read`` after dropping the file from the page cache with
+  ``posix_fadvise(DONTNEED)``), all in the same directory.
+
+Time to first token of a repeated prompt, with the engine (``MODEL_PRESETS`` model, random
+weights, one request, whole-prompt prefill): **recompute** (no store), **host hit** and
+**disk hit** (a fresh engine, so an empty live cache, over a store that one earlier run
+filled; the disk store is reopened from its directory, so the hit is served from disk). Then
+the store's load-or-recompute decision for that prompt, from its measured read bandwidth and
+the engine's measured prefill throughput, and whether it picked the faster option.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvmove.errors import ConfigError
+from kvmove.kv_cache import KVCache
+from kvmove.layout import KVLayout
+from kvmove.store import DiskTier, HostTier, KVStore
+from kvmove.validation import require_positive_int
+
+__all__ = ["StoreBenchConfig", "StoreReport", "TierRow", "TtftRow", "run"]
+
+_DD_BLOCK = 16 << 20
+_WAIT = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class StoreBenchConfig:
+    """What ``run`` measures; ``directory``: where the disk tier and baselines write (None: a
+    temporary directory under the system's, removed afterwards)."""
+
+    model: str = "llama-3.1-8b"
+    tokens: int = 4000
+    block_size: int = 16
+    dtype: str = "float16"
+    iters: int = 3
+    directory: str | None = None
+    engine_model: str | None = "small"   # None: skip the TTFT part
+    prompt_tokens: int = 2000
+
+    def __post_init__(self) -> None:
+        for name in ("tokens", "block_size", "iters", "prompt_tokens"):
+            require_positive_int(name, getattr(self, name))
+        if self.tokens < self.block_size:
+            raise ConfigError(f"tokens must hold at least one block of {self.block_size}, "
+                              f"got {self.tokens}")
+
+    @property
+    def layout(self) -> KVLayout:
+        return KVLayout.preset(self.model, dtype=self.dtype, block_size=self.block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class TierRow:
+    """One tier and direction against its baseline: seconds of each timed run."""
+
+    tier: str            # "host" or "disk"
+    op: str              # "write" or "read"
+    seconds: tuple[float, ...]
+    baseline: str
+    baseline_seconds: tuple[float, ...]
+    nbytes: int
+    other_baseline: str | None = None
+    other_seconds: tuple[float, ...] = ()
+
+    def gbps(self, seconds: tuple[float, ...] | None = None) -> float:
+        return self.nbytes / statistics.median(seconds or self.seconds) / 1e9
+
+    @property
+    def ratio(self) -> float:
+        """The tier's bandwidth over the baseline's (medians)."""
+        return self.gbps() / self.gbps(self.baseline_seconds)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "gbps": self.gbps(), "baseline_gbps": self.gbps(
+            self.baseline_seconds), "ratio": self.ratio}
+
+
+@dataclass(frozen=True, slots=True)
+class TtftRow:
+    """One way of serving the repeated prompt: its TTFTs, and what the store decided."""
+
+    case: str                 # "recompute", "host hit", "disk hit"
+    seconds: tuple[float, ...]
+    loaded_tokens: int
+    decision: str | None = None
+    load_seconds: float | None = None        # the decision's estimates
+    recompute_seconds: float | None = None
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+
+@dataclass
+class StoreReport:
+    config: StoreBenchConfig
+    nbytes: int
+    direct: bool                          # the disk tier used O_DIRECT
+    tiers: list[TierRow]
+    ttft: list[TtftRow] = field(default_factory=list)
+    wall_seconds: float = 0.0
+
+    def picked_faster(self, row: TtftRow) -> bool:
+        """The decision for a hit agrees with what was measured: load when the hit's TTFT
+        beat recomputing, recompute otherwise."""
+        recompute = next(r for r in self.ttft if r.case == "recompute")
+        return (row.decision in ("load", "partial")) == (row.median < recompute.median)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": asdict(self.config), "nbytes": self.nbytes, "direct": self.direct,
+                "tiers": [r.to_dict() for r in self.tiers],
+                "ttft": [{**asdict(r), "median": r.median,
+                          "picked_faster": None if r.decision is None else self.picked_faster(r)}
+                         for r in self.ttft],
+                "wall_seconds": self.wall_seconds}
+
+
+def run(config: StoreBenchConfig, progress: Callable[[str], None] = lambda _: None) -> StoreReport:
+    start = time.perf_counter()
+    root = tempfile.mkdtemp(prefix="kvmove-bench-store-", dir=config.directory)
+    try:
+        progress("tiers")
+        report = _measure_tiers(config, root)
+        if config.engine_model is not None:
+            progress("time to first token")
+            report.ttft = _measure_ttft(config, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    report.wall_seconds = time.perf_counter() - start
+    return report
+
+
+# --- tiers ------------------------------------------------------------------------------------
+
+def _measure_tiers(config: StoreBenchConfig, root: str) -> StoreReport:
+    layout = config.layout
+    n = layout.blocks_for(config.tokens)
+    src, dst = KVCache(layout, n), KVCache(layout, n)
+    _fill(src)
+    nbytes = n * layout.bytes_per_block
+    ids = list(range(n))
+    rows = []
+    with KVStore(layout, [HostTier(nbytes)]) as store:
+        put, get = _time_store(store, src, dst, ids, config.iters)
+        copy = _time(lambda: np.copyto(_bytes(dst), _bytes(src)), config.iters)
+        rows += [TierRow("host", "write", put, "memcpy", copy, nbytes),
+                 TierRow("host", "read", get, "memcpy", copy, nbytes)]
+    _check_equal(src, dst)
+    with KVStore(layout, [DiskTier(os.path.join(root, "tier"), nbytes)]) as store:
+        direct = store._tiers[0].file.direct
+        put, get = _time_store(store, src, dst, ids, config.iters)
+    _check_equal(src, dst)
+    path = os.path.join(root, "baseline.dat")
+    dd_write = _time(lambda: _dd(f"if=/dev/zero of={path} oflag=direct", nbytes), config.iters)
+    dd_read = _time(lambda: _dd(f"if={path} of=/dev/null iflag=direct", nbytes), config.iters)
+    file_write = _time(lambda: _file_write(path, _bytes(src)), config.iters)
+    file_read = _time(lambda: _file_read(path, _bytes(dst)), config.iters)
+    rows += [TierRow("disk", "write", put, "dd oflag=direct", dd_write, nbytes,
+                     "write+fsync", file_write),
+             TierRow("disk", "read", get, "dd iflag=direct", dd_read, nbytes,
+                     "read, cold", file_read)]
+    return StoreReport(config, nbytes, direct, rows)
+
+
+def _time_store(store: KVStore, src: KVCache, dst: KVCache, ids: list[int],
+                iters: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Each run puts ``ids`` under new hashes (so it writes), then gets them back."""
+    puts, gets = [], []
+    for i in range(iters + 1):
+        hashes = [(i << 32) + b + 1 for b in ids]
+        t0 = time.perf_counter()
+        stored = store.put(hashes, src, ids).wait(_WAIT)
+        t1 = time.perf_counter()
+        got = store.get(hashes, dst, ids).wait(_WAIT)
+        t2 = time.perf_counter()
+        if stored != len(ids) or got != len(ids):
+            raise ConfigError(f"the store kept {stored} and returned {got} of {len(ids)} blocks")
+        if i:  # the first run is the warm-up
+            puts.append(t1 - t0)
+            gets.append(t2 - t1)
+    return tuple(puts), tuple(gets)
+
+
+def _time(fn: Callable[[], Any], iters: int) -> tuple[float, ...]:
+    fn()
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return tuple(out)
+
+
+def _bytes(cache: KVCache) -> np.ndarray:
+    return np.frombuffer(cache.region, dtype=np.uint8)
+
+
+def _fill(cache: KVCache) -> None:
+    """Random bytes (a 16 MiB random tile repeated: generating 500 MB would take seconds)."""
+    out = _bytes(cache)
+    tile = np.random.default_rng(0).integers(0, 256, min(out.size, 16 << 20), dtype=np.uint8)
+    for start in range(0, out.size, tile.size):
+        chunk = out[start:start + tile.size]
+        chunk[:] = tile[:chunk.size]
+
+
+def _check_equal(src: KVCache, dst: KVCache) -> None:
+    if not np.array_equal(_bytes(src), _bytes(dst)):
+        raise ConfigError("the blocks read back differ from those written")
+
+
+def _dd(operands: str, nbytes: int) -> None:
+    count = -(-nbytes // _DD_BLOCK)
+    subprocess.run(["dd", *operands.split(), f"bs={_DD_BLOCK}", f"count={count}",
+                    "status=none"], check=True)
+
+
+def _file_write(path: str, data: np.ndarray) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _file_read(path: str, out: np.ndarray) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages leave the cache
+        view, done = memoryview(out), 0
+        while done < out.size:
+            n = os.readv(fd, [view[done:]])
+            if n == 0:
+                break
+            done += n
+    finally:
+        os.close(fd)
+
+
+# --- time to first token ----------------------------------------------------------------------
+
+def _measure_ttft(config: StoreBenchConfig, root: str) -> list[TtftRow]:
+    from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
+    from kvmove.engine.worker import Worker
+
+    model_config = MODEL_PRESETS[config.engine_model]
+    model = LlamaForCausalLM.random(model_config, seed=0)
+    layout = model_config.kv_layout(config.block_size)
+    rng = random.Random(0)
+    prompt = [rng.randrange(3, model_config.vocab_size) for _ in range(config.prompt_tokens)]
+    num_blocks = layout.blocks_for(config.prompt_tokens) + 8
+
+    def ttft(store: KVStore | None) -> tuple[float, int]:
+        from kvmove.engine.request import Request, SamplingParams
+        from kvmove.engine.scheduler import SchedulerConfig
+
+        worker = Worker(model, num_blocks=num_blocks, block_size=config.block_size,
+                        scheduler=SchedulerConfig(chunk_size=None,
+                                                  max_num_batched_tokens=config.prompt_tokens),
+                        store=store)
+        request = Request("r", prompt, SamplingParams(max_tokens=1))
+        worker.add_request(request)
+        worker.run()
+        worker.close()  # waits for its offer to the store
+        return request.timings.ttft, request.num_stored
+
+    rows = [TtftRow("recompute", tuple(ttft(None)[0] for _ in range(config.iters)), 0)]
+    host = HostTier(num_blocks * layout.bytes_per_block)
+    disk_dir = os.path.join(root, "ttft")
+    disk = DiskTier(disk_dir, num_blocks * -(-layout.bytes_per_block // 4096) * 4096)
+    for case, tiers in (("host hit", [host]), ("disk hit", [disk])):
+        store = KVStore(layout, tiers)
+        try:
+            ttft(store)  # fills the store, and reports the prefill's throughput to it
+            if case == "disk hit":  # reopened: the hit comes from the disk, the index persisted
+                prefill_tps = store.stats().prefill_tokens_per_second
+                store.close()
+                store = KVStore(layout, tiers)
+                store.observe_prefill(config.prompt_tokens, config.prompt_tokens / prefill_tps)
+            runs = [ttft(store) for _ in range(config.iters)]
+            lookup = store.lookup(_prompt_hashes(prompt, config.block_size))
+        finally:
+            store.close()
+        rows.append(TtftRow(case, tuple(t for t, _ in runs), runs[-1][1], lookup.decision,
+                            lookup.load_seconds, lookup.recompute_seconds))
+    return rows
+
+
+def _prompt_hashes(prompt: list[int], block_size: int) -> list[int]:
+    from kvmove import block_hashes
+
+    usable = (len(prompt) - 1) // block_size  # the engine always computes the last token
+    return list(block_hashes(prompt[:usable * block_size], block_size))
