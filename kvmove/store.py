@@ -159,11 +159,14 @@ class KVStore:
 
     def lookup(self, hashes: Sequence[int]) -> Lookup:
         """The leading ``hashes`` stored (each in the fastest tier holding it) and the
-        decision; counts hits per tier."""
+        decision. Counts, as a cache hierarchy does, a hit in the tier that held a block and a
+        miss in each tier above it (a block held nowhere: a miss in every tier)."""
         with self._lock:
             tiers: list[str] = []
             for h in hashes:
                 tier = self._holder(h)
+                for t in self._tiers[:self._tiers.index(tier) if tier else len(self._tiers)]:
+                    t.stats.misses += 1  # looked for here, first
                 if tier is None:
                     break
                 tiers.append(tier.name)

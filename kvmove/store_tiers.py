@@ -64,6 +64,7 @@ class TierStats:
     """Counters of one tier since the store opened (blocks, bytes, seconds)."""
 
     hits: int = 0            # blocks a lookup found here (the first tier holding each)
+    misses: int = 0          # blocks a lookup looked for here and did not find
     served: int = 0          # blocks get() brought back from here
     corrupt: int = 0         # blocks that failed their checksum or could not be read: dropped
     stored: int = 0          # blocks written here (put, or demoted from the tier above)

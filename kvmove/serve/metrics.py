@@ -71,6 +71,7 @@ _STORE_TIER_GAUGES = {
     "blocks": "KV blocks held.",
     "capacity_blocks": "KV blocks the tier can hold.",
     "hits": "Blocks lookups found in the tier.",
+    "misses": "Blocks lookups looked for in the tier and did not find.",
     "served": "Blocks loaded back from the tier.",
     "corrupt": "Blocks that failed their checksum: dropped, never served.",
     "evicted": "Blocks pushed out of the tier (demoted, or dropped from the last).",
