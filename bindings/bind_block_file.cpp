@@ -25,8 +25,9 @@ its content hash. The bytes of a disk storage tier; kvmove.store keeps the index
              "Writes blocks into slots; returns their checksums. StoreError on an I/O error.")
         .def("read", &BlockFile::read, py::arg("cache"), py::arg("block_ids"), py::arg("slots"),
              py::arg("hashes"), py::arg("checksums"), py::call_guard<py::gil_scoped_release>(),
-             "Reads slots into blocks whose checksum matches; returns 1 (read) or 0 per block.")
+             "Reads slots into blocks up to the first bad checksum; 1 (read) or 0 per block.")
         .def("sync", &BlockFile::sync, py::call_guard<py::gil_scoped_release>())
+        .def("close", &BlockFile::close, py::call_guard<py::gil_scoped_release>())
         .attr("SLOT_ALIGN") = BlockFile::kSlotAlign;
     m.def("copy_blocks", &copy_blocks, py::arg("src"), py::arg("src_ids"), py::arg("dst"),
           py::arg("dst_ids"), py::call_guard<py::gil_scoped_release>(),

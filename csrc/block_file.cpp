@@ -92,14 +92,19 @@ BlockFile::BlockFile(const std::string& path, uint64_t block_nbytes, int64_t num
     }
 }
 
-BlockFile::~BlockFile() {
+BlockFile::~BlockFile() { close(); }
+
+void BlockFile::close() {
+    std::lock_guard<std::mutex> lock(mu_);
     if (fd_ >= 0) {
         ::close(fd_);
+        fd_ = -1;
     }
 }
 
 void BlockFile::check_args(const KVCache& cache, const std::vector<BlockId>& ids,
                            const std::vector<int64_t>& slots, size_t num_hashes) const {
+    KVMOVE_CHECK(fd_ >= 0, Store, "block file " << path_ << " is closed");
     const uint64_t cache_block_nbytes = cache.block_nbytes() * cache.num_layers();
     KVMOVE_CHECK(cache_block_nbytes == block_nbytes_, Config,
                  "the cache's blocks are " << cache_block_nbytes << " B, this block file's are "
@@ -204,7 +209,7 @@ std::vector<uint8_t> BlockFile::read(KVCache& cache, const std::vector<BlockId>&
         for (size_t i = begin; i < end; ++i, in += slot_nbytes_) {
             const auto slot_end = static_cast<int64_t>((i - begin) * slot_nbytes_ + block_nbytes_);
             if (got < slot_end || xxh64(in, block_nbytes_, hashes[i]) != checksums[i]) {
-                continue;  // truncated, torn or overwritten
+                return ok;  // truncated, torn or overwritten: this block and the rest miss
             }
             for (int64_t layer = 0; layer < cache.num_layers(); ++layer) {
                 std::memcpy(base + cache.offset(layer, ids[i]), in + layer * layer_nbytes,
@@ -217,6 +222,8 @@ std::vector<uint8_t> BlockFile::read(KVCache& cache, const std::vector<BlockId>&
 }
 
 void BlockFile::sync() {
+    std::lock_guard<std::mutex> lock(mu_);
+    KVMOVE_CHECK(fd_ >= 0, Store, "block file " << path_ << " is closed");
     KVMOVE_CHECK(::fdatasync(fd_) == 0, Store,
                  "cannot sync " << path_ << ": " << std::strerror(errno));
 }

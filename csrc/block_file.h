@@ -62,14 +62,18 @@ public:
     std::vector<uint64_t> write(const KVCache& cache, const std::vector<BlockId>& ids,
                                 const std::vector<int64_t>& slots,
                                 const std::vector<uint64_t>& hashes);
-    // Reads slots[i] into block ids[i] of cache when its checksum matches checksums[i];
-    // ok[i] says whether it did (a block that fails is left untouched in the cache).
+    // Reads slots[i] into block ids[i] of cache, in order, while their checksums match;
+    // ok[i] says whether block i arrived. The first block that fails, and every block after
+    // it, are left untouched in the cache (a prefix is only usable up to its first gap).
     std::vector<uint8_t> read(KVCache& cache, const std::vector<BlockId>& ids,
                               const std::vector<int64_t>& slots,
                               const std::vector<uint64_t>& hashes,
                               const std::vector<uint64_t>& checksums);
     // Flushes written data to the device (fdatasync).
     void sync();
+    // Closes the file now (the destructor would otherwise, whenever Python collects this);
+    // later calls raise StoreError.
+    void close();
 
 private:
     void check_args(const KVCache& cache, const std::vector<BlockId>& ids,

@@ -171,6 +171,7 @@ class KVStore:
                     break
                 tiers.append(tier.name)
                 tier.stats.hits += 1
+                tier.touch(h)  # asked for: recently used, whether loaded or recomputed
             self._lookups += 1
             self._lookup_misses += len(hashes) - len(tiers)
             result = self._decide(tuple(tiers))
@@ -221,8 +222,6 @@ class KVStore:
 
     def _check(self, hashes: Sequence[int], cache: KVCache,
                block_ids: Sequence[int]) -> tuple[list[int], list[int]]:
-        if self._closed:
-            raise StoreError("the store is closed")
         if getattr(cache, "layout", None) != self.layout:
             raise ConfigError(f"the cache's layout {getattr(cache, 'layout', None)!r} is not "
                               f"the store's {self.layout!r}")
@@ -239,6 +238,8 @@ class KVStore:
         return hashes, ids
 
     def _submit(self, fn, *args) -> StoreHandle:
+        if self._closed:
+            raise StoreError("the store is closed")
         return StoreHandle(self._io.submit(fn, *args))
 
     def _put(self, hashes: list[int], cache: KVCache, ids: list[int]) -> int:
@@ -247,30 +248,30 @@ class KVStore:
             return sum(any(h in t.index for t in self._tiers) for h in hashes)
 
     def _store(self, level: int, cache: KVCache, ids: list[int], hashes: list[int]) -> None:
-        """Writes the blocks not yet in tier ``level`` into it, first pushing its least
-        recently used blocks down (or out) to make room."""
+        """Puts blocks into tier ``level``. The leading blocks, as many as the tier holds,
+        stay there (those it held already are touched); its least recently used other blocks
+        go down (or out) to make room; the remainder goes straight to the tier below, after
+        those older blocks, so LRU order holds across tiers."""
         tier = self._tiers[level]
-        todo: dict[int, int] = {}
+        items = list(dict(zip(hashes, ids)).items())  # distinct, in order (a dict keeps the
+        # first position of a key and its last value: the same hash is the same bytes)
+        capacity = len(tier.index) + len(tier.free) if tier.full else tier.num_slots
+        head, rest = items[:capacity], items[capacity:]
         with self._lock:
-            for h, i in zip(hashes, ids):
+            new = [(h, i) for h, i in head if h not in tier.index]
+            for h, _ in head:
                 if h in tier.index:
                     tier.touch(h)
-                elif h not in todo:
-                    todo[h] = i
-        capacity = len(tier.index) + len(tier.free) if tier.full else tier.num_slots
-        items = list(todo.items())
-        if len(items) > capacity and level + 1 < len(self._tiers):
-            # More than the tier holds: the leading blocks (shared by the most prefixes) stay
-            # here, the rest go straight to the tier below rather than in and out of this one.
-            rest = items[capacity:]
-            self._store(level + 1, cache, [i for _, i in rest], [h for h, _ in rest])
-        items = items[:capacity]
-        if not items:
+        if new:
+            self._make_room(level, len(new), {h for h, _ in head})
+        below = [(h, i) for h, i in rest if h not in tier.index]
+        if below and level + 1 < len(self._tiers):
+            self._store(level + 1, cache, [i for _, i in below], [h for h, _ in below])
+        new = new[:len(tier.free)]  # a disk found full meanwhile may have fewer slots
+        if not new:
             return
-        self._make_room(level, len(items), {h for h, _ in items})
-        items = items[:len(tier.free)]
-        slots = tier.take_slots(len(items))
-        written = tier.write(cache, [i for _, i in items], [h for h, _ in items], slots)
+        slots = tier.take_slots(len(new))
+        written = tier.write(cache, [i for _, i in new], [h for h, _ in new], slots)
         with self._lock:
             tier.insert(written)
 
@@ -279,7 +280,8 @@ class KVStore:
         short = n - len(tier.free)
         if short <= 0:
             return
-        victims = tier.lru(short, keep)
+        with self._lock:  # lookups reorder the index: iterate it under the lock
+            victims = tier.lru(short, keep)
         if level + 1 < len(self._tiers) and tier.cache is not None:
             slots = [tier.index[h][0] for h in victims]
             self._store(level + 1, tier.cache, slots, victims)

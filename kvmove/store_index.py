@@ -20,7 +20,10 @@ restart loses nothing written before it; a rewritten index would be O(entries) p
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import logging
 import os
 import struct
 import zlib
@@ -30,6 +33,8 @@ from typing import Any
 from kvmove.errors import StoreError
 
 __all__ = ["IndexJournal"]
+
+logger = logging.getLogger(__name__)
 
 _MAGIC = b"KVMINDEX"
 _VERSION = 1
@@ -53,6 +58,7 @@ class IndexJournal:
         self.entries: OrderedDict[int, tuple[int, int]] = OrderedDict()
         self._header = self._encode_header(fingerprint)
         self._num_records = 0
+        self.num_unrecorded = 0  # records a write error kept out of the file
         if os.path.exists(path):
             self._replay(fingerprint, num_slots)
             if any(slot >= num_slots for slot, _ in self.entries.values()):
@@ -112,10 +118,10 @@ class IndexJournal:
 
     def put(self, items: list[tuple[int, int, int]]) -> None:
         """Records ``(hash, slot, checksum)`` for blocks whose bytes are written."""
-        self._append([(_PUT, slot, h, checksum) for h, slot, checksum in items])
-        for h, slot, checksum in items:
+        for h, slot, checksum in items:  # first: a compaction in _append writes the entries
             self.entries.pop(h, None)
             self.entries[h] = (slot, checksum)
+        self._append([(_PUT, slot, h, checksum) for h, slot, checksum in items])
 
     def drop(self, hashes: list[int]) -> None:
         """Forgets blocks (before their slots are reused)."""
@@ -127,36 +133,70 @@ class IndexJournal:
         self.entries.move_to_end(block_hash)
 
     def _append(self, records: list[tuple[int, int, int, int]]) -> None:
+        """Appends records; on a full disk (or any write error) the journal is cut back to its
+        last whole record and the change stays in memory only: after a restart that block
+        is a miss (a lost put) or a checksum failure (a lost drop whose slot was reused),
+        never wrong data."""
         if not records:
             return
-        os.write(self._fd, b"".join(_RECORD.pack(op, _crc(op, slot, h, c), slot, h, c)
-                                    for op, slot, h, c in records))
+        data = b"".join(_RECORD.pack(op, _crc(op, slot, h, c), slot, h, c)
+                        for op, slot, h, c in records)
+        size = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            if os.write(self._fd, data) != len(data):
+                raise OSError(errno.ENOSPC, "short write")
+        except OSError as error:
+            self.num_unrecorded += len(records)
+            logger.warning("store index %s: %d records not written (%s)", self.path,
+                           len(records), error)
+            _truncate(self._fd, size)
+            return
         self._num_records += len(records)
         if self._num_records > 2 * len(self.entries) + 4096:
-            os.close(self._fd)
+            self._compact()
+
+    def _compact(self) -> None:
+        try:
             self._rewrite()
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        except OSError as error:  # a full disk: keep appending to the old journal
+            logger.warning("store index %s: not compacted (%s)", self.path, error)
+            return
+        os.close(self._fd)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
 
     def _rewrite(self) -> None:
         """The live entries, oldest first, into a new journal that replaces the old one."""
         tmp = self.path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(self._header)
-            f.write(b"".join(_RECORD.pack(_PUT, _crc(_PUT, slot, h, c), slot, h, c)
-                             for h, (slot, c) in self.entries.items()))
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                f.write(self._header)
+                f.write(b"".join(_RECORD.pack(_PUT, _crc(_PUT, slot, h, c), slot, h, c)
+                                 for h, (slot, c) in self.entries.items()))
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         os.replace(tmp, self.path)
         self._num_records = len(self.entries)
 
     def sync(self) -> None:
-        os.fsync(self._fd)
+        try:
+            os.fsync(self._fd)
+        except OSError as error:  # the records are in the page cache; a crash may lose them
+            logger.warning("store index %s: not synced (%s)", self.path, error)
 
     def close(self) -> None:
         if self._fd >= 0:
-            os.fsync(self._fd)
+            self.sync()
             os.close(self._fd)
             self._fd = -1
+
+
+def _truncate(fd: int, size: int) -> None:
+    with contextlib.suppress(OSError):  # shrinking needs no space; if even that fails, the
+        os.ftruncate(fd, size)          # torn tail is cut off at the next open
 
 
 def _crc(op: int, slot: int, block_hash: int, checksum: int) -> int:

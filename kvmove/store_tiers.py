@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import heapq
+import logging
 import os
 import time
 from collections import OrderedDict
@@ -26,6 +27,8 @@ from kvmove.store_index import IndexJournal
 from kvmove.validation import require_positive_int
 
 __all__ = ["DiskTier", "HostTier", "OpenTier", "TierStats"]
+
+logger = logging.getLogger(__name__)
 
 _EMA = 0.3  # weight of the newest measurement in a tier's read/write bandwidth
 
@@ -110,6 +113,7 @@ class OpenTier:
     stats: TierStats = field(default_factory=TierStats)
     lock_fd: int = -1
     full: bool = False                    # the disk said ENOSPC: reuse written slots only
+    written: set[int] = field(default_factory=set)  # disk slots written at least once
 
     @classmethod
     def open(cls, spec: HostTier | DiskTier, layout: KVLayout,
@@ -138,12 +142,16 @@ class OpenTier:
             raise StoreError(f"disk tier {path!r} is in use by another store (one process per "
                              "directory)") from None
         try:
-            file = _C.BlockFile(os.path.join(path, "blocks.dat"), layout.bytes_per_block,
-                                _blocks_in(spec.capacity_bytes, _slot_nbytes(layout), "DiskTier"),
-                                spec.direct)
+            num_slots = _blocks_in(spec.capacity_bytes, _slot_nbytes(layout), "DiskTier")
+            # The journal first: it refuses another layout before the data file is touched.
             journal = IndexJournal(os.path.join(path, "index.kvm"),
-                                   {**fingerprint, "slot_nbytes": file.slot_nbytes},
-                                   file.num_slots)
+                                   {**fingerprint, "slot_nbytes": _slot_nbytes(layout)},
+                                   num_slots)
+            file = _C.BlockFile(os.path.join(path, "blocks.dat"), layout.bytes_per_block,
+                                num_slots, spec.direct)
+        except OSError as error:
+            os.close(lock_fd)
+            raise StoreError(f"cannot use {path!r} as a disk tier: {error}") from None
         except BaseException:
             os.close(lock_fd)
             raise
@@ -151,6 +159,7 @@ class OpenTier:
                    index=journal.entries, lock_fd=lock_fd)
         used = {slot for slot, _ in journal.entries.values()}
         tier.free = [s for s in range(file.num_slots) if s not in used]
+        tier.written = used
         return tier
 
     # --- index (the store's I/O thread changes it, lookups read it) -----------------------
@@ -185,28 +194,52 @@ class OpenTier:
 
     def write(self, cache: KVCache, ids: list[int], hashes: list[int],
               slots: list[int]) -> list[tuple[int, int, int]]:
-        """Copies blocks into slots; ``(hash, slot, checksum)`` of those written (none when the
-        write failed: the slots go back to the free heap)."""
+        """Copies blocks into slots; ``(hash, slot, checksum)`` of those written. Slots not
+        written go back to the free heap, except after a full disk (see ``_disk_full``)."""
         start = time.perf_counter()
         if self.file is None:
             _C.copy_blocks(cache, ids, self.cache, slots)
-            checksums = [0] * len(ids)
+            written = list(zip(hashes, slots, [0] * len(ids)))
         else:
-            try:
-                checksums = self.file.write(cache, ids, slots, hashes)
-            except StoreError as error:
-                self.stats.write_errors += 1
-                if "No space" in str(error):
-                    # Slots never written have no disk space behind them (the file is sparse):
-                    # from now on only slots freed by eviction are reused.
-                    self.full, self.free = True, []
-                else:
-                    for slot in slots:
-                        heapq.heappush(self.free, slot)
+            written = self._write_file(cache, ids, hashes, slots)
+        self.stats.stored += len(written)
+        self.stats.record_write(len(written) * self.block_nbytes, time.perf_counter() - start)
+        return written
+
+    def _write_file(self, cache: KVCache, ids: list[int], hashes: list[int],
+                    slots: list[int]) -> list[tuple[int, int, int]]:
+        try:
+            checksums = self.file.write(cache, ids, slots, hashes)
+            self.written.update(slots)
+            return list(zip(hashes, slots, checksums))
+        except StoreError as error:
+            self.stats.write_errors += 1
+            if "No space" not in str(error):
+                logger.warning("disk tier: %d blocks not stored (%s)", len(ids), error)
+                for slot in slots:
+                    heapq.heappush(self.free, slot)
                 return []
-        self.stats.stored += len(ids)
-        self.stats.record_write(len(ids) * self.block_nbytes, time.perf_counter() - start)
-        return list(zip(hashes, slots, checksums))
+        # A full disk: the file is sparse, so a slot never written has no space behind it and
+        # may have none now. Store what still fits one block at a time, then reuse only
+        # slots that were written once (eviction frees them).
+        written = []
+        for i, slot, h in zip(ids, slots, hashes):
+            try:
+                (checksum,) = self.file.write(cache, [i], [slot], [h])
+            except StoreError:
+                break
+            self.written.add(slot)
+            written.append((h, slot, checksum))
+        self._disk_full(slots[len(written):])
+        return written
+
+    def _disk_full(self, unwritten: list[int]) -> None:
+        if not self.full:
+            logger.warning("disk tier %s is full: %d of %d slots usable", self.file.path,
+                           len(self.written), self.num_slots)
+        self.full = True
+        self.free = [s for s in [*self.free, *unwritten] if s in self.written]
+        heapq.heapify(self.free)
 
     def read(self, cache: KVCache, ids: list[int], hashes: list[int]) -> int:
         """Copies stored blocks into ``ids`` of ``cache``; how many leading ones arrived
@@ -231,7 +264,11 @@ class OpenTier:
 
     def close(self) -> None:
         if self.journal is not None:
-            self.file.sync()
+            try:
+                self.file.sync()
+            except StoreError as error:
+                logger.warning("disk tier: %s", error)
+            self.file.close()
             self.journal.close()
         if self.lock_fd >= 0:
             os.close(self.lock_fd)
