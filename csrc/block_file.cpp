@@ -56,6 +56,32 @@ int64_t pread_all(int fd, char* data, uint64_t nbytes, uint64_t offset) {
     return static_cast<int64_t>(done);
 }
 
+// pread_all of [offset, offset + nbytes) as kReadParts concurrent requests: a disk serves
+// several requests in flight faster than one. Measured on the development VM (virtual disk,
+// O_DIRECT, 500 MB in 16 MiB chunks, median of 7): 1.4 GB/s with one request per chunk,
+// 1.6 with 4, 1.75 with 8 (within the noise of 4). The count of leading bytes read.
+int64_t pread_parallel(int fd, char* data, uint64_t nbytes, uint64_t offset) {
+    constexpr uint64_t kReadParts = 4;
+    const uint64_t part = std::max<uint64_t>(BlockFile::kSlotAlign,
+                                             (nbytes / kReadParts + BlockFile::kSlotAlign - 1) /
+                                                 BlockFile::kSlotAlign * BlockFile::kSlotAlign);
+    std::vector<std::future<int64_t>> parts;
+    for (uint64_t start = part; start < nbytes; start += part) {
+        parts.push_back(std::async(std::launch::async, pread_all, fd, data + start,
+                                   std::min(part, nbytes - start), offset + start));
+    }
+    int64_t done = pread_all(fd, data, std::min(part, nbytes), offset);
+    bool whole = done == static_cast<int64_t>(std::min(part, nbytes));
+    for (auto& f : parts) {
+        int64_t got = f.get();  // every part is joined before returning
+        if (whole && got > 0) {
+            done += got;
+        }
+        whole = whole && got == static_cast<int64_t>(part);
+    }
+    return done;
+}
+
 }  // namespace
 
 BlockFile::BlockFile(const std::string& path, uint64_t block_nbytes, int64_t num_slots,
@@ -138,9 +164,8 @@ std::vector<std::pair<size_t, size_t>> BlockFile::chunks(const std::vector<int64
 }
 
 // Both directions pipeline two staging buffers: while the disk writes (reads) one chunk, this
-// thread gathers and checksums the next (verifies and scatters the last). Measured on this
-// project's build machine, the overlap takes a 500 MB O_DIRECT read from ~1.2 to ~2 GB/s: at
-// one request in flight the disk and the CPU work otherwise wait for each other.
+// thread gathers and checksums the next (verifies and scatters the last). At one request in
+// flight the disk and the CPU otherwise wait for each other.
 std::vector<uint64_t> BlockFile::write(const KVCache& cache, const std::vector<BlockId>& ids,
                                        const std::vector<int64_t>& slots,
                                        const std::vector<uint64_t>& hashes) {
@@ -193,7 +218,7 @@ std::vector<uint8_t> BlockFile::read(KVCache& cache, const std::vector<BlockId>&
     const auto groups = chunks(slots);
     auto start_read = [&](size_t k) {
         auto [begin, end] = groups[k];
-        return std::async(std::launch::async, pread_all, fd_, staging_[k % 2].get(),
+        return std::async(std::launch::async, pread_parallel, fd_, staging_[k % 2].get(),
                           (end - begin) * slot_nbytes_,
                           static_cast<uint64_t>(slots[begin]) * slot_nbytes_);
     };
