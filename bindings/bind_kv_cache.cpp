@@ -33,8 +33,9 @@ namespace kvmove::bindings {
 
 void register_kv_cache(py::module_& m) {
     py::class_<KVCache>(m, "KVCache", "Untyped core of kvmove.KVCache (layers x blocks x bytes).")
-        .def(py::init<int64_t, int64_t, int64_t, bool>(), py::arg("num_layers"),
-             py::arg("num_blocks"), py::arg("block_nbytes"), py::arg("huge_pages") = false)
+        .def(py::init<int64_t, int64_t, int64_t, bool, int, bool>(), py::arg("num_layers"),
+             py::arg("num_blocks"), py::arg("block_nbytes"), py::arg("huge_pages") = false,
+             py::arg("device") = -1, py::arg("pin") = false)
         .def_property_readonly("pool", &KVCache::pool, py::return_value_policy::reference_internal)
         .def_property_readonly("region", py::overload_cast<>(&KVCache::region),
                                py::return_value_policy::reference_internal)

@@ -13,6 +13,7 @@ PYBIND11_MODULE(_C, m) {
     kvmove::bindings::register_region(m);
     kvmove::bindings::register_kv_cache(m);
     kvmove::bindings::register_block_file(m);
+    kvmove::bindings::register_kv_convert(m);
     kvmove::bindings::register_runtime(m);
     kvmove::bindings::register_stream(m);
     kvmove::bindings::register_agent(m);

@@ -41,7 +41,8 @@ Agent::Agent(std::string name, KVCache& cache, KVShape shape, AgentConfig config
     context_ = make_context(config_.transports, config_.peer_timeout_seconds);
     worker_ = make_worker(context_.get());
     registration_ = std::make_unique<MemoryRegistration>(context_.get(), cache.region().data(),
-                                                         cache.region().nbytes());
+                                                         cache.region().nbytes(),
+                                                         cache.region().on_device());
     KVMOVE_UCX_CHECK(ucp_worker_get_efd(worker_.get(), &event_fd_), "cannot get the worker's fd");
     ucp_am_handler_param_t am{};
     am.field_mask =

@@ -173,6 +173,7 @@ std::vector<uint64_t> BlockFile::write(const KVCache& cache, const std::vector<B
     std::lock_guard<std::mutex> lock(mu_);
     const auto* base = static_cast<const char*>(cache.region().data());
     const uint64_t layer_nbytes = cache.block_nbytes();
+    const bool device = cache.region().on_device();  // a device cache's blocks stage via host
     std::vector<uint64_t> checksums(ids.size());
     std::future<int> in_flight;
     uint64_t in_flight_offset = 0;
@@ -188,8 +189,8 @@ std::vector<uint64_t> BlockFile::write(const KVCache& cache, const std::vector<B
         char* out = buffer;
         for (size_t i = begin; i < end; ++i, out += slot_nbytes_) {
             for (int64_t layer = 0; layer < cache.num_layers(); ++layer) {
-                std::memcpy(out + layer * layer_nbytes, base + cache.offset(layer, ids[i]),
-                            layer_nbytes);
+                copy_bytes(out + layer * layer_nbytes, base + cache.offset(layer, ids[i]),
+                           layer_nbytes, device);
             }
             std::memset(out + block_nbytes_, 0, slot_nbytes_ - block_nbytes_);
             checksums[i] = xxh64(out, block_nbytes_, hashes[i]);
@@ -215,6 +216,7 @@ std::vector<uint8_t> BlockFile::read(KVCache& cache, const std::vector<BlockId>&
     std::lock_guard<std::mutex> lock(mu_);
     auto* base = static_cast<char*>(cache.region().data());
     const uint64_t layer_nbytes = cache.block_nbytes();
+    const bool device = cache.region().on_device();
     const auto groups = chunks(slots);
     auto start_read = [&](size_t k) {
         auto [begin, end] = groups[k];
@@ -237,8 +239,8 @@ std::vector<uint8_t> BlockFile::read(KVCache& cache, const std::vector<BlockId>&
                 return ok;  // truncated, torn or overwritten: this block and the rest miss
             }
             for (int64_t layer = 0; layer < cache.num_layers(); ++layer) {
-                std::memcpy(base + cache.offset(layer, ids[i]), in + layer * layer_nbytes,
-                            layer_nbytes);
+                copy_bytes(base + cache.offset(layer, ids[i]), in + layer * layer_nbytes,
+                           layer_nbytes, device);
             }
             ok[i] = 1;
         }

@@ -2,8 +2,10 @@
 #ifndef KVMOVE_WITH_CUDA
 
 #include "cuda_event.h"
+#include "cuda_memory.h"
 #include "cuda_status.h"
 #include "errors.h"
+#include "kv_convert.h"
 
 namespace kvmove {
 
@@ -17,6 +19,36 @@ bool cuda_event_done(uintptr_t) {
     KVMOVE_FAIL(Cuda, "kvmove was built without CUDA: it cannot wait for CUDA events "
                       "(rebuild with KVMOVE_CUDA=1)");
 }
+
+namespace {
+
+[[noreturn]] void no_cuda(const char* what) {
+    KVMOVE_FAIL(Cuda, "kvmove was built without CUDA: it cannot " << what
+                                                                   << " (rebuild with KVMOVE_CUDA=1)");
+}
+
+}  // namespace
+
+void* cuda_alloc(int device, uint64_t nbytes) {
+    (void)device;
+    (void)nbytes;
+    no_cuda("allocate device memory");
+}
+
+void cuda_free(int, void*) noexcept {}
+
+bool cuda_pin(void*, uint64_t) { return false; }
+
+void cuda_unpin(void*) noexcept {}
+
+void cuda_copy(void*, const void*, uint64_t) { no_cuda("copy device memory"); }
+
+void pack_blocks_cuda(const CacheView&, const std::vector<int64_t>&, const std::vector<int64_t>&,
+                      char*, bool) {
+    no_cuda("pack device blocks");
+}
+
+void convert_blocks_cuda(const ConvertPlan&) { no_cuda("convert device blocks"); }
 
 }  // namespace kvmove
 

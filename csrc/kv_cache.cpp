@@ -3,6 +3,7 @@
 #include <climits>
 #include <cstring>
 
+#include "cuda_memory.h"
 #include "errors.h"
 
 namespace kvmove {
@@ -23,11 +24,12 @@ uint64_t KVCache::checked_nbytes(int64_t num_layers, int64_t num_blocks, int64_t
     return total;
 }
 
-KVCache::KVCache(int64_t num_layers, int64_t num_blocks, int64_t block_nbytes, bool huge_pages)
+KVCache::KVCache(int64_t num_layers, int64_t num_blocks, int64_t block_nbytes, bool huge_pages,
+                 int device, bool pin)
     : num_layers_(num_layers),
       block_nbytes_(static_cast<uint64_t>(block_nbytes)),
       pool_(num_blocks),
-      region_(checked_nbytes(num_layers, num_blocks, block_nbytes), huge_pages) {}
+      region_(checked_nbytes(num_layers, num_blocks, block_nbytes), huge_pages, device, pin) {}
 
 uint64_t KVCache::offset(int64_t layer, BlockId block) const {
     return (static_cast<uint64_t>(layer) * num_blocks() + block) * block_nbytes_;
@@ -67,6 +69,14 @@ std::vector<Descriptor> KVCache::descriptors(
     return out;
 }
 
+void copy_bytes(void* dst, const void* src, uint64_t nbytes, bool device) {
+    if (device) {
+        cuda_copy(dst, src, nbytes);
+    } else {
+        std::memcpy(dst, src, nbytes);
+    }
+}
+
 namespace {
 
 void check_ids(const KVCache& cache, const std::vector<BlockId>& ids, const char* which) {
@@ -91,6 +101,7 @@ void copy_blocks(const KVCache& src, const std::vector<BlockId>& src_ids, KVCach
                      << dst.block_nbytes() << " B (layers x bytes per block and layer)");
     check_ids(src, src_ids, "source");
     check_ids(dst, dst_ids, "destination");
+    const bool device = src.region().on_device() || dst.region().on_device();
     const auto* from = static_cast<const char*>(src.region().data());
     auto* to = static_cast<char*>(dst.region().data());
     for (size_t i = 0; i < src_ids.size();) {
@@ -100,8 +111,8 @@ void copy_blocks(const KVCache& src, const std::vector<BlockId>& src_ids, KVCach
             ++n;
         }
         for (int64_t layer = 0; layer < src.num_layers(); ++layer) {
-            std::memcpy(to + dst.offset(layer, dst_ids[i]), from + src.offset(layer, src_ids[i]),
-                        n * src.block_nbytes());
+            copy_bytes(to + dst.offset(layer, dst_ids[i]), from + src.offset(layer, src_ids[i]),
+                       n * src.block_nbytes(), device);
         }
         i += n;
     }

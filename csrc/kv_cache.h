@@ -29,7 +29,8 @@ struct Descriptor {
 
 class KVCache {
 public:
-    KVCache(int64_t num_layers, int64_t num_blocks, int64_t block_nbytes, bool huge_pages);
+    KVCache(int64_t num_layers, int64_t num_blocks, int64_t block_nbytes, bool huge_pages,
+            int device = -1, bool pin = false);
     KVCache(const KVCache&) = delete;
     KVCache& operator=(const KVCache&) = delete;
 
@@ -54,6 +55,9 @@ private:
     BlockPool pool_;
     Region region_;
 };
+
+// memcpy, or cudaMemcpy when device memory is involved (a host path never needs CUDA).
+void copy_bytes(void* dst, const void* src, uint64_t nbytes, bool device);
 
 // Copies block src_ids[i] of src into block dst_ids[i] of dst, every layer (a storage tier in
 // host memory is a KVCache). Both caches must have the same layers and block size; runs

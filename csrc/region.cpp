@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "cuda_memory.h"
 #include "errors.h"
 
 namespace kvmove {
@@ -15,10 +16,27 @@ constexpr size_t kHugePageBytes = size_t{2} << 20;
 
 }  // namespace
 
-void RegionUnmap::operator()(char* p) const { munmap(p, mapped_nbytes); }
+void RegionFree::operator()(char* p) const {
+    if (device >= 0) {
+        cuda_free(device, p);
+        return;
+    }
+    if (pinned != nullptr) {
+        cuda_unpin(pinned);
+    }
+    munmap(p, mapped_nbytes);
+}
 
-Region::Region(uint64_t nbytes, bool huge_pages) : nbytes_(nbytes), huge_pages_(huge_pages) {
+Region::Region(uint64_t nbytes, bool huge_pages, int device, bool pin)
+    : nbytes_(nbytes), huge_pages_(huge_pages) {
     KVMOVE_CHECK(nbytes > 0, Config, "region nbytes must be positive, got " << nbytes);
+    if (device >= 0) {
+        KVMOVE_CHECK(!huge_pages && !pin, Config,
+                     "huge_pages and pin apply to host memory, not to CUDA device " << device);
+        mapping_ = std::unique_ptr<char, RegionFree>(
+            static_cast<char*>(cuda_alloc(device, nbytes)), RegionFree{0, device, nullptr});
+        return;
+    }
     // Over-map by one huge page so the data can start on a 2 MiB boundary.
     size_t mapped = huge_pages ? nbytes + kHugePageBytes : nbytes;
     KVMOVE_CHECK(mapped >= nbytes, Config, "region nbytes " << nbytes << " overflows");
@@ -29,12 +47,15 @@ Region::Region(uint64_t nbytes, bool huge_pages) : nbytes_(nbytes), huge_pages_(
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     KVMOVE_CHECK(p != MAP_FAILED, Allocation,
                  "cannot map " << nbytes << " bytes for a region: " << std::strerror(errno));
-    mapping_ = std::unique_ptr<char, RegionUnmap>(static_cast<char*>(p), RegionUnmap{mapped});
+    mapping_ = std::unique_ptr<char, RegionFree>(static_cast<char*>(p), RegionFree{mapped});
     if (huge_pages) {
         auto start = reinterpret_cast<uintptr_t>(p);
         offset_ = ((start + kHugePageBytes - 1) & ~(kHugePageBytes - 1)) - start;
         // Advisory: a kernel without transparent huge pages keeps 4 KiB pages, which still work.
         madvise(data(), nbytes, MADV_HUGEPAGE);
+    }
+    if (pin && cuda_pin(data(), nbytes)) {
+        mapping_.get_deleter().pinned = data();
     }
 }
 

@@ -1,8 +1,10 @@
-// Region: one page-aligned span of host memory with a single owner.
+// Region: one span of host or device memory with a single owner.
 //
-// The bytes behind a KVCache. Anonymous mmap gives page alignment and zero-filled pages,
-// populated up front (see region.cpp); huge_pages=true aligns to 2 MiB and asks for transparent huge
-// pages (madvise), which cuts TLB misses when a transfer sweeps gigabytes.
+// The bytes behind a KVCache. On the host, anonymous mmap gives page alignment and zero-filled
+// pages, populated up front (see region.cpp); huge_pages=true aligns to 2 MiB and asks for
+// transparent huge pages (madvise), which cuts TLB misses when a transfer sweeps gigabytes;
+// pin=true page-locks it for DMA (cudaHostRegister) where a CUDA device is present. On a device
+// (device >= 0) it is one cudaMalloc, zero-filled, 256-byte aligned.
 #pragma once
 
 #include <cstddef>
@@ -11,14 +13,17 @@
 
 namespace kvmove {
 
-struct RegionUnmap {
+// Frees what a Region holds: unpins and unmaps host memory, or frees device memory.
+struct RegionFree {
     size_t mapped_nbytes = 0;
+    int device = -1;          // >= 0: the pointer is cudaMalloc'ed on this device
+    void* pinned = nullptr;   // host memory page-locked at this address
     void operator()(char* p) const;
 };
 
 class Region {
 public:
-    explicit Region(uint64_t nbytes, bool huge_pages = false);
+    explicit Region(uint64_t nbytes, bool huge_pages = false, int device = -1, bool pin = false);
     Region(const Region&) = delete;
     Region& operator=(const Region&) = delete;
 
@@ -26,9 +31,12 @@ public:
     uint64_t addr() const { return reinterpret_cast<uint64_t>(data()); }
     uint64_t nbytes() const { return nbytes_; }
     bool huge_pages() const { return huge_pages_; }
+    int device() const { return mapping_.get_deleter().device; }  // -1: host memory
+    bool on_device() const { return device() >= 0; }
+    bool pinned() const { return mapping_.get_deleter().pinned != nullptr; }
 
 private:
-    std::unique_ptr<char, RegionUnmap> mapping_;
+    std::unique_ptr<char, RegionFree> mapping_;
     size_t offset_ = 0;  // from the mapping's start to the aligned data
     uint64_t nbytes_;
     bool huge_pages_;

@@ -78,12 +78,17 @@ std::vector<uint8_t> worker_address(ucp_worker_h worker) {
     return out;
 }
 
-MemoryRegistration::MemoryRegistration(ucp_context_h context, void* addr, size_t nbytes)
+MemoryRegistration::MemoryRegistration(ucp_context_h context, void* addr, size_t nbytes,
+                                       bool cuda)
     : context_(context) {
     ucp_mem_map_params_t params{};
     params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
     params.address = addr;
     params.length = nbytes;
+    if (cuda) {
+        params.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+        params.memory_type = UCS_MEMORY_TYPE_CUDA;
+    }
     KVMOVE_UCX_CHECK(ucp_mem_map(context_, &params, &memh_),
                      "cannot register " << nbytes << " bytes at " << addr << " with UCX");
     void* rkey = nullptr;

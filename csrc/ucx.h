@@ -47,10 +47,11 @@ ContextPtr make_context(const std::string& transports, double keepalive_seconds)
 WorkerPtr make_worker(ucp_context_h context);
 std::vector<uint8_t> worker_address(ucp_worker_h worker);
 
-// Memory registered with a context, and its packed remote key.
+// Memory registered with a context, and its packed remote key. cuda: device memory (UCX is told
+// so instead of probing the pointer, and picks cuda_ipc / GPUDirect RDMA / cuda_copy for it).
 class MemoryRegistration {
 public:
-    MemoryRegistration(ucp_context_h context, void* addr, size_t nbytes);
+    MemoryRegistration(ucp_context_h context, void* addr, size_t nbytes, bool cuda = false);
     ~MemoryRegistration();
     MemoryRegistration(const MemoryRegistration&) = delete;
     MemoryRegistration& operator=(const MemoryRegistration&) = delete;

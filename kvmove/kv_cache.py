@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvmove import _C
+from kvmove.errors import ConfigError
 from kvmove.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -50,23 +51,40 @@ _TORCH_DTYPES = {
 
 
 class KVCache(_C.KVCache):
-    """Host memory for ``num_blocks`` paged KV blocks of ``layout``, with their BlockPool.
+    """Host or device memory for ``num_blocks`` paged KV blocks of ``layout``, with their
+    BlockPool.
 
     Args:
         layout: the model's KV shape.
         num_blocks: blocks in the pool (the region holds ``num_blocks * layout.bytes_per_block``
             bytes, zero-filled).
-        huge_pages: align to 2 MiB and ask for transparent huge pages.
+        huge_pages: align to 2 MiB and ask for transparent huge pages (host memory).
+        device: None or ``"cpu"`` for host memory; ``"cuda"``, ``"cuda:N"`` or ``N`` for one
+            cudaMalloc on that device (needs a CUDA build, ``kvmove.cuda_status()``). An
+            ``Agent`` registers device memory with UCX as CUDA memory (cuda_ipc, GPUDirect
+            RDMA).
+        pin: page-lock host memory for DMA to and from GPUs (cudaHostRegister). None: pin when
+            a CUDA device is usable (``kvmove.cuda_available()``).
 
     Attributes:
         pool: the ``BlockPool`` handing out this cache's block ids.
         region: the ``Region`` holding the bytes.
     """
 
-    def __init__(self, layout: KVLayout, num_blocks: int, *, huge_pages: bool = False) -> None:
+    def __init__(self, layout: KVLayout, num_blocks: int, *, huge_pages: bool = False,
+                 device: str | int | None = None, pin: bool | None = None) -> None:
+        index = _device_index(device)
+        if pin is None:
+            pin = index < 0 and _C.cuda_status()[1] > 0
         super().__init__(layout.num_layers, num_blocks, layout.bytes_per_block_per_layer,
-                         huge_pages)
+                         huge_pages, index, bool(pin))
         self.layout = layout
+
+    @property
+    def device(self) -> str:
+        """``"cpu"`` or ``"cuda:N"``."""
+        index = self.region.device
+        return "cpu" if index < 0 else f"cuda:{index}"
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
@@ -77,15 +95,21 @@ class KVCache(_C.KVCache):
 
     def numpy(self) -> np.ndarray:
         """Zero-copy writable view ``[L, N, 2, B, H, D]``; bfloat16 and float8 as raw bits
-        (uint16, uint8)."""
+        (uint16, uint8). Host memory only (a device cache: ``torch()``)."""
+        if self.region.device >= 0:
+            raise ConfigError(f"a KVCache on {self.device} has no numpy view: use torch()")
         raw = np.frombuffer(self.region, dtype=np.uint8)
         return raw.view(_NUMPY_DTYPES[self.layout.dtype]).reshape(self.shape)
 
     def torch(self) -> torch.Tensor:
-        """Zero-copy tensor view ``[L, N, 2, B, H, D]`` in the layout's dtype (needs torch)."""
+        """Zero-copy tensor view ``[L, N, 2, B, H, D]`` in the layout's dtype, on the cache's
+        device (needs torch)."""
         import torch
 
-        raw = torch.from_dlpack(np.frombuffer(self.region, dtype=np.uint8))
+        if self.region.device >= 0:
+            raw = torch.as_tensor(self.region, device=self.device)  # __cuda_array_interface__
+        else:
+            raw = torch.from_dlpack(np.frombuffer(self.region, dtype=np.uint8))
         return raw.view(getattr(torch, _TORCH_DTYPES[self.layout.dtype])).view(self.shape)
 
     def descriptors(
@@ -104,4 +128,18 @@ class KVCache(_C.KVCache):
 
     def __repr__(self) -> str:
         return (f"KVCache({self.layout!r}, num_blocks={self.num_blocks}, "
-                f"nbytes={self.region.nbytes}, free={self.pool.num_free})")
+                f"nbytes={self.region.nbytes}, device={self.device!r}, "
+                f"free={self.pool.num_free})")
+
+
+def _device_index(device: str | int | None) -> int:
+    """-1 for host memory, else the CUDA device index."""
+    if device is None or device == "cpu":
+        return -1
+    if isinstance(device, int) and not isinstance(device, bool) and device >= 0:
+        return device
+    if isinstance(device, str) and (device == "cuda" or device.startswith("cuda:")):
+        index = device.partition(":")[2] or "0"
+        if index.isdigit():
+            return int(index)
+    raise ConfigError(f"device must be None, 'cpu', 'cuda', 'cuda:N' or N >= 0, got {device!r}")

@@ -1,0 +1,17 @@
+// KVMOVE_CUDA_CHECK(expr, "context " << value): throws CudaError naming the call, the CUDA
+// error string and file:line unless expr returns cudaSuccess (the sticky error is cleared).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "errors.h"
+
+#define KVMOVE_CUDA_CHECK(expr, stream_expr)                                                 \
+    do {                                                                                     \
+        cudaError_t kvmove_err_ = (expr);                                                    \
+        if (kvmove_err_ != cudaSuccess) {                                                    \
+            cudaGetLastError();                                                              \
+            KVMOVE_FAIL(Cuda, stream_expr << ": " #expr " failed: "                          \
+                                          << cudaGetErrorString(kvmove_err_));               \
+        }                                                                                    \
+    } while (0)

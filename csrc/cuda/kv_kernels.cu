@@ -1,0 +1,189 @@
+// The device halves of pack/unpack and convert (see csrc/kv_convert.h). Element math is
+// kv_convert_math.h's, shared with the host path, so both give the same bits.
+//
+// Launches go on the legacy default stream and are waited for before returning: a call is
+// synchronous like its host twin (the GPU tests compare them with torch references).
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "cuda/cuda_check.h"
+#include "kv_convert.h"
+
+namespace kvmove {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxGrid = 65535;
+
+// A host vector copied to the device for one launch; freed when it goes out of scope.
+class DeviceArray {
+public:
+    explicit DeviceArray(const std::vector<int64_t>& values) {
+        KVMOVE_CUDA_CHECK(cudaMalloc(&data_, values.size() * sizeof(int64_t) + 1),
+                          "cannot allocate " << values.size() << " ids on the device");
+        cudaError_t err = cudaMemcpy(data_, values.data(), values.size() * sizeof(int64_t),
+                                     cudaMemcpyHostToDevice);
+        if (err != cudaSuccess) {
+            cudaFree(data_);
+            KVMOVE_CUDA_CHECK(err, "cannot copy " << values.size() << " ids to the device");
+        }
+    }
+    ~DeviceArray() { cudaFree(data_); }
+    DeviceArray(const DeviceArray&) = delete;
+    DeviceArray& operator=(const DeviceArray&) = delete;
+    const int64_t* get() const { return data_; }
+
+private:
+    int64_t* data_ = nullptr;
+};
+
+int grid_for(int64_t jobs) {
+    return static_cast<int>(jobs < 1 ? 1 : (jobs < kMaxGrid ? jobs : kMaxGrid));
+}
+
+// One thread block per (layer, block) job: 16-byte vector copies when everything is aligned.
+__global__ void pack_kernel(char* base, int64_t num_blocks, uint64_t block_nbytes,
+                            const int64_t* ids, int64_t num_ids, const int64_t* layers,
+                            int64_t num_layers, char* staging, bool unpack, bool vector) {
+    for (int64_t job = blockIdx.x; job < num_ids * num_layers; job += gridDim.x) {
+        char* block = base + (layers[job / num_ids] * num_blocks + ids[job % num_ids]) *
+                                 block_nbytes;
+        char* stage = staging + job * block_nbytes;
+        char* from = unpack ? stage : block;
+        char* to = unpack ? block : stage;
+        if (vector) {
+            const uint64_t n = block_nbytes / 16;
+            for (uint64_t i = threadIdx.x; i < n; i += blockDim.x) {
+                reinterpret_cast<uint4*>(to)[i] = reinterpret_cast<const uint4*>(from)[i];
+            }
+        } else {
+            for (uint64_t i = threadIdx.x; i < block_nbytes; i += blockDim.x) {
+                to[i] = from[i];
+            }
+        }
+    }
+}
+
+struct ConvertArgs {
+    CacheView src;
+    CacheView dst;
+    const int64_t* src_ids;
+    const int64_t* dst_ids;
+    const int64_t* layers;
+    int64_t num_src_ids;
+    int64_t num_dst_ids;
+    int64_t num_layers;
+    int64_t num_tokens;
+    float* scales;
+};
+
+__device__ float convert_value(const ConvertArgs& a, int64_t li, int kv, int64_t t, int h,
+                               int x) {
+    const BlockShape& s = a.src.shape;
+    const int64_t sb = t / s.block_size;
+    const char* block = a.src.base + (a.layers[li] * a.src.num_blocks + a.src_ids[sb]) *
+                                         a.src.block_nbytes;
+    const float scale = s.dtype == DType::Float8 ? a.scales[(li * a.num_src_ids + sb) * 2 + kv]
+                                                 : 1.0f;
+    return load_element(block, s.dtype,
+                        element_index(s, kv, static_cast<int>(t % s.block_size), h, x)) *
+           scale;
+}
+
+// One thread block per (layer, destination block, K or V): the block's amax first when the
+// destination is float8 (a shared-memory max reduction), then every element.
+__global__ void convert_kernel(ConvertArgs a) {
+    __shared__ float partial[kThreads];
+    const BlockShape& d = a.dst.shape;
+    const int64_t jobs = a.num_layers * a.num_dst_ids * 2;
+    for (int64_t job = blockIdx.x; job < jobs; job += gridDim.x) {
+        const int kv = static_cast<int>(job % 2);
+        const int64_t bi = (job / 2) % a.num_dst_ids;
+        const int64_t li = job / 2 / a.num_dst_ids;
+        const int64_t first = bi * d.block_size;
+        const int64_t left = a.num_tokens - first;
+        const int64_t count = left < d.block_size ? left : d.block_size;
+        const int64_t per_token = static_cast<int64_t>(d.num_heads) * d.head_dim;
+        const int64_t elements = count * per_token;
+        float scale = 1.0f;
+        if (d.dtype == DType::Float8) {
+            float amax = 0.0f;
+            for (int64_t e = threadIdx.x; e < elements; e += blockDim.x) {
+                const int64_t t = first + e / per_token;
+                amax = fmaxf(amax, fabsf(convert_value(a, li, kv, t,
+                                                       static_cast<int>((e / d.head_dim) %
+                                                                        d.num_heads),
+                                                       static_cast<int>(e % d.head_dim))));
+            }
+            partial[threadIdx.x] = amax;
+            __syncthreads();
+            for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+                if (threadIdx.x < stride) {
+                    partial[threadIdx.x] = fmaxf(partial[threadIdx.x],
+                                                 partial[threadIdx.x + stride]);
+                }
+                __syncthreads();
+            }
+            scale = fp8_scale(partial[0]);
+            if (threadIdx.x == 0) {
+                a.scales[(li * a.num_dst_ids + bi) * 2 + kv] = scale;
+            }
+            __syncthreads();  // partial[0] is read by all before the next job overwrites it
+        }
+        char* block = a.dst.base + (a.layers[li] * a.dst.num_blocks + a.dst_ids[bi]) *
+                                       a.dst.block_nbytes;
+        for (int64_t e = threadIdx.x; e < elements; e += blockDim.x) {
+            const int64_t t = first + e / per_token;
+            const int h = static_cast<int>((e / d.head_dim) % d.num_heads);
+            const int x = static_cast<int>(e % d.head_dim);
+            store_element(block, d.dtype,
+                          element_index(d, kv, static_cast<int>(t - first), h, x),
+                          convert_value(a, li, kv, t, h, x) / scale);
+        }
+    }
+}
+
+void finish_launch(const char* what) {
+    KVMOVE_CUDA_CHECK(cudaGetLastError(), "cannot launch " << what);
+    KVMOVE_CUDA_CHECK(cudaDeviceSynchronize(), what << " failed on the device");
+}
+
+}  // namespace
+
+void pack_blocks_cuda(const CacheView& cache, const std::vector<int64_t>& ids,
+                      const std::vector<int64_t>& layers, char* staging, bool unpack) {
+    if (ids.empty() || layers.empty()) {
+        return;
+    }
+    DeviceArray d_ids(ids), d_layers(layers);
+    const bool vector = cache.block_nbytes % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(cache.base) % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(staging) % 16 == 0;
+    const auto jobs = static_cast<int64_t>(ids.size() * layers.size());
+    pack_kernel<<<grid_for(jobs), kThreads>>>(cache.base, cache.num_blocks, cache.block_nbytes,
+                                              d_ids.get(), static_cast<int64_t>(ids.size()),
+                                              d_layers.get(), static_cast<int64_t>(layers.size()),
+                                              staging, unpack, vector);
+    finish_launch(unpack ? "unpack_blocks" : "pack_blocks");
+}
+
+void convert_blocks_cuda(const ConvertPlan& plan) {
+    DeviceArray src_ids(plan.src_ids), dst_ids(plan.dst_ids), layers(plan.layers);
+    ConvertArgs args{plan.src,
+                     plan.dst,
+                     src_ids.get(),
+                     dst_ids.get(),
+                     layers.get(),
+                     static_cast<int64_t>(plan.src_ids.size()),
+                     static_cast<int64_t>(plan.dst_ids.size()),
+                     static_cast<int64_t>(plan.layers.size()),
+                     plan.num_tokens,
+                     plan.scales};
+    convert_kernel<<<grid_for(args.num_layers * args.num_dst_ids * 2), kThreads>>>(args);
+    finish_launch("convert_blocks");
+}
+
+}  // namespace kvmove

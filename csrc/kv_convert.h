@@ -1,0 +1,63 @@
+// Layout work on KV blocks: pack/unpack (scattered blocks <-> one contiguous buffer) and
+// convert (block size, head order, dtype with per-block float8 scales) between two caches.
+//
+// Each runs on the memory the caches live in: plain C++ on the host, CUDA kernels
+// (csrc/cuda/kv_kernels.cu) on a device. Both compute element by element with the same math
+// (kv_convert_math.h), so the results are bit-identical.
+//
+// pack: staging = [len(layers), len(ids), block_nbytes] bytes, layer-major:
+//
+//   staging | layer l0: block ids[0] | ids[1] | ... | layer l1: block ids[0] | ...
+//
+// convert: token t of the sequence is token t % B of block ids[t / B] on each side (B being
+// that side's block size), for t < num_tokens; positions past num_tokens in the destination's
+// last block are left as they are. A float8 side has a scale per (layer, block, K or V):
+// scales[(li * num_blocks_of_that_side + bi) * 2 + kv], float32, in the caches' memory; a float8
+// destination's scales are written (amax / 448 over the block's tokens, heads and dims), a
+// float8 source's are read. value_dst = round(value_src * scale_src / scale_dst).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kv_cache.h"
+#include "kv_convert_math.h"
+
+namespace kvmove {
+
+// A cache as the kernels see it (base pointer and geometry) with its block shape.
+struct CacheView {
+    char* base;
+    int64_t num_blocks;
+    uint64_t block_nbytes;
+    BlockShape shape;
+};
+
+// Validated arguments of one conversion; ids and layers are host vectors.
+struct ConvertPlan {
+    CacheView src;
+    CacheView dst;
+    std::vector<int64_t> src_ids;
+    std::vector<int64_t> dst_ids;
+    std::vector<int64_t> layers;
+    int64_t num_tokens;
+    float* scales;  // nullptr unless a side is float8
+};
+
+void pack_blocks(const KVCache& cache, const std::vector<BlockId>& ids,
+                 const std::vector<int64_t>& layers, uint64_t staging_addr,
+                 uint64_t staging_nbytes);
+void unpack_blocks(uint64_t staging_addr, uint64_t staging_nbytes, KVCache& cache,
+                   const std::vector<BlockId>& ids, const std::vector<int64_t>& layers);
+void convert_blocks(const KVCache& src, const BlockShape& src_shape,
+                    const std::vector<BlockId>& src_ids, KVCache& dst, const BlockShape& dst_shape,
+                    const std::vector<BlockId>& dst_ids, int64_t num_tokens,
+                    const std::vector<int64_t>& layers, uint64_t scales_addr,
+                    uint64_t scales_nbytes);
+
+// The device halves (csrc/cuda/kv_kernels.cu; csrc/cuda_none.cpp in a CPU build).
+void pack_blocks_cuda(const CacheView& cache, const std::vector<int64_t>& ids,
+                      const std::vector<int64_t>& layers, char* staging, bool unpack);
+void convert_blocks_cuda(const ConvertPlan& plan);
+
+}  // namespace kvmove

@@ -1,0 +1,115 @@
+"""Layout work on KV blocks, on the memory the cache lives in (host C++ or CUDA kernels):
+
+* ``pack`` / ``unpack``: scattered blocks of some layers <-> one contiguous buffer, for
+  transports or tiers that prefer one large message;
+* ``convert``: a sequence's tokens from one cache into another of a different block size
+  (16 <-> 64 tokens per block...), head order (NHD <-> HND) or dtype (float16/bfloat16/float32
+  -> float8 e4m3 with a scale per layer, block and K/V, and back): what engines ask for when
+  prefill and decode are configured differently.
+
+Shapes (``L`` layers selected, ``n`` blocks, ``block_nbytes`` = one block of one layer)::
+
+    pack buffer:  [L, n, block_nbytes] bytes, layer-major (layer 0's blocks first)
+    scales:       [L, n_float8_side_blocks, 2] float32 (K, V), in the caches' memory
+
+Buffers are numpy arrays (host) or torch tensors (host or CUDA); a device cache needs a
+device buffer. Everything is checked first (ConfigError/BlockError naming the value), then
+one call moves the bytes with the GIL released.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvmove import _C
+from kvmove.errors import ConfigError
+from kvmove.kv_cache import KVCache
+
+__all__ = ["HEAD_ORDERS", "convert", "pack", "pack_nbytes", "unpack"]
+
+HEAD_ORDERS = ("NHD", "HND")
+_DTYPES = {"float32": _C.DType.float32, "float16": _C.DType.float16,
+           "bfloat16": _C.DType.bfloat16, "float8": _C.DType.float8}
+
+
+def pack_nbytes(cache: KVCache, num_blocks: int, layers: Sequence[int] | None = None) -> int:
+    """Bytes a ``pack`` of ``num_blocks`` blocks of ``layers`` (all when None) takes."""
+    num_layers = cache.num_layers if layers is None else len(layers)
+    return num_layers * num_blocks * cache.block_nbytes
+
+
+def pack(cache: KVCache, block_ids: Sequence[int], out: Any,
+         layers: Sequence[int] | None = None) -> Any:
+    """Copies blocks ``block_ids`` of ``layers`` into ``out`` ([L, n, block_nbytes] bytes at
+    its start); returns ``out``."""
+    addr, nbytes = _buffer(out, cache)
+    _C.pack_blocks(cache, list(block_ids), list(layers or []), addr, nbytes)
+    return out
+
+
+def unpack(staging: Any, cache: KVCache, block_ids: Sequence[int],
+           layers: Sequence[int] | None = None) -> None:
+    """The reverse of ``pack``: ``staging``'s blocks into ``block_ids`` of ``cache``."""
+    addr, nbytes = _buffer(staging, cache)
+    _C.unpack_blocks(addr, nbytes, cache, list(block_ids), list(layers or []))
+
+
+def convert(src: KVCache, src_ids: Sequence[int], dst: KVCache, dst_ids: Sequence[int],
+            num_tokens: int, *, layers: Sequence[int] | None = None, src_order: str = "NHD",
+            dst_order: str = "NHD", scales: Any = None) -> None:
+    """Copies tokens ``[0, num_tokens)`` of a sequence held in ``src_ids`` of ``src`` into
+    ``dst_ids`` of ``dst``, in each cache's block size and dtype (``cache.layout``) and the
+    given head orders. A float8 side needs ``scales`` ([L, n, 2] float32; written for a float8
+    destination, read for a float8 source). Positions past ``num_tokens`` in the last
+    destination block keep their bytes.
+
+    Raises:
+        ConfigError: heads or head_dim differ, the block lists do not cover ``num_tokens``
+            exactly, a missing or short scales buffer, caches in different memories.
+        BlockError: a block id out of range.
+    """
+    for name, order in (("src_order", src_order), ("dst_order", dst_order)):
+        if order not in HEAD_ORDERS:
+            raise ConfigError(f"{name} must be one of {HEAD_ORDERS}, got {order!r}")
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+        raise ConfigError(f"num_tokens must be an int, got {num_tokens!r}")
+    addr, nbytes = (0, 0) if scales is None else _buffer(scales, dst)
+    _C.convert_blocks(src, _shape(src, src_order), list(src_ids), dst, _shape(dst, dst_order),
+                      list(dst_ids), num_tokens, list(layers or []), addr, nbytes)
+
+
+def _shape(cache: KVCache, order: str) -> Any:
+    lay = cache.layout
+    return _C.BlockShape(lay.block_size, lay.num_kv_heads, lay.head_dim, _DTYPES[lay.dtype],
+                         order == "HND")
+
+
+def _buffer(obj: Any, cache: KVCache) -> tuple[int, int]:
+    """(address, nbytes) of a writable, contiguous buffer in the cache's memory."""
+    on_device = cache.region.device >= 0
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        if not on_device:
+            raise ConfigError(f"a buffer in device memory for a cache on {cache.device}")
+        if cai.get("strides") not in (None, ()) and not _is_contiguous(obj):
+            raise ConfigError("the buffer must be contiguous")
+        count = int(np.prod(cai["shape"]))
+        return int(cai["data"][0]), count * np.dtype(cai["typestr"]).itemsize
+    if on_device:
+        raise ConfigError(f"the cache is on {cache.device}: the buffer must be device memory "
+                          f"(a CUDA tensor), got {type(obj).__name__}")
+    if hasattr(obj, "data_ptr") and hasattr(obj, "is_contiguous"):  # a CPU torch tensor
+        if not obj.is_contiguous():
+            raise ConfigError("the buffer must be contiguous")
+        return int(obj.data_ptr()), int(obj.numel() * obj.element_size())
+    array = np.asarray(obj)
+    if not array.flags.c_contiguous or not array.flags.writeable:
+        raise ConfigError("the buffer must be a writable, C-contiguous array")
+    return int(array.ctypes.data), int(array.nbytes)
+
+
+def _is_contiguous(obj: Any) -> bool:
+    return bool(getattr(obj, "is_contiguous", lambda: False)())
