@@ -38,8 +38,10 @@ from kvmove.kv_cache import KVCache
 from kvmove.layout import KVLayout
 from kvmove.store_tiers import DiskTier, HostTier, OpenTier, TierStats
 
-__all__ = ["DiskTier", "HostTier", "KVStore", "Lookup", "StoreHandle", "StoreStats"]
+__all__ = ["DiskTier", "HostTier", "KVStore", "LOAD_POLICIES", "Lookup", "StoreHandle",
+           "StoreStats"]
 
+LOAD_POLICIES = ("auto", "always")
 _EMA = 0.3
 
 
@@ -122,6 +124,8 @@ class KVStore:
         namespace: what else makes equal tokens give equal KV: the model and its weights
             (e.g. a checkpoint name and revision). Stored with the layout; a disk tier written
             under another namespace or layout is refused with ``StoreError``.
+        load_policy: ``"auto"``: lookups decide load or recompute from measurements;
+            ``"always"``: lookups say load whatever is stored (the inputs are still reported).
 
     Raises:
         ConfigError: tiers missing, repeated or out of order; a capacity under one block.
@@ -129,7 +133,10 @@ class KVStore:
     """
 
     def __init__(self, layout: KVLayout, tiers: Sequence[HostTier | DiskTier], *,
-                 namespace: str = "") -> None:
+                 namespace: str = "", load_policy: str = "auto") -> None:
+        if load_policy not in LOAD_POLICIES:
+            raise ConfigError(f"load_policy must be one of {LOAD_POLICIES}, got {load_policy!r}")
+        self.load_policy = load_policy
         kinds = [type(t).__name__ for t in tiers]
         if not tiers or kinds not in (["HostTier"], ["DiskTier"], ["HostTier", "DiskTier"]):
             raise ConfigError(f"tiers must be [HostTier], [DiskTier] or [HostTier, DiskTier], "
@@ -185,7 +192,7 @@ class KVStore:
         load = [0.0 if read[name] is None else per_block / (read[name] * 1e9) for name in tiers]
         compute = (None if tps is None else self.layout.block_size / tps)
         best, saved, gain = len(tiers), 0.0, 0.0  # unmeasured: load everything
-        if compute is not None:
+        if compute is not None and self.load_policy == "auto":
             best = 0
             for i, cost in enumerate(load):
                 saved += compute - cost

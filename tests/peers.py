@@ -184,13 +184,15 @@ class FarPeer:
     always leaves the child dead and joined."""
 
     def __init__(self, name: str, layout_kwargs: dict, num_blocks: int, agent_kwargs: dict,
-                 start_timeout: float = 30.0):
+                 start_timeout: float = 30.0, target: Any = None, extra: tuple = ()):
+        """``target(conn, name, layout_kwargs, num_blocks, agent_kwargs, *extra)`` runs in
+        the child (default :func:`serve`)."""
         ctx = multiprocessing.get_context("spawn")
         self.name = name
         self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=serve, name=f"far-{name}", daemon=True,
+        self.process = ctx.Process(target=target or serve, name=f"far-{name}", daemon=True,
                                    args=(child_conn, name, layout_kwargs, num_blocks,
-                                         agent_kwargs))
+                                         agent_kwargs, *extra))
         self.process.start()
         child_conn.close()
         try:

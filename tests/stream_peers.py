@@ -15,7 +15,6 @@ Nothing is mocked: every byte moves through ``kvmove.Agent`` and UCX.
 from __future__ import annotations
 
 import gc
-import multiprocessing
 import threading
 import time
 from typing import Any
@@ -186,19 +185,8 @@ class StreamPeer(FarPeer):
 
     def __init__(self, name: str, layout_kwargs: dict, num_blocks: int, agent_kwargs: dict,
                  start_timeout: float = 30.0):
-        ctx = multiprocessing.get_context("spawn")
-        self.name = name
-        self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=serve_streams, name=f"far-{name}", daemon=True,
-                                   args=(child_conn, name, layout_kwargs, num_blocks,
-                                         agent_kwargs))
-        self.process.start()
-        child_conn.close()
-        try:
-            self._reply(start_timeout, "start")
-        except BaseException:
-            self.stop()
-            raise
+        super().__init__(name, layout_kwargs, num_blocks, agent_kwargs, start_timeout,
+                         target=serve_streams)
 
     @property
     def pid(self) -> int:

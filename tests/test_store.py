@@ -896,6 +896,22 @@ def test_decision_is_recompute_when_prefill_is_absurdly_fast(tmp_path, src, kind
         assert store.stats().decisions["recompute"] == 1
 
 
+def test_load_policy_always_loads_what_auto_would_recompute(tmp_path, src):
+    hashes = hashes_for(3)
+    with KVStore(LAYOUT, [host(LAYOUT, 4)], load_policy="always") as store:
+        put(store, hashes, src, [0, 1, 2])
+        get(store, hashes, blank_cache(LAYOUT, 3), [0, 1, 2])
+        store.observe_prefill(10**15, 1.0)
+        look = store.lookup(hashes)
+        assert (look.decision, look.load_blocks) == ("load", 3)
+        assert look.recompute_seconds is not None and look.load_seconds is not None
+
+
+def test_an_unknown_load_policy_is_refused():
+    with pytest.raises(ConfigError, match="load_policy must be one of.*'never'"):
+        KVStore(LAYOUT, [host(LAYOUT, 4)], load_policy="never")
+
+
 @pytest.mark.parametrize("kind", ["host", "disk"])
 def test_decision_is_load_when_prefill_is_slow(tmp_path, src, kind):
     hashes = hashes_for(3)
