@@ -102,6 +102,9 @@ class SaveStream(_Stream):
         self._core = core
         self._agent = agent  # the agent must outlive its streams
         self._closing = False  # finish() or abort() was called
+        # The events handed to save_layer: a torch.cuda.Event destroys its cudaEvent_t when
+        # collected, and the core may still be polling it. Kept as long as the stream.
+        self._events: list[Any] = []
         weakref.finalize(self, _abort_if_open, core)
 
     def save_layer(self, layer: int, event: Any = None) -> None:
@@ -112,7 +115,8 @@ class SaveStream(_Stream):
             event: CUDA builds only: a CUDA event (``torch.cuda.Event``, anything with a
                 ``cuda_event`` handle, or the raw handle) recorded after the layer's KV was
                 written. A core thread waits for it and then posts, so the GPU and Python never
-                wait for each other.
+                wait for each other. The stream keeps the event object alive; a raw handle
+                must stay valid until the stream ends.
 
         Raises:
             ConfigError: layer out of range, saved twice, or after ``finish``/``abort``.
@@ -120,6 +124,8 @@ class SaveStream(_Stream):
             PeerError/TransferError: the stream already failed.
         """
         self._core.save_layer(layer, _event_handle(event))
+        if event is not None and not isinstance(event, int):
+            self._events.append(event)
 
     def finish(self, payload: bytes = b"") -> None:
         """Closes the stream: once every layer landed, the final message carries ``payload``

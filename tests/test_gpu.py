@@ -1,0 +1,198 @@
+"""The CUDA half (``KVMOVE_CUDA=1`` builds on a machine with a GPU; skipped cleanly elsewhere,
+naming why): device KV caches, pinned host memory, the pack/unpack and convert kernels against
+the host path and the torch references, the store over a device cache, GPU-to-GPU and
+host<->GPU transfers between processes (every byte checked), and ``save_layer`` waiting on a
+CUDA event before posting. ``bench/gpu_check.sh`` runs these, then the GPU benchmarks.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+from gpu_peers import gpu_peer  # noqa: E402
+from kv_reference import expected_pack  # noqa: E402
+from peers import FarPeer, pattern  # noqa: E402
+from test_convert import CASES, case_id, random_cache, run_convert  # noqa: E402
+
+import kvmove  # noqa: E402
+from kvmove import Agent, DiskTier, HostTier, KVCache, KVLayout, KVStore  # noqa: E402
+from kvmove.convert import pack, pack_nbytes, unpack  # noqa: E402
+from kvmove.errors import ConfigError  # noqa: E402
+
+
+def _why_not() -> str:
+    status = kvmove.cuda_status()
+    if status.device_count == 0:
+        return status.reason
+    return "" if torch.cuda.is_available() else "torch has no CUDA here (a CPU build of torch)"
+
+
+REASON = _why_not()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(REASON), reason=REASON or "ok")]
+
+DEVICE = "cuda:0"
+LAYOUT_KW = {"num_layers": 4, "num_kv_heads": 8, "head_dim": 128, "dtype": "float16",
+             "block_size": 16}  # 64 KiB per block and layer, as Llama-3.1-8B
+LAYOUT = KVLayout(**LAYOUT_KW)
+NUM_BLOCKS = 32
+TIMEOUT = 30.0
+
+
+def raw(cache: KVCache) -> torch.Tensor:
+    return cache.torch().view(torch.uint8).view(cache.num_layers, cache.num_blocks, -1)
+
+
+# --- device memory ------------------------------------------------------------------------------
+
+def test_a_device_cache_is_zeroed_and_torch_views_it_without_a_copy():
+    cache = KVCache(LAYOUT, NUM_BLOCKS, device=DEVICE)
+    view = cache.torch()
+    assert view.device == torch.device(DEVICE) and view.shape == cache.shape
+    assert not view.view(torch.int16).any()
+    view[1, 2].fill_(1.5)
+    again = torch.as_tensor(cache.region, device=DEVICE)  # __cuda_array_interface__
+    assert again.data_ptr() == cache.region.addr == view.data_ptr()
+    assert torch.equal(cache.torch()[1, 2], torch.full_like(view[1, 2], 1.5))
+    assert cache.device == DEVICE and cache.region.device == 0
+
+
+def test_a_device_cache_has_no_numpy_view_and_no_buffer():
+    cache = KVCache(LAYOUT, 4, device=DEVICE)
+    with pytest.raises(ConfigError, match="no numpy view"):
+        cache.numpy()
+    with pytest.raises(BufferError):
+        memoryview(cache.region)
+
+
+def test_host_caches_are_pinned_where_a_gpu_is():
+    assert KVCache(LAYOUT, 4).region.pinned
+    assert not KVCache(LAYOUT, 4, pin=False).region.pinned
+
+
+# --- kernels ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layers", [None, [3, 1]])
+@pytest.mark.parametrize("ids", [[5], [3, 4, 5, 6], [9, 2, 30, 31, 7]])
+def test_pack_and_unpack_kernels_match_the_reference(ids, layers):
+    cache = random_cache("float16", 16, 0, DEVICE)
+    out = torch.zeros(pack_nbytes(cache, len(ids), layers), dtype=torch.uint8, device=DEVICE)
+    pack(cache, ids, out, layers)
+    selected = layers or list(range(cache.num_layers))
+    assert torch.equal(out, expected_pack(cache, ids, selected))
+    other = KVCache(cache.layout, cache.num_blocks, device=DEVICE)
+    unpack(out, other, ids, layers)
+    assert torch.equal(raw(other)[selected][:, ids], raw(cache)[selected][:, ids])
+
+
+def test_a_device_cache_needs_a_device_buffer():
+    cache = random_cache("float16", 16, 0, DEVICE)
+    with pytest.raises(ConfigError, match="must be device memory"):
+        pack(cache, [0], np.zeros(pack_nbytes(cache, 1), np.uint8))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 37, 201])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_convert_kernel_gives_the_host_bits(case, num_tokens):
+    got, expected, scales, expected_scales = run_convert(case, num_tokens, device=DEVICE)
+    host, host_expected, host_scales, _ = run_convert(case, num_tokens)
+    assert torch.equal(got.cpu(), host) and torch.equal(host, host_expected)
+    if scales is not None:
+        assert torch.equal(scales.cpu(), host_scales)
+
+
+# --- the store over a device cache --------------------------------------------------------------
+
+def test_store_round_trip_from_and_to_device_memory(tmp_path):
+    cache = random_cache("float16", 16, 3, DEVICE)
+    hashes = list(range(1, 9))
+    with KVStore(cache.layout, [HostTier(4 * cache.layout.bytes_per_block),
+                                DiskTier(tmp_path, 1 << 24)], load_policy="always") as store:
+        assert store.put(hashes, cache, list(range(8))).wait(TIMEOUT) == 8
+        assert store.lookup(hashes).tiers == ("host",) * 4 + ("disk",) * 4
+        assert store.get(hashes, cache, list(range(16, 24))).wait(TIMEOUT) == 8
+    assert torch.equal(raw(cache)[:, 16:24], raw(cache)[:, 0:8])
+
+
+# --- transfers between processes ----------------------------------------------------------------
+
+AGENT = {"peer_timeout": 10.0}
+
+
+def _pair(a: FarPeer, b: FarPeer) -> None:
+    a.call("add_peer", b.call("metadata"))
+    b.call("add_peer", a.call("metadata"))
+
+
+def _expect_after_write(src_seed: int, dst_seed: int, src_ids, dst_ids) -> np.ndarray:
+    bn = LAYOUT.bytes_per_block_per_layer
+    expected = pattern(dst_seed, LAYOUT.num_layers, NUM_BLOCKS, bn).copy()
+    expected[:, dst_ids] = pattern(src_seed, LAYOUT.num_layers, NUM_BLOCKS, bn)[:, src_ids]
+    return expected
+
+
+@pytest.mark.parametrize("kinds", [("cuda", "cuda"), ("host", "cuda"), ("cuda", "host")],
+                         ids=["gpu-to-gpu", "host-to-gpu", "gpu-to-host"])
+def test_a_write_between_processes_lands_every_byte(kinds):
+    def start(name: str, kind: str) -> FarPeer:
+        if kind == "cuda":
+            return gpu_peer(name, LAYOUT_KW, NUM_BLOCKS, AGENT, DEVICE)
+        return FarPeer(name, LAYOUT_KW, NUM_BLOCKS, AGENT)
+
+    a = start("src", kinds[0])
+    try:
+        b = start("dst", kinds[1])
+        try:
+            a.call("fill", 1)
+            b.call("fill", 2)
+            _pair(a, b)
+            src_ids, dst_ids = [3, 4, 5, 10, 11], [20, 21, 7, 8, 9]
+            stats = a.call("write", "dst", src_ids, dst_ids, None, b"done", TIMEOUT)
+            assert stats["nbytes"] == len(src_ids) * LAYOUT.bytes_per_block
+            assert b.call("wait_notification", TIMEOUT) == ("src", b"done")
+            assert np.array_equal(b.call("snapshot"), _expect_after_write(1, 2, src_ids, dst_ids))
+        finally:
+            b.stop()
+    finally:
+        a.stop()
+
+
+def test_save_layer_posts_only_after_its_cuda_event():
+    """Each layer is written on a side stream behind a ~50 ms GPU sleep; save_layer gets the
+    event recorded after the write. A post that did not wait would send the old (zero) bytes."""
+    cache = KVCache(LAYOUT, NUM_BLOCKS, device=DEVICE)
+    far = gpu_peer("receiver", LAYOUT_KW, NUM_BLOCKS, AGENT, DEVICE)
+    try:
+        with Agent("sender", cache, **AGENT) as agent:
+            far.call("add_peer", agent.metadata())
+            agent.add_peer(far.call("metadata"))
+            ids, remote = [0, 1, 2, 3], [8, 9, 10, 11]
+            far.call("expect", "sender", "req", remote)
+            stream = agent.stream_to("receiver", ids, remote, "req")
+            side, expected = torch.cuda.Stream(), []
+            for layer in range(LAYOUT.num_layers):
+                data = torch.randint(0, 256, (len(ids), cache.block_nbytes), dtype=torch.uint8,
+                                     device=DEVICE)
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    torch.cuda._sleep(50_000_000)
+                    raw(cache)[layer, ids] = data
+                    event = torch.cuda.Event()
+                    event.record(side)
+                stream.save_layer(layer, event)
+                expected.append(data.cpu().numpy())
+            stream.finish(b"first-token")
+            stream.wait_for_save(TIMEOUT)
+            assert far.call("wait_all", "req", TIMEOUT) == b"first-token"
+            got = far.call("snapshot")
+            for layer in range(LAYOUT.num_layers):
+                assert np.array_equal(got[layer, remote], expected[layer]), f"layer {layer}"
+    finally:
+        far.stop()
