@@ -7,8 +7,8 @@ one GPU). Three rows, each against a baseline measured in the same run:
 2. transfer: the same KV written by ``Agent.write`` from this process's device cache into
    another process's on the same GPU (UCX picks cuda_ipc), every byte checked; against the
    same device-to-device copy.
-3. layer streaming with a GPU prefill: per layer, matmuls on the GPU sized to the layer's
-   transfer time, then the layer's KV written by a kernel, an event recorded, and
+3. layer streaming with a GPU prefill: per layer, float16 matmuls on the GPU calibrated to
+   the layer's transfer time, then the layer's KV written by a kernel, an event recorded, and
    ``save_layer(i, event)``; the hidden fraction is ``1 - exposed / bulk`` where bulk is the
    whole transfer after the compute and exposed what is left of it after the last layer's
    compute.
@@ -96,13 +96,13 @@ def bench_transfer(iters: int) -> dict:
     torch.cuda.synchronize()
     try:
         with Agent("sender", cache) as agent:
-            agent.add_peer(conn.recv())
+            agent.add_peer(_recv(conn))
             conn.send(agent.metadata())
             ids = cache.pool.allocate(n)
             seconds = timed(lambda: agent.write("receiver", ids, ids).wait(TIMEOUT), iters)
             conn.send(ids)
             expected = hashlib.sha256(raw(cache)[:, ids].cpu().numpy().tobytes()).hexdigest()
-            verified = conn.recv() == expected
+            verified = _recv(conn) == expected
             conn.send(None)
     finally:
         process.join(TIMEOUT)
@@ -119,6 +119,23 @@ def _layer_compute(size: int, repeats: int) -> torch.Tensor:
     return a
 
 
+def _calibrate(per_layer: float) -> tuple[int, int, float]:
+    """(matrix size, repeats, seconds) of GPU matmuls taking about ``per_layer`` seconds."""
+    for size in (2048, 1024, 512, 256):
+        one = timed(lambda: _layer_compute(size, 20), 3) / 20
+        if one <= per_layer or size == 256:
+            repeats = max(1, round(per_layer / one))
+            return size, repeats, timed(lambda: _layer_compute(size, repeats), 3)
+    raise AssertionError("unreachable")
+
+
+def _recv(conn):
+    """The child's next message, or an error after TIMEOUT (a dead child never hangs us)."""
+    if not conn.poll(TIMEOUT):
+        raise TimeoutError(f"no answer from the receiver process in {TIMEOUT:g} s")
+    return conn.recv()
+
+
 def bench_stream(iters: int) -> dict:
     """Bulk vs streamed hand-off behind a GPU prefill, between two processes on one GPU."""
     n = LAYOUT.blocks_for(TOKENS)
@@ -131,47 +148,43 @@ def bench_stream(iters: int) -> dict:
     kv = torch.randint(0, 256, raw(cache)[0, ids].shape, dtype=torch.uint8, device=DEVICE)
     try:
         with Agent("sender", cache) as agent:
-            agent.add_peer(conn.recv())
-            conn.send(agent.metadata())
+            agent.add_peer(_recv(conn))
+            conn.send((agent.metadata(), ids))
             bulk = timed(lambda: agent.write("receiver", ids, ids).wait(TIMEOUT), iters)
-            per_layer = bulk / LAYOUT.num_layers
-            size, repeats = 4096, 1
-            one = timed(lambda: _layer_compute(size, repeats), 3)
-            repeats = max(1, round(per_layer / one))
+            size, repeats, compute = _calibrate(bulk / LAYOUT.num_layers)
             hidden = []
             for i in range(iters):
                 conn.send(f"r{i}")
-                conn.recv()  # the receiver expects it
+                _recv(conn)  # the receiver expects it
                 stream = agent.stream_to("receiver", ids, ids, f"r{i}")
-                events = []
                 for layer in range(LAYOUT.num_layers):
                     _layer_compute(size, repeats)
                     raw(cache)[layer, ids] = kv
                     event = torch.cuda.Event()
                     event.record()
-                    events.append(event)
-                    stream.save_layer(layer, event)
-                events[-1].synchronize()
+                    stream.save_layer(layer, event)  # the stream keeps the event
+                torch.cuda.synchronize()
                 computed = time.perf_counter()
                 stream.wait_for_save(TIMEOUT)
                 exposed = time.perf_counter() - computed
-                conn.recv()  # the receiver has every layer
+                _recv(conn)  # the receiver has every layer
                 hidden.append(1 - exposed / bulk)
             conn.send(None)
     finally:
         process.join(TIMEOUT)
         if process.is_alive():
             process.kill()
-    return {"bulk_seconds": bulk, "compute_repeats": repeats,
+    return {"bulk_seconds": bulk, "compute_per_layer_seconds": compute,
+            "transfer_per_layer_seconds": bulk / LAYOUT.num_layers,
             "hidden_fraction": statistics.median(hidden)}
 
 
 def _stream_receiver(conn, num_blocks: int) -> None:
     cache = KVCache(LAYOUT, num_blocks, device=DEVICE)
-    ids = list(range(LAYOUT.blocks_for(TOKENS)))
     with Agent("receiver", cache) as agent:
         conn.send(agent.metadata())
-        agent.add_peer(conn.recv())
+        metadata, ids = conn.recv()
+        agent.add_peer(metadata)
         while (rid := conn.recv()) is not None:
             load = agent.expect("sender", rid, ids).start_load()
             conn.send("ready")
@@ -203,8 +216,9 @@ def main() -> int:
     print(f"unpack (scattered)    {p['unpack_gbps']:8.1f} GB/s  {p['unpack_gbps'] / baseline:6.1%}")
     print(f"Agent.write, 2 procs  {t['gbps']:8.1f} GB/s  {t['gbps'] / baseline:6.1%}  "
           f"verified={t['verified']}")
-    print(f"streaming: bulk {s['bulk_seconds'] * 1e3:.1f} ms, hidden {s['hidden_fraction']:.1%} "
-          f"behind a GPU prefill of ~1x the transfer per layer")
+    print(f"streaming: bulk transfer {s['bulk_seconds'] * 1e3:.2f} ms; per layer, compute "
+          f"{s['compute_per_layer_seconds'] * 1e3:.3f} ms vs transfer "
+          f"{s['transfer_per_layer_seconds'] * 1e3:.3f} ms; hidden {s['hidden_fraction']:.1%}")
     return 0 if t["verified"] else 1
 
 

@@ -174,6 +174,9 @@ std::vector<uint64_t> BlockFile::write(const KVCache& cache, const std::vector<B
     const auto* base = static_cast<const char*>(cache.region().data());
     const uint64_t layer_nbytes = cache.block_nbytes();
     const bool device = cache.region().on_device();  // a device cache's blocks stage via host
+    if (device) {
+        sync_devices(cache, cache);  // what other streams wrote to the blocks is there
+    }
     std::vector<uint64_t> checksums(ids.size());
     std::future<int> in_flight;
     uint64_t in_flight_offset = 0;
@@ -193,7 +196,16 @@ std::vector<uint64_t> BlockFile::write(const KVCache& cache, const std::vector<B
                            layer_nbytes, device);
             }
             std::memset(out + block_nbytes_, 0, slot_nbytes_ - block_nbytes_);
-            checksums[i] = xxh64(out, block_nbytes_, hashes[i]);
+            if (!device) {  // while the block is still in the CPU's caches
+                checksums[i] = xxh64(out, block_nbytes_, hashes[i]);
+            }
+        }
+        if (device) {  // once the device's copies into the staging buffer are done
+            sync_devices(cache, cache);
+            for (size_t i = begin; i < end; ++i) {
+                checksums[i] = xxh64(buffer + (i - begin) * slot_nbytes_, block_nbytes_,
+                                     hashes[i]);
+            }
         }
         check_written();  // the chunk before: its buffer is the one we fill next
         const uint64_t nbytes = (end - begin) * slot_nbytes_;
@@ -217,6 +229,9 @@ std::vector<uint8_t> BlockFile::read(KVCache& cache, const std::vector<BlockId>&
     auto* base = static_cast<char*>(cache.region().data());
     const uint64_t layer_nbytes = cache.block_nbytes();
     const bool device = cache.region().on_device();
+    if (device) {
+        sync_devices(cache, cache);  // nothing still pending on the blocks we overwrite
+    }
     const auto groups = chunks(slots);
     auto start_read = [&](size_t k) {
         auto [begin, end] = groups[k];
@@ -236,6 +251,9 @@ std::vector<uint8_t> BlockFile::read(KVCache& cache, const std::vector<BlockId>&
         for (size_t i = begin; i < end; ++i, in += slot_nbytes_) {
             const auto slot_end = static_cast<int64_t>((i - begin) * slot_nbytes_ + block_nbytes_);
             if (got < slot_end || xxh64(in, block_nbytes_, hashes[i]) != checksums[i]) {
+                if (device) {
+                    sync_devices(cache, cache);
+                }
                 return ok;  // truncated, torn or overwritten: this block and the rest miss
             }
             for (int64_t layer = 0; layer < cache.num_layers(); ++layer) {
@@ -243,6 +261,9 @@ std::vector<uint8_t> BlockFile::read(KVCache& cache, const std::vector<BlockId>&
                            layer_nbytes, device);
             }
             ok[i] = 1;
+        }
+        if (device) {
+            sync_devices(cache, cache);  // copied out of this staging buffer before it is reused
         }
     }
     return ok;

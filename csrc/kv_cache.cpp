@@ -69,11 +69,19 @@ std::vector<Descriptor> KVCache::descriptors(
     return out;
 }
 
-void copy_bytes(void* dst, const void* src, uint64_t nbytes, bool device) {
+void copy_bytes(void* dst, const void* src, uint64_t nbytes, bool device) {  // see kv_cache.h
     if (device) {
         cuda_copy(dst, src, nbytes);
     } else {
         std::memcpy(dst, src, nbytes);
+    }
+}
+
+void sync_devices(const KVCache& a, const KVCache& b) {
+    for (const KVCache* cache : {&a, &b}) {
+        if (cache->region().on_device()) {
+            cuda_synchronize(cache->region().device());
+        }
     }
 }
 
@@ -102,6 +110,7 @@ void copy_blocks(const KVCache& src, const std::vector<BlockId>& src_ids, KVCach
     check_ids(src, src_ids, "source");
     check_ids(dst, dst_ids, "destination");
     const bool device = src.region().on_device() || dst.region().on_device();
+    sync_devices(src, dst);  // what other streams wrote to either cache is there
     const auto* from = static_cast<const char*>(src.region().data());
     auto* to = static_cast<char*>(dst.region().data());
     for (size_t i = 0; i < src_ids.size();) {
@@ -116,6 +125,7 @@ void copy_blocks(const KVCache& src, const std::vector<BlockId>& src_ids, KVCach
         }
         i += n;
     }
+    sync_devices(src, dst);  // and the copies are done when we return
 }
 
 }  // namespace kvmove

@@ -56,8 +56,11 @@ private:
     Region region_;
 };
 
-// memcpy, or cudaMemcpy when device memory is involved (a host path never needs CUDA).
+// memcpy, or an asynchronous cudaMemcpy when device memory is involved (a host path never
+// needs CUDA): device copies are bracketed by sync_devices.
 void copy_bytes(void* dst, const void* src, uint64_t nbytes, bool device);
+// Waits for every stream of the devices a and b live on (nothing for host caches).
+void sync_devices(const KVCache& a, const KVCache& b);
 
 // Copies block src_ids[i] of src into block dst_ids[i] of dst, every layer (a storage tier in
 // host memory is a KVCache). Both caches must have the same layers and block size; runs

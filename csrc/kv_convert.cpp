@@ -13,7 +13,7 @@ namespace {
 
 CacheView view_of(const KVCache& cache, const BlockShape& shape) {
     return {static_cast<char*>(const_cast<void*>(cache.region().data())), cache.num_blocks(),
-            cache.block_nbytes(), shape};
+            cache.block_nbytes(), shape, cache.region().device()};
 }
 
 std::vector<int64_t> checked_layers(const KVCache& cache, const std::vector<int64_t>& layers) {

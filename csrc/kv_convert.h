@@ -3,7 +3,8 @@
 //
 // Each runs on the memory the caches live in: plain C++ on the host, CUDA kernels
 // (csrc/cuda/kv_kernels.cu) on a device. Both compute element by element with the same math
-// (kv_convert_math.h), so the results are bit-identical.
+// (kv_convert_math.h), so the results are bit-identical. Device calls are synchronous: they
+// start once every stream's earlier work on the device is done, and return once theirs is.
 //
 // pack: staging = [len(layers), len(ids), block_nbytes] bytes, layer-major:
 //
@@ -31,6 +32,7 @@ struct CacheView {
     int64_t num_blocks;
     uint64_t block_nbytes;
     BlockShape shape;
+    int device;  // -1: host memory
 };
 
 // Validated arguments of one conversion; ids and layers are host vectors.

@@ -88,28 +88,40 @@ def _shape(cache: KVCache, order: str) -> Any:
 
 
 def _buffer(obj: Any, cache: KVCache) -> tuple[int, int]:
-    """(address, nbytes) of a writable, contiguous buffer in the cache's memory."""
-    on_device = cache.region.device >= 0
-    cai = getattr(obj, "__cuda_array_interface__", None)
-    if cai is not None:
-        if not on_device:
-            raise ConfigError(f"a buffer in device memory for a cache on {cache.device}")
-        if cai.get("strides") not in (None, ()) and not _is_contiguous(obj):
-            raise ConfigError("the buffer must be contiguous")
-        count = int(np.prod(cai["shape"]))
-        return int(cai["data"][0]), count * np.dtype(cai["typestr"]).itemsize
-    if on_device:
-        raise ConfigError(f"the cache is on {cache.device}: the buffer must be device memory "
-                          f"(a CUDA tensor), got {type(obj).__name__}")
-    if hasattr(obj, "data_ptr") and hasattr(obj, "is_contiguous"):  # a CPU torch tensor
+    """(address, nbytes) of a contiguous buffer in the cache's memory (its device, or host)."""
+    device = cache.region.device
+    if hasattr(obj, "data_ptr") and hasattr(obj, "is_contiguous"):  # a torch tensor
+        where = obj.device.index if obj.device.type == "cuda" else -1
+        if obj.device.type == "cuda" and where is None:
+            where = 0
+        if where != device:
+            raise ConfigError(f"the buffer is on {obj.device}, the cache on {cache.device}: "
+                              "they must be in the same memory")
         if not obj.is_contiguous():
             raise ConfigError("the buffer must be contiguous")
         return int(obj.data_ptr()), int(obj.numel() * obj.element_size())
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:  # CuPy, Numba, a kvmove Region
+        if device < 0:
+            raise ConfigError(f"a device buffer for a cache on {cache.device}")
+        itemsize = np.dtype(cai["typestr"]).itemsize
+        shape = tuple(cai["shape"])
+        if cai.get("strides") is not None and tuple(cai["strides"]) != _c_strides(shape,
+                                                                                 itemsize):
+            raise ConfigError("the buffer must be contiguous")
+        return int(cai["data"][0]), int(np.prod(shape)) * itemsize
+    if device >= 0:
+        raise ConfigError(f"the cache is on {cache.device}: the buffer must be device memory "
+                          f"(a CUDA tensor), got {type(obj).__name__}")
     array = np.asarray(obj)
     if not array.flags.c_contiguous or not array.flags.writeable:
         raise ConfigError("the buffer must be a writable, C-contiguous array")
     return int(array.ctypes.data), int(array.nbytes)
 
 
-def _is_contiguous(obj: Any) -> bool:
-    return bool(getattr(obj, "is_contiguous", lambda: False)())
+def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvmove import _C
-from kvmove.errors import ConfigError
+from kvmove.errors import AllocationError, ConfigError
 from kvmove.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -63,8 +63,9 @@ class KVCache(_C.KVCache):
             cudaMalloc on that device (needs a CUDA build, ``kvmove.cuda_status()``). An
             ``Agent`` registers device memory with UCX as CUDA memory (cuda_ipc, GPUDirect
             RDMA).
-        pin: page-lock host memory for DMA to and from GPUs (cudaHostRegister). None: pin when
-            a CUDA device is usable (``kvmove.cuda_available()``).
+        pin: page-lock host memory for DMA to and from GPUs (cudaHostRegister); nothing where
+            no CUDA device is usable. None: pin when one is (what storage tiers and staging
+            buffers use). Off by default: pinning creates a CUDA context in the process.
 
     Attributes:
         pool: the ``BlockPool`` handing out this cache's block ids.
@@ -72,12 +73,16 @@ class KVCache(_C.KVCache):
     """
 
     def __init__(self, layout: KVLayout, num_blocks: int, *, huge_pages: bool = False,
-                 device: str | int | None = None, pin: bool | None = None) -> None:
+                 device: str | int | None = None, pin: bool | None = False) -> None:
         index = _device_index(device)
+        gpus = _C.cuda_status()[1] > 0
         if pin is None:
-            pin = index < 0 and _C.cuda_status()[1] > 0
+            pin = index < 0 and gpus
         super().__init__(layout.num_layers, num_blocks, layout.bytes_per_block_per_layer,
                          huge_pages, index, bool(pin))
+        if pin and gpus and not self.region.pinned:
+            raise AllocationError(f"cannot pin {self.region.nbytes} bytes of host memory "
+                                  "(cudaHostRegister refused; see ulimit -l)")
         self.layout = layout
 
     @property

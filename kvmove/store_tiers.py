@@ -121,7 +121,7 @@ class OpenTier:
         nbytes = layout.bytes_per_block
         if isinstance(spec, HostTier):
             n = _blocks_in(spec.capacity_bytes, nbytes, "HostTier")
-            tier = cls("host", n, nbytes, cache=KVCache(layout, n))
+            tier = cls("host", n, nbytes, cache=KVCache(layout, n, pin=None))  # pinned: DMA
             tier.free = list(range(n))
             return tier
         return cls._open_disk(spec, layout, fingerprint)

@@ -72,14 +72,17 @@ def test_a_device_cache_has_no_numpy_view_and_no_buffer():
         memoryview(cache.region)
 
 
-def test_host_caches_are_pinned_where_a_gpu_is():
-    assert KVCache(LAYOUT, 4).region.pinned
-    assert not KVCache(LAYOUT, 4, pin=False).region.pinned
+def test_host_memory_is_pinned_when_asked_and_for_store_tiers(tmp_path):
+    assert KVCache(LAYOUT, 4, pin=True).region.pinned
+    assert KVCache(LAYOUT, 4, pin=None).region.pinned  # None: wherever a GPU is
+    assert not KVCache(LAYOUT, 4).region.pinned         # default: no CUDA context for it
+    with KVStore(LAYOUT, [HostTier(4 * LAYOUT.bytes_per_block)]) as store:
+        assert store._tiers[0].cache.region.pinned
 
 
 # --- kernels ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("layers", [None, [3, 1]])
+@pytest.mark.parametrize("layers", [None, [2, 0]])
 @pytest.mark.parametrize("ids", [[5], [3, 4, 5, 6], [9, 2, 30, 31, 7]])
 def test_pack_and_unpack_kernels_match_the_reference(ids, layers):
     cache = random_cache("float16", 16, 0, DEVICE)
@@ -165,8 +168,10 @@ def test_a_write_between_processes_lands_every_byte(kinds):
 
 
 def test_save_layer_posts_only_after_its_cuda_event():
-    """Each layer is written on a side stream behind a ~50 ms GPU sleep; save_layer gets the
-    event recorded after the write. A post that did not wait would send the old (zero) bytes."""
+    """Each layer is written on a side stream behind a GPU sleep (tens of ms); save_layer gets
+    the event recorded after the write. A post that did not wait would send the old (zero)
+    bytes. Every ``data`` tensor is kept: freed, torch's allocator could hand its memory to the
+    next one on the default stream while the side stream still reads it."""
     cache = KVCache(LAYOUT, NUM_BLOCKS, device=DEVICE)
     far = gpu_peer("receiver", LAYOUT_KW, NUM_BLOCKS, AGENT, DEVICE)
     try:
@@ -176,10 +181,11 @@ def test_save_layer_posts_only_after_its_cuda_event():
             ids, remote = [0, 1, 2, 3], [8, 9, 10, 11]
             far.call("expect", "sender", "req", remote)
             stream = agent.stream_to("receiver", ids, remote, "req")
-            side, expected = torch.cuda.Stream(), []
+            side, expected, keep = torch.cuda.Stream(), [], []
             for layer in range(LAYOUT.num_layers):
                 data = torch.randint(0, 256, (len(ids), cache.block_nbytes), dtype=torch.uint8,
                                      device=DEVICE)
+                keep.append(data)
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     torch.cuda._sleep(50_000_000)

@@ -1,5 +1,6 @@
 // KVMOVE_CUDA_CHECK(expr, "context " << value): throws CudaError naming the call, the CUDA
-// error string and file:line unless expr returns cudaSuccess (the sticky error is cleared).
+// error string and file:line unless expr returns cudaSuccess (the last error is reset; a
+// sticky error, which poisons the context, cannot be).
 #pragma once
 
 #include <cuda_runtime_api.h>

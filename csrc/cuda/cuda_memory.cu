@@ -2,16 +2,20 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda/cuda_check.h"
+#include "cuda/device_guard.h"
 #include "cuda_memory.h"
 
 namespace kvmove {
 
 void* cuda_alloc(int device, uint64_t nbytes) {
-    KVMOVE_CUDA_CHECK(cudaSetDevice(device), "cannot use CUDA device " << device);
+    DeviceGuard guard(device);
     void* p = nullptr;
     KVMOVE_CUDA_CHECK(cudaMalloc(&p, nbytes),
                       "cannot allocate " << nbytes << " bytes on CUDA device " << device);
     cudaError_t err = cudaMemset(p, 0, nbytes);
+    if (err == cudaSuccess) {
+        err = cudaDeviceSynchronize();  // zeroed before anyone (a peer, torch) can write it
+    }
     if (err != cudaSuccess) {
         cudaFree(p);
         KVMOVE_CUDA_CHECK(err, "cannot zero " << nbytes << " bytes on CUDA device " << device);
@@ -20,26 +24,35 @@ void* cuda_alloc(int device, uint64_t nbytes) {
 }
 
 void cuda_free(int device, void* p) noexcept {
-    cudaSetDevice(device);
+    int previous = 0;
+    if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) {
+        cudaGetLastError();
+        return;  // no usable device left: the process is going down
+    }
     cudaFree(p);
+    cudaSetDevice(previous);
 }
 
 bool cuda_pin(void* p, uint64_t nbytes) {
     int count = 0;
-    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0 ||
+        cudaHostRegister(p, nbytes, cudaHostRegisterDefault) != cudaSuccess) {
         cudaGetLastError();
         return false;
     }
-    KVMOVE_CUDA_CHECK(cudaHostRegister(p, nbytes, cudaHostRegisterDefault),
-                      "cannot pin " << nbytes << " bytes of host memory");
     return true;
 }
 
 void cuda_unpin(void* p) noexcept { cudaHostUnregister(p); }
 
 void cuda_copy(void* dst, const void* src, uint64_t nbytes) {
-    KVMOVE_CUDA_CHECK(cudaMemcpy(dst, src, nbytes, cudaMemcpyDefault),
+    KVMOVE_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, 0),
                       "cannot copy " << nbytes << " bytes");
+}
+
+void cuda_synchronize(int device) {
+    DeviceGuard guard(device);
+    KVMOVE_CUDA_CHECK(cudaDeviceSynchronize(), "CUDA device " << device << " failed");
 }
 
 }  // namespace kvmove

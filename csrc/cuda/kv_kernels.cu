@@ -1,14 +1,17 @@
 // The device halves of pack/unpack and convert (see csrc/kv_convert.h). Element math is
 // kv_convert_math.h's, shared with the host path, so both give the same bits.
 //
-// Launches go on the legacy default stream and are waited for before returning: a call is
-// synchronous like its host twin (the GPU tests compare them with torch references).
+// A call makes the cache's device current, waits for the device (so what torch or anyone wrote
+// on any stream is there: the legacy default stream does not order against non-blocking
+// ones), launches on the legacy default stream and waits again before returning: synchronous
+// like its host twin.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <vector>
 
 #include "cuda/cuda_check.h"
+#include "cuda/device_guard.h"
 #include "kv_convert.h"
 
 namespace kvmove {
@@ -158,6 +161,8 @@ void pack_blocks_cuda(const CacheView& cache, const std::vector<int64_t>& ids,
     if (ids.empty() || layers.empty()) {
         return;
     }
+    DeviceGuard guard(cache.device);
+    KVMOVE_CUDA_CHECK(cudaDeviceSynchronize(), "CUDA device " << cache.device << " failed");
     DeviceArray d_ids(ids), d_layers(layers);
     const bool vector = cache.block_nbytes % 16 == 0 &&
                         reinterpret_cast<uintptr_t>(cache.base) % 16 == 0 &&
@@ -171,6 +176,8 @@ void pack_blocks_cuda(const CacheView& cache, const std::vector<int64_t>& ids,
 }
 
 void convert_blocks_cuda(const ConvertPlan& plan) {
+    DeviceGuard guard(plan.src.device);
+    KVMOVE_CUDA_CHECK(cudaDeviceSynchronize(), "CUDA device " << plan.src.device << " failed");
     DeviceArray src_ids(plan.src_ids), dst_ids(plan.dst_ids), layers(plan.layers);
     ConvertArgs args{plan.src,
                      plan.dst,
