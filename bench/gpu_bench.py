@@ -19,11 +19,13 @@ Run: ``python bench/gpu_bench.py [--iters 5]``. Prints one table; ``--json`` for
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import multiprocessing
 import statistics
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -85,16 +87,27 @@ def _receiver(conn, num_blocks: int) -> None:
             conn.send(hashlib.sha256(raw(cache)[:, ids].cpu().numpy().tobytes()).hexdigest())
 
 
-def bench_transfer(iters: int) -> dict:
-    n = LAYOUT.blocks_for(TOKENS)
+@contextlib.contextmanager
+def _child(target) -> Iterator:
+    """A spawned ``target(conn, CACHE_BLOCKS)``; yields our end of its pipe, joins it after."""
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()
-    process = ctx.Process(target=_receiver, args=(child, CACHE_BLOCKS), daemon=True)
+    process = ctx.Process(target=target, args=(child, CACHE_BLOCKS), daemon=True)
     process.start()
+    try:
+        yield conn
+    finally:
+        process.join(TIMEOUT)
+        if process.is_alive():
+            process.kill()
+
+
+def bench_transfer(iters: int) -> dict:
+    n = LAYOUT.blocks_for(TOKENS)
     cache = KVCache(LAYOUT, CACHE_BLOCKS, device=DEVICE)
     raw(cache).copy_(torch.randint(0, 256, raw(cache).shape, dtype=torch.uint8, device=DEVICE))
     torch.cuda.synchronize()
-    try:
+    with _child(_receiver) as conn:
         with Agent("sender", cache) as agent:
             agent.add_peer(_recv(conn))
             conn.send(agent.metadata())
@@ -104,10 +117,6 @@ def bench_transfer(iters: int) -> dict:
             expected = hashlib.sha256(raw(cache)[:, ids].cpu().numpy().tobytes()).hexdigest()
             verified = _recv(conn) == expected
             conn.send(None)
-    finally:
-        process.join(TIMEOUT)
-        if process.is_alive():
-            process.kill()
     nbytes = n * LAYOUT.bytes_per_block
     return {"nbytes": nbytes, "gbps": nbytes / seconds / 1e9, "verified": verified}
 
@@ -139,14 +148,10 @@ def _recv(conn):
 def bench_stream(iters: int) -> dict:
     """Bulk vs streamed hand-off behind a GPU prefill, between two processes on one GPU."""
     n = LAYOUT.blocks_for(TOKENS)
-    ctx = multiprocessing.get_context("spawn")
-    conn, child = ctx.Pipe()
-    process = ctx.Process(target=_stream_receiver, args=(child, CACHE_BLOCKS), daemon=True)
-    process.start()
     cache = KVCache(LAYOUT, CACHE_BLOCKS, device=DEVICE)
     ids = cache.pool.allocate(n)
     kv = torch.randint(0, 256, raw(cache)[0, ids].shape, dtype=torch.uint8, device=DEVICE)
-    try:
+    with _child(_stream_receiver) as conn:
         with Agent("sender", cache) as agent:
             agent.add_peer(_recv(conn))
             conn.send((agent.metadata(), ids))
@@ -170,10 +175,6 @@ def bench_stream(iters: int) -> dict:
                 _recv(conn)  # the receiver has every layer
                 hidden.append(1 - exposed / bulk)
             conn.send(None)
-    finally:
-        process.join(TIMEOUT)
-        if process.is_alive():
-            process.kill()
     return {"bulk_seconds": bulk, "compute_per_layer_seconds": compute,
             "transfer_per_layer_seconds": bulk / LAYOUT.num_layers,
             "hidden_fraction": statistics.median(hidden)}

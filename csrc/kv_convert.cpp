@@ -115,9 +115,12 @@ void convert_host_block(const ConvertPlan& p, size_t li, size_t bi, int kv) {
 
 }  // namespace
 
-void pack_blocks(const KVCache& cache, const std::vector<BlockId>& ids,
+namespace {
+
+// pack (unpack=false) or unpack, after checking ids, layers and the staging buffer's size.
+void move_packed(const KVCache& cache, const std::vector<BlockId>& ids,
                  const std::vector<int64_t>& layers, uint64_t staging_addr,
-                 uint64_t staging_nbytes) {
+                 uint64_t staging_nbytes, bool unpack) {
     check_ids(cache, ids);
     const std::vector<int64_t> wanted = checked_layers(cache, layers);
     const uint64_t need = wanted.size() * ids.size() * cache.block_nbytes();
@@ -125,33 +128,26 @@ void pack_blocks(const KVCache& cache, const std::vector<BlockId>& ids,
                  "the staging buffer has " << staging_nbytes << " B, " << ids.size()
                                            << " blocks of " << wanted.size() << " layers need "
                                            << need);
-    BlockShape unused{};
-    CacheView view = view_of(cache, unused);
+    CacheView view = view_of(cache, BlockShape{});
     auto* staging = reinterpret_cast<char*>(staging_addr);
     if (cache.region().on_device()) {
-        pack_blocks_cuda(view, ids, wanted, staging, false);
+        pack_blocks_cuda(view, ids, wanted, staging, unpack);
     } else {
-        pack_host(view, ids, wanted, staging, false);
+        pack_host(view, ids, wanted, staging, unpack);
     }
+}
+
+}  // namespace
+
+void pack_blocks(const KVCache& cache, const std::vector<BlockId>& ids,
+                 const std::vector<int64_t>& layers, uint64_t staging_addr,
+                 uint64_t staging_nbytes) {
+    move_packed(cache, ids, layers, staging_addr, staging_nbytes, false);
 }
 
 void unpack_blocks(uint64_t staging_addr, uint64_t staging_nbytes, KVCache& cache,
                    const std::vector<BlockId>& ids, const std::vector<int64_t>& layers) {
-    check_ids(cache, ids);
-    const std::vector<int64_t> wanted = checked_layers(cache, layers);
-    const uint64_t need = wanted.size() * ids.size() * cache.block_nbytes();
-    KVMOVE_CHECK(staging_nbytes >= need, Config,
-                 "the staging buffer has " << staging_nbytes << " B, " << ids.size()
-                                           << " blocks of " << wanted.size() << " layers need "
-                                           << need);
-    BlockShape unused{};
-    CacheView view = view_of(cache, unused);
-    auto* staging = reinterpret_cast<char*>(staging_addr);
-    if (cache.region().on_device()) {
-        pack_blocks_cuda(view, ids, wanted, staging, true);
-    } else {
-        pack_host(view, ids, wanted, staging, true);
-    }
+    move_packed(cache, ids, layers, staging_addr, staging_nbytes, true);
 }
 
 void convert_blocks(const KVCache& src, const BlockShape& src_shape,

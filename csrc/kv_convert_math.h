@@ -60,6 +60,14 @@ KVMOVE_HD float bits_float(uint32_t u) {
     return f;
 }
 
+// A non-negative float (an exact multiple of a subnormal step) rounded to the nearest integer,
+// ties to even.
+KVMOVE_HD uint32_t round_half_even(float scaled) {
+    const auto whole = static_cast<uint32_t>(scaled);
+    const float rest = scaled - static_cast<float>(whole);
+    return whole + ((rest > 0.5f || (rest == 0.5f && (whole & 1))) ? 1 : 0);
+}
+
 KVMOVE_HD float half_to_float(uint16_t h) {
     const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
     const uint32_t exp = (h >> 10) & 0x1F;
@@ -85,17 +93,9 @@ KVMOVE_HD uint16_t float_to_half(float f) {
     if (abs >= 0x477FF000u) {  // rounds to >= 65520: inf
         return static_cast<uint16_t>(sign | 0x7C00);
     }
-    if (abs < 0x38800000u) {  // below 2^-14: a half subnormal (or zero)
-        // value / 2^-24, rounded to nearest even: the subnormal's mantissa (may carry into
-        // the smallest normal, 0x400, which is the right encoding too)
-        const float scaled = bits_float(abs) * 16777216.0f;
-        const float floor_value = static_cast<float>(static_cast<uint32_t>(scaled));
-        uint32_t m = static_cast<uint32_t>(floor_value);
-        const float rest = scaled - floor_value;
-        if (rest > 0.5f || (rest == 0.5f && (m & 1))) {
-            ++m;
-        }
-        return static_cast<uint16_t>(sign | m);
+    if (abs < 0x38800000u) {  // below 2^-14: a half subnormal (or zero), steps of 2^-24;
+        // a carry into the smallest normal (0x400) is the right encoding too
+        return static_cast<uint16_t>(sign | round_half_even(bits_float(abs) * 16777216.0f));
     }
     // normal: drop 13 mantissa bits with round-to-nearest-even, rebias 127 -> 15
     const uint32_t rounded = abs + 0xFFF + ((abs >> 13) & 1);
@@ -138,15 +138,9 @@ KVMOVE_HD uint8_t float_to_fp8(float f) {
     if (abs >= 0x43E00000u) {  // >= 448
         return static_cast<uint8_t>(sign | 0x7E);
     }
-    if (abs < 0x3C800000u) {  // below 2^-6: subnormal steps of 2^-9
-        const float scaled = bits_float(abs) * 512.0f;
-        const float floor_value = static_cast<float>(static_cast<uint32_t>(scaled));
-        uint32_t m = static_cast<uint32_t>(floor_value);
-        const float rest = scaled - floor_value;
-        if (rest > 0.5f || (rest == 0.5f && (m & 1))) {
-            ++m;  // m == 8 is the smallest normal, encoded the same way
-        }
-        return static_cast<uint8_t>(sign | m);
+    if (abs < 0x3C800000u) {  // below 2^-6: subnormal steps of 2^-9 (8 is the smallest
+        // normal, encoded the same way)
+        return static_cast<uint8_t>(sign | round_half_even(bits_float(abs) * 512.0f));
     }
     // normal: keep 3 of 23 mantissa bits, round to nearest even, rebias 127 -> 7
     const uint32_t rounded = abs + 0x7FFFF + ((abs >> 20) & 1);
