@@ -26,6 +26,7 @@ the rest), and before anything is measured it assumes loading wins.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,6 +41,8 @@ from kvmove.store_tiers import DiskTier, HostTier, OpenTier, TierStats
 
 __all__ = ["DiskTier", "HostTier", "KVStore", "LOAD_POLICIES", "Lookup", "StoreHandle",
            "StoreStats"]
+
+logger = logging.getLogger(__name__)
 
 LOAD_POLICIES = ("auto", "always")
 _EMA = 0.3
@@ -345,11 +348,20 @@ class KVStore:
             return 0
         self._submit(sync).wait(timeout)
 
-    def close(self) -> None:
-        """Finishes queued operations and closes the tiers (the disk tier's index is synced)."""
+    def close(self, timeout: float = 60.0) -> None:
+        """Finishes queued operations and closes the tiers (the disk tier's index is synced).
+
+        An I/O thread still busy after ``timeout`` seconds (a hung disk) leaves the tiers open
+        rather than closing files under it; that is logged."""
         if getattr(self, "_closed", True) is False:
             self._closed = True
-            self._io.shutdown(wait=True)
+            last = self._io.submit(int)  # runs after everything queued before it
+            self._io.shutdown(wait=False)
+            try:
+                last.result(timeout)
+            except FutureTimeout:
+                logger.warning("store I/O still busy after %g s: its tiers stay open", timeout)
+                return
         for tier in self._tiers:
             tier.close()
         self._tiers = []
