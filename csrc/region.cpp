@@ -27,6 +27,13 @@ void RegionFree::operator()(char* p) const {
     munmap(p, mapped_nbytes);
 }
 
+void* Region::host_data() const {
+    KVMOVE_CHECK(!on_device(), Config,
+                 "a region on CUDA device " << device() << " has no host view (" << nbytes_
+                                            << " bytes): use __cuda_array_interface__");
+    return data();
+}
+
 Region::Region(uint64_t nbytes, bool huge_pages, int device, bool pin)
     : nbytes_(nbytes), huge_pages_(huge_pages) {
     KVMOVE_CHECK(nbytes > 0, Config, "region nbytes must be positive, got " << nbytes);

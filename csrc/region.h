@@ -28,6 +28,8 @@ public:
     Region& operator=(const Region&) = delete;
 
     void* data() const { return mapping_.get() + offset_; }
+    // data() for code that reads it on the CPU (the buffer protocol); ConfigError on a device.
+    void* host_data() const;
     uint64_t addr() const { return reinterpret_cast<uint64_t>(data()); }
     uint64_t nbytes() const { return nbytes_; }
     bool huge_pages() const { return huge_pages_; }

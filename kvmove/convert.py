@@ -22,11 +22,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from kvmove import _C
 from kvmove.errors import ConfigError
 from kvmove.kv_cache import KVCache
+from kvmove.layout import buffer_span
 
 __all__ = ["HEAD_ORDERS", "convert", "pack", "pack_nbytes", "unpack"]
 
@@ -45,7 +44,7 @@ def pack(cache: KVCache, block_ids: Sequence[int], out: Any,
          layers: Sequence[int] | None = None) -> Any:
     """Copies blocks ``block_ids`` of ``layers`` into ``out`` ([L, n, block_nbytes] bytes at
     its start); returns ``out``."""
-    addr, nbytes = _buffer(out, cache)
+    addr, nbytes = buffer_span(out, cache.region.device)
     _C.pack_blocks(cache, list(block_ids), list(layers or []), addr, nbytes)
     return out
 
@@ -53,7 +52,7 @@ def pack(cache: KVCache, block_ids: Sequence[int], out: Any,
 def unpack(staging: Any, cache: KVCache, block_ids: Sequence[int],
            layers: Sequence[int] | None = None) -> None:
     """The reverse of ``pack``: ``staging``'s blocks into ``block_ids`` of ``cache``."""
-    addr, nbytes = _buffer(staging, cache)
+    addr, nbytes = buffer_span(staging, cache.region.device)
     _C.unpack_blocks(addr, nbytes, cache, list(block_ids), list(layers or []))
 
 
@@ -76,7 +75,7 @@ def convert(src: KVCache, src_ids: Sequence[int], dst: KVCache, dst_ids: Sequenc
             raise ConfigError(f"{name} must be one of {HEAD_ORDERS}, got {order!r}")
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
         raise ConfigError(f"num_tokens must be an int, got {num_tokens!r}")
-    addr, nbytes = (0, 0) if scales is None else _buffer(scales, dst)
+    addr, nbytes = (0, 0) if scales is None else buffer_span(scales, dst.region.device)
     _C.convert_blocks(src, _shape(src, src_order), list(src_ids), dst, _shape(dst, dst_order),
                       list(dst_ids), num_tokens, list(layers or []), addr, nbytes)
 
@@ -85,43 +84,3 @@ def _shape(cache: KVCache, order: str) -> Any:
     lay = cache.layout
     return _C.BlockShape(lay.block_size, lay.num_kv_heads, lay.head_dim, _DTYPES[lay.dtype],
                          order == "HND")
-
-
-def _buffer(obj: Any, cache: KVCache) -> tuple[int, int]:
-    """(address, nbytes) of a contiguous buffer in the cache's memory (its device, or host)."""
-    device = cache.region.device
-    if hasattr(obj, "data_ptr") and hasattr(obj, "is_contiguous"):  # a torch tensor
-        where = obj.device.index if obj.device.type == "cuda" else -1
-        if obj.device.type == "cuda" and where is None:
-            where = 0
-        if where != device:
-            raise ConfigError(f"the buffer is on {obj.device}, the cache on {cache.device}: "
-                              "they must be in the same memory")
-        if not obj.is_contiguous():
-            raise ConfigError("the buffer must be contiguous")
-        return int(obj.data_ptr()), int(obj.numel() * obj.element_size())
-    cai = getattr(obj, "__cuda_array_interface__", None)
-    if cai is not None:  # CuPy, Numba, a kvmove Region
-        if device < 0:
-            raise ConfigError(f"a device buffer for a cache on {cache.device}")
-        itemsize = np.dtype(cai["typestr"]).itemsize
-        shape = tuple(cai["shape"])
-        if cai.get("strides") is not None and tuple(cai["strides"]) != _c_strides(shape,
-                                                                                 itemsize):
-            raise ConfigError("the buffer must be contiguous")
-        return int(cai["data"][0]), int(np.prod(shape)) * itemsize
-    if device >= 0:
-        raise ConfigError(f"the cache is on {cache.device}: the buffer must be device memory "
-                          f"(a CUDA tensor), got {type(obj).__name__}")
-    array = np.asarray(obj)
-    if not array.flags.c_contiguous or not array.flags.writeable:
-        raise ConfigError("the buffer must be a writable, C-contiguous array")
-    return int(array.ctypes.data), int(array.nbytes)
-
-
-def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
-    strides, step = [], itemsize
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return tuple(reversed(strides))

@@ -112,10 +112,20 @@ class KVCache(_C.KVCache):
         import torch
 
         if self.region.device >= 0:
-            raw = torch.as_tensor(self.region, device=self.device)  # __cuda_array_interface__
+            raw = torch.as_tensor(self, device=self.device)  # __cuda_array_interface__
         else:
             raw = torch.from_dlpack(np.frombuffer(self.region, dtype=np.uint8))
         return raw.view(getattr(torch, _TORCH_DTYPES[self.layout.dtype])).view(self.shape)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """A device cache's bytes (``[nbytes]`` uint8, CUDA Array Interface v3) for torch,
+        CuPy or Numba; no stream to wait on (kvmove's device calls return synchronized).
+        AttributeError for a host cache, as the interface expects."""
+        if self.region.device < 0:
+            raise AttributeError("a host KVCache has no __cuda_array_interface__: use numpy()")
+        return {"shape": (self.region.nbytes,), "typestr": "|u1", "version": 3,
+                "data": (self.region.addr, False), "strides": None, "stream": None}
 
     def descriptors(
         self, block_ids: list[int], layers: list[int] | None = None

@@ -13,10 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from kvmove.errors import ConfigError
 from kvmove.validation import require_positive_int
 
-__all__ = ["KVLayout", "DTYPE_BYTES", "PRESETS"]
+__all__ = ["KVLayout", "DTYPE_BYTES", "PRESETS", "buffer_span"]
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
 
@@ -104,3 +106,53 @@ class KVLayout:
         if num_tokens < 0:
             raise ConfigError(f"num_tokens must be >= 0, got {num_tokens}")
         return -(-num_tokens // self.block_size)
+
+
+def buffer_span(obj: Any, device: int) -> tuple[int, int]:
+    """``(address, nbytes)`` of a contiguous buffer that must be in ``device``'s memory (-1:
+    host): a torch tensor, anything with ``__cuda_array_interface__`` (CuPy, Numba, a device
+    ``KVCache``), or a writable C-contiguous host array (numpy, the buffer protocol).
+
+    Raises:
+        ConfigError: the buffer is elsewhere, not contiguous, or read-only (host).
+    """
+    if hasattr(obj, "data_ptr") and hasattr(obj, "is_contiguous"):  # a torch tensor
+        where = -1 if obj.device.type != "cuda" else (obj.device.index or 0)
+        if where != device:
+            raise ConfigError(f"the buffer is on {obj.device}, it must be on "
+                              f"{_memory_name(device)}")
+        if not obj.is_contiguous():
+            raise ConfigError(f"the buffer must be contiguous, got strides {obj.stride()} for "
+                              f"shape {tuple(obj.shape)}")
+        return int(obj.data_ptr()), int(obj.numel() * obj.element_size())
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        if device < 0:
+            raise ConfigError("the buffer is device memory, it must be host memory")
+        itemsize, shape = np.dtype(cai["typestr"]).itemsize, tuple(cai["shape"])
+        strides = cai.get("strides")
+        if strides is not None and tuple(strides) != _c_strides(shape, itemsize):
+            raise ConfigError(f"the buffer must be contiguous, got strides {tuple(strides)} "
+                              f"for shape {shape}")
+        return int(cai["data"][0]), int(np.prod(shape)) * itemsize
+    if device >= 0:
+        raise ConfigError(f"the buffer must be device memory on {_memory_name(device)} (a CUDA "
+                          f"tensor), got {type(obj).__name__}")
+    array = np.asarray(obj)
+    if not array.flags.c_contiguous or not array.flags.writeable:
+        raise ConfigError(f"the buffer must be a writable, C-contiguous array, got shape "
+                          f"{array.shape} strides {array.strides} writeable "
+                          f"{array.flags.writeable}")
+    return int(array.ctypes.data), int(array.nbytes)
+
+
+def _memory_name(device: int) -> str:
+    return "the host" if device < 0 else f"cuda:{device}"
+
+
+def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))

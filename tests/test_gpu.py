@@ -58,7 +58,7 @@ def test_a_device_cache_is_zeroed_and_torch_views_it_without_a_copy():
     assert view.device == torch.device(DEVICE) and view.shape == cache.shape
     assert not view.view(torch.int16).any()
     view[1, 2].fill_(1.5)
-    again = torch.as_tensor(cache.region, device=DEVICE)  # __cuda_array_interface__
+    again = torch.as_tensor(cache, device=DEVICE)  # __cuda_array_interface__
     assert again.data_ptr() == cache.region.addr == view.data_ptr()
     assert torch.equal(cache.torch()[1, 2], torch.full_like(view[1, 2], 1.5))
     assert cache.device == DEVICE and cache.region.device == 0
