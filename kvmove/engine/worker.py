@@ -343,10 +343,14 @@ class Worker:
         return ended
 
     def close(self) -> None:
-        if self.store is not None:
-            self.store.drain(self.transfer_timeout)
-        if self.agent is not None:
-            self.agent.close()
+        """Waits (up to ``transfer_timeout``) for the store's fetches and offers, then closes
+        the agent, whether or not the store finished in time."""
+        try:
+            if self.store is not None:
+                self.store.drain(self.transfer_timeout)
+        finally:
+            if self.agent is not None:
+                self.agent.close()
 
 
 def _default_tokenizer(model: LlamaForCausalLM) -> Any:
