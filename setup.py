@@ -5,7 +5,7 @@ Environment switches:
                          of the ``libucx-cu13`` wheel. At run time set
                          ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true`` so the wheel's loader
                          picks the system libraries too.
-    KVMOVE_CUDA=1        also compile ``csrc/cuda/*.cu`` with nvcc and link cudart statically,
+    KVMOVE_CUDA=1        also compile ``csrc/**/*.cu`` with nvcc and link cudart statically,
                          so the module still imports on a machine with no driver.
     KVMOVE_CUDA_ARCHS    semicolon list of SM versions for nvcc (default "90"); SASS for each,
                          plus PTX for the last so newer GPUs can JIT it.
@@ -80,7 +80,7 @@ class BuildExt(build_ext):
     def _compile_cuda(self, ext) -> list[str]:
         nvcc = os.path.join(cuda_home(), "bin", "nvcc")
         objects = []
-        for source in sorted(glob.glob("csrc/cuda/*.cu")):
+        for source in sorted(glob.glob("csrc/**/*.cu", recursive=True)):
             obj = os.path.join(self.build_temp, source.replace("/", "_") + ".o")
             os.makedirs(os.path.dirname(obj), exist_ok=True)
             cmd = [nvcc, "-c", source, "-o", obj, "-std=c++17", "-O3", "-Xcompiler", "-fPIC",
@@ -93,7 +93,9 @@ class BuildExt(build_ext):
 
 def extension() -> Pybind11Extension:
     ucx = ucx_prefix()
-    sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("bindings/*.cpp"))
+    # csrc/ is organised by concern (common/, memory/, transport/, ...): every .cpp under it.
+    sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
+    sources += sorted(glob.glob("bindings/*.cpp"))
     include_dirs = ["csrc", os.path.join(ucx, "include")]
     library_dirs = [os.path.join(ucx, "lib")]
     libraries = ["ucp", "uct", "ucs"]

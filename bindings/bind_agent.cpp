@@ -1,6 +1,6 @@
 #include <pybind11/stl.h>
 
-#include "agent.h"
+#include "transport/agent.h"
 #include "bindings.h"
 #include "ids.h"
 

@@ -1,7 +1,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
-#include "block_file.h"
+#include "storage/block_file.h"
 
 namespace py = pybind11;
 

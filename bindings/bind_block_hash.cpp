@@ -2,7 +2,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
-#include "block_hash.h"
+#include "memory/block_hash.h"
 
 namespace py = pybind11;
 

@@ -1,7 +1,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
-#include "block_pool.h"
+#include "memory/block_pool.h"
 #include "ids.h"
 
 namespace py = pybind11;

@@ -1,7 +1,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
-#include "kv_cache.h"
+#include "memory/kv_cache.h"
 
 namespace py = pybind11;
 

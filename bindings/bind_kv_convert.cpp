@@ -1,7 +1,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
-#include "kv_convert.h"
+#include "convert/kv_convert.h"
 
 namespace py = pybind11;
 

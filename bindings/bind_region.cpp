@@ -1,5 +1,5 @@
 #include "bindings.h"
-#include "region.h"
+#include "memory/region.h"
 
 namespace py = pybind11;
 

@@ -1,9 +1,9 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
-#include "cuda_status.h"
-#include "errors.h"
-#include "ucx.h"
+#include "cuda/cuda_status.h"
+#include "common/errors.h"
+#include "transport/ucx.h"
 
 namespace py = pybind11;
 

@@ -1,7 +1,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
-#include "layer_stream.h"
+#include "stream/layer_stream.h"
 
 namespace py = pybind11;
 

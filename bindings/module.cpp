@@ -2,7 +2,7 @@
 #include <pybind11/pybind11.h>
 
 #include "bindings.h"
-#include "errors.h"
+#include "common/errors.h"
 
 namespace py = pybind11;
 

@@ -5,7 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "errors.h"
+#include "common/errors.h"
 
 #define KVMOVE_CUDA_CHECK(expr, stream_expr)                                                 \
     do {                                                                                     \

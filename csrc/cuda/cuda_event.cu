@@ -1,8 +1,8 @@
 // Polling CUDA events for the CUDA build (see csrc/cuda_event.h).
 #include <cuda_runtime_api.h>
 
-#include "cuda_event.h"
-#include "errors.h"
+#include "cuda/cuda_event.h"
+#include "common/errors.h"
 
 namespace kvmove {
 

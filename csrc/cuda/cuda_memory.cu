@@ -3,7 +3,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/device_guard.h"
-#include "cuda_memory.h"
+#include "cuda/cuda_memory.h"
 
 namespace kvmove {
 

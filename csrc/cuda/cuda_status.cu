@@ -4,7 +4,7 @@
 
 #include <string>
 
-#include "cuda_status.h"
+#include "cuda/cuda_status.h"
 
 namespace kvmove {
 

@@ -12,7 +12,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/device_guard.h"
-#include "kv_convert.h"
+#include "convert/kv_convert.h"
 
 namespace kvmove {
 

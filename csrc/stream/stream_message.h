@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "block_pool.h"
+#include "memory/block_pool.h"
 
 namespace kvmove {
 

@@ -22,12 +22,12 @@
 #include <utility>
 #include <vector>
 
-#include "kv_cache.h"
-#include "layer_stream.h"
-#include "stream_message.h"
-#include "metadata.h"
-#include "transfer.h"
-#include "ucx.h"
+#include "memory/kv_cache.h"
+#include "stream/layer_stream.h"
+#include "stream/stream_message.h"
+#include "transport/metadata.h"
+#include "transport/transfer.h"
+#include "transport/ucx.h"
 
 namespace kvmove {
 

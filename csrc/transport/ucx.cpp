@@ -1,4 +1,4 @@
-#include "ucx.h"
+#include "transport/ucx.h"
 
 #include <ucs/debug/log_def.h>
 

@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "block_pool.h"
-#include "errors.h"
+#include "memory/block_pool.h"
+#include "common/errors.h"
 
 namespace kvmove {
 

@@ -1,11 +1,11 @@
-#include "kv_convert.h"
+#include "convert/kv_convert.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <iterator>
 
-#include "errors.h"
+#include "common/errors.h"
 
 namespace kvmove {
 

@@ -1,10 +1,10 @@
-#include "kv_cache.h"
+#include "memory/kv_cache.h"
 
 #include <climits>
 #include <cstring>
 
-#include "cuda_memory.h"
-#include "errors.h"
+#include "cuda/cuda_memory.h"
+#include "common/errors.h"
 
 namespace kvmove {
 

@@ -1,4 +1,4 @@
-#include "block_file.h"
+#include "storage/block_file.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -9,8 +9,8 @@
 #include <cstring>
 #include <future>
 
-#include "block_hash.h"
-#include "errors.h"
+#include "memory/block_hash.h"
+#include "common/errors.h"
 
 namespace kvmove {
 

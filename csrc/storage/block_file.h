@@ -29,7 +29,7 @@
 #include <string>
 #include <vector>
 
-#include "kv_cache.h"
+#include "memory/kv_cache.h"
 
 namespace kvmove {
 

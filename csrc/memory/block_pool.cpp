@@ -1,9 +1,9 @@
-#include "block_pool.h"
+#include "memory/block_pool.h"
 
 #include <algorithm>
 #include <climits>
 
-#include "errors.h"
+#include "common/errors.h"
 
 namespace kvmove {
 

@@ -1,8 +1,8 @@
-#include "block_hash.h"
+#include "memory/block_hash.h"
 
 #include <cstring>
 
-#include "errors.h"
+#include "common/errors.h"
 
 namespace kvmove {
 

@@ -16,8 +16,8 @@
 #include <optional>
 #include <vector>
 
-#include "block_pool.h"
-#include "region.h"
+#include "memory/block_pool.h"
+#include "memory/region.h"
 
 namespace kvmove {
 

@@ -1,9 +1,9 @@
-#include "stream_message.h"
+#include "stream/stream_message.h"
 
 #include <cstring>
 
-#include "block_hash.h"
-#include "errors.h"
+#include "memory/block_hash.h"
+#include "common/errors.h"
 
 namespace kvmove {
 

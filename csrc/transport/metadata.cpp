@@ -1,10 +1,10 @@
-#include "metadata.h"
+#include "transport/metadata.h"
 
 #include <cstring>
 #include <sstream>
 
-#include "block_hash.h"
-#include "errors.h"
+#include "memory/block_hash.h"
+#include "common/errors.h"
 
 namespace kvmove {
 

@@ -1,11 +1,11 @@
 // The CPU-only build's answers; csrc/cuda/*.cu replace them under KVMOVE_CUDA=1.
 #ifndef KVMOVE_WITH_CUDA
 
-#include "cuda_event.h"
-#include "cuda_memory.h"
-#include "cuda_status.h"
-#include "errors.h"
-#include "kv_convert.h"
+#include "cuda/cuda_event.h"
+#include "cuda/cuda_memory.h"
+#include "cuda/cuda_status.h"
+#include "common/errors.h"
+#include "convert/kv_convert.h"
 
 namespace kvmove {
 

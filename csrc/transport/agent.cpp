@@ -1,5 +1,5 @@
-#include "agent.h"
-#include "agent_internal.h"
+#include "transport/agent.h"
+#include "transport/agent_internal.h"
 
 #include <poll.h>
 

@@ -26,7 +26,7 @@
 #include <utility>
 #include <vector>
 
-#include "free_runs.h"
+#include "memory/free_runs.h"
 
 namespace kvmove {
 

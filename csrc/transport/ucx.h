@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "errors.h"
+#include "common/errors.h"
 
 // KVMOVE_UCX_CHECK(ucp_call(...), "what failed " << value): throws UCXError with UCX's status
 // string unless the call returned UCS_OK.

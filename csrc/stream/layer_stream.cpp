@@ -1,12 +1,12 @@
-#include "layer_stream.h"
+#include "stream/layer_stream.h"
 
 #include <cmath>
 #include <limits>
 #include <sstream>
 
-#include "agent.h"
-#include "cuda_event.h"
-#include "stream_message.h"
+#include "transport/agent.h"
+#include "cuda/cuda_event.h"
+#include "stream/stream_message.h"
 
 namespace kvmove {
 

@@ -6,7 +6,7 @@
 #include <string>
 #include <utility>
 
-#include "agent.h"
+#include "transport/agent.h"
 
 namespace kvmove {
 

@@ -8,9 +8,9 @@
 #include <sstream>
 #include <thread>
 
-#include "agent.h"
-#include "agent_internal.h"
-#include "cuda_event.h"
+#include "transport/agent.h"
+#include "transport/agent_internal.h"
+#include "cuda/cuda_event.h"
 
 namespace kvmove {
 

@@ -1,4 +1,4 @@
-#include "transfer.h"
+#include "transport/transfer.h"
 
 #include <iomanip>
 #include <sstream>

@@ -1,4 +1,4 @@
-#include "free_runs.h"
+#include "memory/free_runs.h"
 
 namespace kvmove {
 

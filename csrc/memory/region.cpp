@@ -1,12 +1,12 @@
-#include "region.h"
+#include "memory/region.h"
 
 #include <sys/mman.h>
 
 #include <cerrno>
 #include <cstring>
 
-#include "cuda_memory.h"
-#include "errors.h"
+#include "cuda/cuda_memory.h"
+#include "common/errors.h"
 
 namespace kvmove {
 
