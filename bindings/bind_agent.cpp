@@ -61,15 +61,8 @@ void register_agent(py::module_& m) {
         .def_property_readonly("error", &Transfer::error)
         .def("wait", &Transfer::wait, py::arg("timeout"), release());
 
-    py::class_<KVShape>(m, "KVShape")
-        .def(py::init([](int64_t layers, int64_t heads, int64_t dim, int64_t block, std::string dt) {
-                 return KVShape{layers, heads, dim, block, std::move(dt)};
-             }),
-             py::arg("num_layers"), py::arg("num_kv_heads"), py::arg("head_dim"),
-             py::arg("block_size"), py::arg("dtype"));
-
     py::class_<Agent>(m, "Agent")
-        .def(py::init([](std::string name, KVCache& cache, const KVShape& shape,
+        .def(py::init([](std::string name, KVCache& cache, const BlockShape& shape,
                          std::string transports, bool peer_errors, double peer_timeout) {
                  return std::make_unique<Agent>(std::move(name), cache, shape,
                                                 AgentConfig{std::move(transports), peer_errors,

@@ -7,6 +7,7 @@ namespace kvmove::bindings {
 
 void register_block_pool(pybind11::module_& m);
 void register_block_hash(pybind11::module_& m);
+void register_block_shape(pybind11::module_& m);
 void register_region(pybind11::module_& m);
 void register_kv_cache(pybind11::module_& m);
 void register_block_file(pybind11::module_& m);

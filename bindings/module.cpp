@@ -10,6 +10,7 @@ PYBIND11_MODULE(_C, m) {
     m.doc() = "kvmove's compiled core. Private: import kvmove instead.";
     kvmove::bindings::register_block_pool(m);
     kvmove::bindings::register_block_hash(m);
+    kvmove::bindings::register_block_shape(m);
     kvmove::bindings::register_region(m);
     kvmove::bindings::register_kv_cache(m);
     kvmove::bindings::register_block_file(m);

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from kvmove import _C
 from kvmove.bootstrap import MetadataServer, exchange
 from kvmove.errors import ConfigError, PeerError
-from kvmove.kv_cache import KVCache
+from kvmove.kv_cache import KVCache, block_shape
 from kvmove.stream import LoadStream, SaveStream
 from kvmove.validation import require_positive_finite
 
@@ -66,11 +66,8 @@ class Agent(_C.Agent):
             raise ConfigError(f"cache must be a kvmove.KVCache, got {type(cache).__name__}")
         if transports is not None and not isinstance(transports, str):
             transports = ",".join(transports)
-        lay = cache.layout
-        shape = _C.KVShape(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size,
-                           lay.dtype)
-        super().__init__(name, cache, shape, transports or "", error_mode == "peer",
-                         float(peer_timeout))
+        super().__init__(name, cache, block_shape(cache.layout), transports or "",
+                         error_mode == "peer", float(peer_timeout))
         self.cache = cache
         self._server: MetadataServer | None = None
 

@@ -24,14 +24,10 @@ from typing import Any
 
 from kvmove import _C
 from kvmove.errors import ConfigError
-from kvmove.kv_cache import KVCache
+from kvmove.kv_cache import HEAD_ORDERS, KVCache, block_shape
 from kvmove.layout import buffer_span
 
 __all__ = ["HEAD_ORDERS", "convert", "pack", "pack_nbytes", "unpack"]
-
-HEAD_ORDERS = ("NHD", "HND")
-_DTYPES = {"float32": _C.DType.float32, "float16": _C.DType.float16,
-           "bfloat16": _C.DType.bfloat16, "float8": _C.DType.float8}
 
 
 def pack_nbytes(cache: KVCache, num_blocks: int, layers: Sequence[int] | None = None) -> int:
@@ -76,11 +72,6 @@ def convert(src: KVCache, src_ids: Sequence[int], dst: KVCache, dst_ids: Sequenc
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
         raise ConfigError(f"num_tokens must be an int, got {num_tokens!r}")
     addr, nbytes = (0, 0) if scales is None else buffer_span(scales, dst.region.device)
-    _C.convert_blocks(src, _shape(src, src_order), list(src_ids), dst, _shape(dst, dst_order),
-                      list(dst_ids), num_tokens, list(layers or []), addr, nbytes)
-
-
-def _shape(cache: KVCache, order: str) -> Any:
-    lay = cache.layout
-    return _C.BlockShape(lay.block_size, lay.num_kv_heads, lay.head_dim, _DTYPES[lay.dtype],
-                         order == "HND")
+    _C.convert_blocks(src, block_shape(src.layout, src_order), list(src_ids), dst,
+                      block_shape(dst.layout, dst_order), list(dst_ids), num_tokens,
+                      list(layers or []), addr, nbytes)

@@ -33,7 +33,7 @@ from kvmove.layout import KVLayout
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "block_shape"]
 
 # numpy has no bfloat16 or float8: those views carry the raw bits (torch() has the real type).
 _NUMPY_DTYPES: dict[str, Any] = {
@@ -48,6 +48,16 @@ _TORCH_DTYPES = {
     "bfloat16": "bfloat16",
     "float8": "float8_e4m3fn",
 }
+HEAD_ORDERS = ("NHD", "HND")
+
+
+def block_shape(layout: KVLayout, order: str = "NHD") -> _C.BlockShape:
+    """What one block of one layer of ``layout`` holds, as the core sees it (``order``: NHD
+    token-major, HND head-major)."""
+    if order not in HEAD_ORDERS:
+        raise ConfigError(f"order must be one of {HEAD_ORDERS}, got {order!r}")
+    return _C.BlockShape(layout.block_size, layout.num_kv_heads, layout.head_dim,
+                         getattr(_C.DType, layout.dtype), order == "HND")
 
 
 class KVCache(_C.KVCache):

@@ -11,59 +11,40 @@ namespace kvmove {
 
 namespace {
 
-CacheView view_of(const KVCache& cache, const BlockShape& shape) {
-    return {static_cast<char*>(const_cast<void*>(cache.region().data())), cache.num_blocks(),
-            cache.block_nbytes(), shape, cache.region().device()};
+// The planes of the given layers of cache, with its block shape.
+CacheView view_of(const KVCache& cache, const std::vector<int64_t>& layers,
+                  const BlockShape& shape) {
+    CacheView view{{}, shape, cache.region().device()};
+    for (int64_t layer : layers) {
+        view.planes.push_back(cache.geometry().plane(layer, 0));
+    }
+    return view;
 }
 
+// The given layers, checked; every layer when the list is empty.
 std::vector<int64_t> checked_layers(const KVCache& cache, const std::vector<int64_t>& layers) {
-    std::vector<int64_t> out = layers;
-    if (out.empty()) {
-        for (int64_t l = 0; l < cache.num_layers(); ++l) {
-            out.push_back(l);
-        }
-    }
-    for (int64_t l : out) {
-        KVMOVE_CHECK(l >= 0 && l < cache.num_layers(), Config,
-                     "layer " << l << " is out of range: layers are in [0, " << cache.num_layers()
-                              << ")");
-    }
-    return out;
-}
-
-void check_ids(const KVCache& cache, const std::vector<BlockId>& ids) {
-    for (BlockId id : ids) {
-        KVMOVE_CHECK(id >= 0 && id < cache.num_blocks(), Block,
-                     "block id " << id << " is out of range: ids are in [0, "
-                                 << cache.num_blocks() << ")");
-    }
+    return cache.geometry().layers_or_all(layers.empty() ? std::nullopt
+                                                         : std::optional(layers));
 }
 
 void check_shape(const KVCache& cache, const BlockShape& s, const char* side) {
-    KVMOVE_CHECK(s.block_size > 0 && s.num_heads > 0 && s.head_dim > 0, Config,
+    KVMOVE_CHECK(s.block_size > 0 && s.num_kv_heads > 0 && s.head_dim > 0, Config,
                  side << " shape must be positive, got block_size " << s.block_size << ", "
-                      << s.num_heads << " heads, head_dim " << s.head_dim);
-    const uint64_t nbytes = 2ULL * s.block_size * s.num_heads * s.head_dim * dtype_nbytes(s.dtype);
+                      << s.num_kv_heads << " heads, head_dim " << s.head_dim);
+    const uint64_t nbytes = s.nbytes();
     KVMOVE_CHECK(nbytes == cache.block_nbytes(), Config,
                  side << " shape gives " << nbytes << " B per block and layer, the cache has "
                       << cache.block_nbytes());
 }
 
-void pack_host(const CacheView& cache, const std::vector<int64_t>& ids,
+// The staging buffer is the descriptors of (ids, layers) back to back: the same layer, id order.
+void pack_host(const KVCache& cache, const std::vector<int64_t>& ids,
                const std::vector<int64_t>& layers, char* staging, bool unpack) {
     char* out = staging;
-    for (int64_t layer : layers) {
-        for (size_t i = 0; i < ids.size();) {
-            size_t n = 1;  // consecutive ids: one copy
-            while (i + n < ids.size() && ids[i + n] == ids[i] + static_cast<int64_t>(n)) {
-                ++n;
-            }
-            char* block = cache.base + (layer * cache.num_blocks + ids[i]) * cache.block_nbytes;
-            const uint64_t nbytes = n * cache.block_nbytes;
-            unpack ? std::memcpy(block, out, nbytes) : std::memcpy(out, block, nbytes);
-            out += nbytes;
-            i += n;
-        }
+    for (const Descriptor& d : cache.geometry().descriptors(ids, layers)) {
+        char* block = reinterpret_cast<char*>(d.addr);
+        unpack ? std::memcpy(block, out, d.nbytes) : std::memcpy(out, block, d.nbytes);
+        out += d.nbytes;
     }
 }
 
@@ -71,12 +52,11 @@ void pack_host(const CacheView& cache, const std::vector<int64_t>& ids,
 // then every element of its tokens.
 void convert_host_block(const ConvertPlan& p, size_t li, size_t bi, int kv) {
     const BlockShape &s = p.src.shape, &d = p.dst.shape;
-    const int64_t layer = p.layers[li];
     const int64_t first = static_cast<int64_t>(bi) * d.block_size;
     const int64_t count = std::min<int64_t>(d.block_size, p.num_tokens - first);
     auto src_block = [&](int64_t t) {
-        return p.src.base + (layer * p.src.num_blocks + p.src_ids[t / s.block_size]) *
-                                p.src.block_nbytes;
+        return reinterpret_cast<const char*>(
+            block_address(p.src.planes[li], p.src_ids[t / s.block_size]));
     };
     auto src_scale = [&](int64_t t) {
         return s.dtype == DType::Float8
@@ -92,7 +72,7 @@ void convert_host_block(const ConvertPlan& p, size_t li, size_t bi, int kv) {
     if (d.dtype == DType::Float8) {
         float amax = 0.0f;
         for (int64_t t = first; t < first + count; ++t) {
-            for (int h = 0; h < d.num_heads; ++h) {
+            for (int h = 0; h < d.num_kv_heads; ++h) {
                 for (int x = 0; x < d.head_dim; ++x) {
                     amax = std::max(amax, std::fabs(value(t, h, x)));
                 }
@@ -101,9 +81,9 @@ void convert_host_block(const ConvertPlan& p, size_t li, size_t bi, int kv) {
         scale = fp8_scale(amax);
         p.scales[(li * p.dst_ids.size() + bi) * 2 + kv] = scale;
     }
-    char* dst_block = p.dst.base + (layer * p.dst.num_blocks + p.dst_ids[bi]) * p.dst.block_nbytes;
+    char* dst_block = reinterpret_cast<char*>(block_address(p.dst.planes[li], p.dst_ids[bi]));
     for (int64_t t = first; t < first + count; ++t) {
-        for (int h = 0; h < d.num_heads; ++h) {
+        for (int h = 0; h < d.num_kv_heads; ++h) {
             for (int x = 0; x < d.head_dim; ++x) {
                 store_element(dst_block, d.dtype,
                               element_index(d, kv, static_cast<int>(t - first), h, x),
@@ -121,19 +101,18 @@ namespace {
 void move_packed(const KVCache& cache, const std::vector<BlockId>& ids,
                  const std::vector<int64_t>& layers, uint64_t staging_addr,
                  uint64_t staging_nbytes, bool unpack) {
-    check_ids(cache, ids);
+    cache.geometry().check_ids(ids, "");
     const std::vector<int64_t> wanted = checked_layers(cache, layers);
     const uint64_t need = wanted.size() * ids.size() * cache.block_nbytes();
     KVMOVE_CHECK(staging_nbytes >= need, Config,
                  "the staging buffer has " << staging_nbytes << " B, " << ids.size()
                                            << " blocks of " << wanted.size() << " layers need "
                                            << need);
-    CacheView view = view_of(cache, BlockShape{});
     auto* staging = reinterpret_cast<char*>(staging_addr);
     if (cache.region().on_device()) {
-        pack_blocks_cuda(view, ids, wanted, staging, unpack);
+        pack_blocks_cuda(view_of(cache, wanted, BlockShape{}), ids, staging, unpack);
     } else {
-        pack_host(view, ids, wanted, staging, unpack);
+        pack_host(cache, ids, wanted, staging, unpack);
     }
 }
 
@@ -157,11 +136,11 @@ void convert_blocks(const KVCache& src, const BlockShape& src_shape,
                     uint64_t scales_nbytes) {
     check_shape(src, src_shape, "source");
     check_shape(dst, dst_shape, "destination");
-    KVMOVE_CHECK(src_shape.num_heads == dst_shape.num_heads &&
+    KVMOVE_CHECK(src_shape.num_kv_heads == dst_shape.num_kv_heads &&
                      src_shape.head_dim == dst_shape.head_dim,
                  Config,
-                 "heads and head_dim must match: source " << src_shape.num_heads << " x "
-                     << src_shape.head_dim << ", destination " << dst_shape.num_heads << " x "
+                 "heads and head_dim must match: source " << src_shape.num_kv_heads << " x "
+                     << src_shape.head_dim << ", destination " << dst_shape.num_kv_heads << " x "
                      << dst_shape.head_dim);
     KVMOVE_CHECK(src.region().device() == dst.region().device(), Config,
                  "both caches must be in the same memory: source on device "
@@ -179,18 +158,18 @@ void convert_blocks(const KVCache& src, const BlockShape& src_shape,
                  num_tokens << " tokens take " << src_need << " source and " << dst_need
                             << " destination blocks, got " << src_ids.size() << " and "
                             << dst_ids.size());
-    check_ids(src, src_ids);
-    check_ids(dst, dst_ids);
-    ConvertPlan plan{view_of(src, src_shape), view_of(dst, dst_shape), src_ids, dst_ids,
-                     checked_layers(src, layers), num_tokens,
-                     reinterpret_cast<float*>(scales_addr)};
+    src.geometry().check_ids(src_ids, "");
+    dst.geometry().check_ids(dst_ids, "");
+    const std::vector<int64_t> wanted = checked_layers(src, layers);
+    ConvertPlan plan{view_of(src, wanted, src_shape), view_of(dst, wanted, dst_shape), src_ids,
+                     dst_ids, num_tokens, reinterpret_cast<float*>(scales_addr)};
     const bool fp8_src = src_shape.dtype == DType::Float8;
     const bool fp8_dst = dst_shape.dtype == DType::Float8;
     KVMOVE_CHECK(!(fp8_src && fp8_dst), Config,
                  "float8 to float8 takes one scale buffer per side: convert through float16");
     if (fp8_src || fp8_dst) {
-        const uint64_t need = plan.layers.size() * (fp8_dst ? dst_ids.size() : src_ids.size()) *
-                              2 * sizeof(float);
+        const uint64_t need = wanted.size() * (fp8_dst ? dst_ids.size() : src_ids.size()) * 2 *
+                              sizeof(float);
         KVMOVE_CHECK(scales_addr != 0 && scales_nbytes >= need, Config,
                      "a float8 side needs a float32 scales buffer of " << need << " B (layers x "
                          << "blocks x K/V), got " << scales_nbytes << " B");
@@ -209,7 +188,7 @@ void convert_blocks(const KVCache& src, const BlockShape& src_shape,
         convert_blocks_cuda(plan);
         return;
     }
-    for (size_t li = 0; li < plan.layers.size(); ++li) {
+    for (size_t li = 0; li < wanted.size(); ++li) {
         for (size_t bi = 0; bi < dst_ids.size(); ++bi) {
             for (int kv = 0; kv < 2; ++kv) {
                 convert_host_block(plan, li, bi, kv);

@@ -26,22 +26,22 @@
 
 namespace kvmove {
 
-// A cache as the kernels see it (base pointer and geometry) with its block shape.
+// A cache as the conversions see it: the plane of each layer a call touches (planes[li] holds
+// the li-th selected layer; a kvmove cache has one part per layer), its block shape, and the
+// memory it lives in. Addresses come from block_address() (common/kv_geometry.h) on both the
+// host and the device.
 struct CacheView {
-    char* base;
-    int64_t num_blocks;
-    uint64_t block_nbytes;
+    std::vector<Plane> planes;
     BlockShape shape;
     int device;  // -1: host memory
 };
 
-// Validated arguments of one conversion; ids and layers are host vectors.
+// Validated arguments of one conversion; ids are host vectors.
 struct ConvertPlan {
     CacheView src;
     CacheView dst;
     std::vector<int64_t> src_ids;
     std::vector<int64_t> dst_ids;
-    std::vector<int64_t> layers;
     int64_t num_tokens;
     float* scales;  // nullptr unless a side is float8
 };
@@ -57,9 +57,9 @@ void convert_blocks(const KVCache& src, const BlockShape& src_shape,
                     const std::vector<int64_t>& layers, uint64_t scales_addr,
                     uint64_t scales_nbytes);
 
-// The device halves (csrc/cuda/kv_kernels.cu; csrc/cuda_none.cpp in a CPU build).
-void pack_blocks_cuda(const CacheView& cache, const std::vector<int64_t>& ids,
-                      const std::vector<int64_t>& layers, char* staging, bool unpack);
+// The device halves (cuda/kv_kernels.cu; cuda/cuda_none.cpp in a CPU build).
+void pack_blocks_cuda(const CacheView& cache, const std::vector<int64_t>& ids, char* staging,
+                      bool unpack);
 void convert_blocks_cuda(const ConvertPlan& plan);
 
 }  // namespace kvmove

@@ -4,47 +4,26 @@
 // One header for both so the two paths compute bit-identical results: the CPU tests check the
 // math against torch here, the GPU tests check the kernels against the same torch reference.
 //
-// A block of one layer holds K then V of block_size tokens:
-//
-//   NHD (token-major, FlashInfer/vLLM's default):  [2, block_size, num_heads, head_dim]
-//   HND (head-major):                               [2, num_heads, block_size, head_dim]
+// The order of a block's elements: common/block_shape.h.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
-#ifdef __CUDACC__
-#define KVMOVE_HD __host__ __device__ inline
-#else
-#define KVMOVE_HD inline
-#endif
+#include "common/block_shape.h"
+#include "common/host_device.h"
 
 namespace kvmove {
-
-enum class DType : int32_t { Float32 = 0, Float16 = 1, BFloat16 = 2, Float8 = 3 };
 
 // Largest finite float8 e4m3fn value: quantization scales a block so its amax lands here.
 constexpr float kFloat8Max = 448.0f;
 
-// One cache's block geometry as the conversions see it.
-struct BlockShape {
-    int32_t block_size;
-    int32_t num_heads;
-    int32_t head_dim;
-    DType dtype;
-    bool head_major;  // HND instead of NHD
-};
-
-KVMOVE_HD int dtype_nbytes(DType t) {
-    return t == DType::Float32 ? 4 : (t == DType::Float8 ? 1 : 2);
-}
-
 // Element index of (kv, token, head, dim) inside one block.
 KVMOVE_HD int64_t element_index(const BlockShape& s, int kv, int token, int head, int dim) {
     return s.head_major
-               ? ((static_cast<int64_t>(kv) * s.num_heads + head) * s.block_size + token) *
+               ? ((static_cast<int64_t>(kv) * s.num_kv_heads + head) * s.block_size + token) *
                          s.head_dim + dim
-               : ((static_cast<int64_t>(kv) * s.block_size + token) * s.num_heads + head) *
+               : ((static_cast<int64_t>(kv) * s.block_size + token) * s.num_kv_heads + head) *
                          s.head_dim + dim;
 }
 

@@ -45,8 +45,7 @@ void cuda_copy(void*, const void*, uint64_t) { no_cuda("copy device memory"); }
 
 void cuda_synchronize(int) { no_cuda("synchronize a device"); }
 
-void pack_blocks_cuda(const CacheView&, const std::vector<int64_t>&, const std::vector<int64_t>&,
-                      char*, bool) {
+void pack_blocks_cuda(const CacheView&, const std::vector<int64_t>&, char*, bool) {
     no_cuda("pack device blocks");
 }
 

@@ -21,26 +21,30 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kMaxGrid = 65535;
 
-// A host vector copied to the device for one launch; freed when it goes out of scope.
+// A host vector (ids, planes) copied to the device for one launch; freed when it goes out of
+// scope.
+template <typename T>
 class DeviceArray {
 public:
-    explicit DeviceArray(const std::vector<int64_t>& values) {
-        KVMOVE_CUDA_CHECK(cudaMalloc(&data_, values.size() * sizeof(int64_t) + 1),
-                          "cannot allocate " << values.size() << " ids on the device");
-        cudaError_t err = cudaMemcpy(data_, values.data(), values.size() * sizeof(int64_t),
-                                     cudaMemcpyHostToDevice);
+    explicit DeviceArray(const std::vector<T>& values) {
+        void* raw = nullptr;
+        KVMOVE_CUDA_CHECK(cudaMalloc(&raw, values.size() * sizeof(T) + 1),
+                          "cannot allocate " << values.size() << " values on the device");
+        data_ = static_cast<T*>(raw);
+        cudaError_t err =
+            cudaMemcpy(data_, values.data(), values.size() * sizeof(T), cudaMemcpyHostToDevice);
         if (err != cudaSuccess) {
             cudaFree(data_);
-            KVMOVE_CUDA_CHECK(err, "cannot copy " << values.size() << " ids to the device");
+            KVMOVE_CUDA_CHECK(err, "cannot copy " << values.size() << " values to the device");
         }
     }
     ~DeviceArray() { cudaFree(data_); }
     DeviceArray(const DeviceArray&) = delete;
     DeviceArray& operator=(const DeviceArray&) = delete;
-    const int64_t* get() const { return data_; }
+    const T* get() const { return data_; }
 
 private:
-    int64_t* data_ = nullptr;
+    T* data_ = nullptr;
 };
 
 int grid_for(int64_t jobs) {
@@ -48,12 +52,13 @@ int grid_for(int64_t jobs) {
 }
 
 // One thread block per (layer, block) job: 16-byte vector copies when everything is aligned.
-__global__ void pack_kernel(char* base, int64_t num_blocks, uint64_t block_nbytes,
-                            const int64_t* ids, int64_t num_ids, const int64_t* layers,
-                            int64_t num_layers, char* staging, bool unpack, bool vector) {
+// planes[li] is the li-th selected layer's.
+__global__ void pack_kernel(const Plane* planes, int64_t num_layers, const int64_t* ids,
+                            int64_t num_ids, uint64_t block_nbytes, char* staging, bool unpack,
+                            bool vector) {
     for (int64_t job = blockIdx.x; job < num_ids * num_layers; job += gridDim.x) {
-        char* block = base + (layers[job / num_ids] * num_blocks + ids[job % num_ids]) *
-                                 block_nbytes;
+        char* block =
+            reinterpret_cast<char*>(block_address(planes[job / num_ids], ids[job % num_ids]));
         char* stage = staging + job * block_nbytes;
         char* from = unpack ? stage : block;
         char* to = unpack ? block : stage;
@@ -71,11 +76,12 @@ __global__ void pack_kernel(char* base, int64_t num_blocks, uint64_t block_nbyte
 }
 
 struct ConvertArgs {
-    CacheView src;
-    CacheView dst;
+    const Plane* src_planes;  // one per selected layer, on the device
+    const Plane* dst_planes;
+    BlockShape src_shape;
+    BlockShape dst_shape;
     const int64_t* src_ids;
     const int64_t* dst_ids;
-    const int64_t* layers;
     int64_t num_src_ids;
     int64_t num_dst_ids;
     int64_t num_layers;
@@ -85,10 +91,9 @@ struct ConvertArgs {
 
 __device__ float convert_value(const ConvertArgs& a, int64_t li, int kv, int64_t t, int h,
                                int x) {
-    const BlockShape& s = a.src.shape;
+    const BlockShape& s = a.src_shape;
     const int64_t sb = t / s.block_size;
-    const char* block = a.src.base + (a.layers[li] * a.src.num_blocks + a.src_ids[sb]) *
-                                         a.src.block_nbytes;
+    const char* block = reinterpret_cast<const char*>(block_address(a.src_planes[li], a.src_ids[sb]));
     const float scale = s.dtype == DType::Float8 ? a.scales[(li * a.num_src_ids + sb) * 2 + kv]
                                                  : 1.0f;
     return load_element(block, s.dtype,
@@ -100,7 +105,7 @@ __device__ float convert_value(const ConvertArgs& a, int64_t li, int kv, int64_t
 // destination is float8 (a shared-memory max reduction), then every element.
 __global__ void convert_kernel(ConvertArgs a) {
     __shared__ float partial[kThreads];
-    const BlockShape& d = a.dst.shape;
+    const BlockShape& d = a.dst_shape;
     const int64_t jobs = a.num_layers * a.num_dst_ids * 2;
     for (int64_t job = blockIdx.x; job < jobs; job += gridDim.x) {
         const int kv = static_cast<int>(job % 2);
@@ -109,7 +114,7 @@ __global__ void convert_kernel(ConvertArgs a) {
         const int64_t first = bi * d.block_size;
         const int64_t left = a.num_tokens - first;
         const int64_t count = left < d.block_size ? left : d.block_size;
-        const int64_t per_token = static_cast<int64_t>(d.num_heads) * d.head_dim;
+        const int64_t per_token = static_cast<int64_t>(d.num_kv_heads) * d.head_dim;
         const int64_t elements = count * per_token;
         float scale = 1.0f;
         if (d.dtype == DType::Float8) {
@@ -118,7 +123,7 @@ __global__ void convert_kernel(ConvertArgs a) {
                 const int64_t t = first + e / per_token;
                 amax = fmaxf(amax, fabsf(convert_value(a, li, kv, t,
                                                        static_cast<int>((e / d.head_dim) %
-                                                                        d.num_heads),
+                                                                        d.num_kv_heads),
                                                        static_cast<int>(e % d.head_dim))));
             }
             partial[threadIdx.x] = amax;
@@ -136,11 +141,10 @@ __global__ void convert_kernel(ConvertArgs a) {
             }
             __syncthreads();  // partial[0] is read by all before the next job overwrites it
         }
-        char* block = a.dst.base + (a.layers[li] * a.dst.num_blocks + a.dst_ids[bi]) *
-                                       a.dst.block_nbytes;
+        char* block = reinterpret_cast<char*>(block_address(a.dst_planes[li], a.dst_ids[bi]));
         for (int64_t e = threadIdx.x; e < elements; e += blockDim.x) {
             const int64_t t = first + e / per_token;
-            const int h = static_cast<int>((e / d.head_dim) % d.num_heads);
+            const int h = static_cast<int>((e / d.head_dim) % d.num_kv_heads);
             const int x = static_cast<int>(e % d.head_dim);
             store_element(block, d.dtype,
                           element_index(d, kv, static_cast<int>(t - first), h, x),
@@ -156,37 +160,41 @@ void finish_launch(const char* what) {
 
 }  // namespace
 
-void pack_blocks_cuda(const CacheView& cache, const std::vector<int64_t>& ids,
-                      const std::vector<int64_t>& layers, char* staging, bool unpack) {
-    if (ids.empty() || layers.empty()) {
+void pack_blocks_cuda(const CacheView& cache, const std::vector<int64_t>& ids, char* staging,
+                      bool unpack) {
+    if (ids.empty() || cache.planes.empty()) {
         return;
     }
     DeviceGuard guard(cache.device);
     KVMOVE_CUDA_CHECK(cudaDeviceSynchronize(), "CUDA device " << cache.device << " failed");
-    DeviceArray d_ids(ids), d_layers(layers);
-    const bool vector = cache.block_nbytes % 16 == 0 &&
-                        reinterpret_cast<uintptr_t>(cache.base) % 16 == 0 &&
-                        reinterpret_cast<uintptr_t>(staging) % 16 == 0;
-    const auto jobs = static_cast<int64_t>(ids.size() * layers.size());
-    pack_kernel<<<grid_for(jobs), kThreads>>>(cache.base, cache.num_blocks, cache.block_nbytes,
-                                              d_ids.get(), static_cast<int64_t>(ids.size()),
-                                              d_layers.get(), static_cast<int64_t>(layers.size()),
-                                              staging, unpack, vector);
+    DeviceArray<int64_t> d_ids(ids);
+    DeviceArray<Plane> d_planes(cache.planes);
+    const uint64_t block_nbytes = cache.planes[0].block_nbytes;
+    bool vector = block_nbytes % 16 == 0 && reinterpret_cast<uintptr_t>(staging) % 16 == 0;
+    for (const Plane& p : cache.planes) {
+        vector = vector && p.base % 16 == 0 && p.block_stride % 16 == 0;
+    }
+    const auto num_layers = static_cast<int64_t>(cache.planes.size());
+    const auto num_ids = static_cast<int64_t>(ids.size());
+    pack_kernel<<<grid_for(num_ids * num_layers), kThreads>>>(
+        d_planes.get(), num_layers, d_ids.get(), num_ids, block_nbytes, staging, unpack, vector);
     finish_launch(unpack ? "unpack_blocks" : "pack_blocks");
 }
 
 void convert_blocks_cuda(const ConvertPlan& plan) {
     DeviceGuard guard(plan.src.device);
     KVMOVE_CUDA_CHECK(cudaDeviceSynchronize(), "CUDA device " << plan.src.device << " failed");
-    DeviceArray src_ids(plan.src_ids), dst_ids(plan.dst_ids), layers(plan.layers);
-    ConvertArgs args{plan.src,
-                     plan.dst,
+    DeviceArray<int64_t> src_ids(plan.src_ids), dst_ids(plan.dst_ids);
+    DeviceArray<Plane> src_planes(plan.src.planes), dst_planes(plan.dst.planes);
+    ConvertArgs args{src_planes.get(),
+                     dst_planes.get(),
+                     plan.src.shape,
+                     plan.dst.shape,
                      src_ids.get(),
                      dst_ids.get(),
-                     layers.get(),
                      static_cast<int64_t>(plan.src_ids.size()),
                      static_cast<int64_t>(plan.dst_ids.size()),
-                     static_cast<int64_t>(plan.layers.size()),
+                     static_cast<int64_t>(plan.src.planes.size()),
                      plan.num_tokens,
                      plan.scales};
     convert_kernel<<<grid_for(args.num_layers * args.num_dst_ids * 2), kThreads>>>(args);

@@ -212,16 +212,4 @@ void BlockPool::lru_unlink(BlockId id) {
     --num_cached_;
 }
 
-std::vector<BlockRun> runs(const std::vector<BlockId>& ids) {
-    std::vector<BlockRun> out;
-    for (BlockId id : ids) {
-        if (!out.empty() && out.back().first + out.back().second == id) {
-            ++out.back().second;
-        } else {
-            out.emplace_back(id, 1);
-        }
-    }
-    return out;
-}
-
 }  // namespace kvmove

@@ -26,15 +26,10 @@
 #include <utility>
 #include <vector>
 
+#include "common/kv_geometry.h"
 #include "memory/free_runs.h"
 
 namespace kvmove {
-
-// Ids are 64-bit at the API so an out-of-range value is reported, not truncated.
-using BlockId = int64_t;
-using BlockHash = uint64_t;
-// (first id, number of blocks) of consecutive ids.
-using BlockRun = std::pair<BlockId, int64_t>;
 
 class BlockPool {
 public:
@@ -83,9 +78,5 @@ private:
     int64_t num_cached_ = 0;
     FreeRuns free_runs_;
 };
-
-// Consecutive ascending ids grouped into runs, in the order given:
-// [4, 5, 6, 9, 2, 3] -> [(4, 3), (9, 1), (2, 2)].
-std::vector<BlockRun> runs(const std::vector<BlockId>& ids);
 
 }  // namespace kvmove

@@ -6,26 +6,20 @@
 //           | block 0 | block 1 | ... | blk N-1 | block 0 | block 1 | ... | blk N-1 |
 //   slot:   | K: block_size x heads x dim | V: block_size x heads x dim |
 //
-//   offset(layer, block) = (layer * num_blocks + block) * block_nbytes
-//
 // so one layer of a run of consecutive blocks is one contiguous byte range: layer-wise
-// streaming sends a whole run of a layer as one operation.
+// streaming sends a whole run of a layer as one operation. geometry() says where each slot is
+// (KVGeometry::layer_major, common/kv_geometry.h); nothing else computes an address.
 #pragma once
 
 #include <cstdint>
 #include <optional>
 #include <vector>
 
+#include "common/kv_geometry.h"
 #include "memory/block_pool.h"
 #include "memory/region.h"
 
 namespace kvmove {
-
-// A contiguous byte range of host or device memory.
-struct Descriptor {
-    uint64_t addr;
-    uint64_t nbytes;
-};
 
 class KVCache {
 public:
@@ -37,10 +31,14 @@ public:
     BlockPool& pool() { return pool_; }
     Region& region() { return region_; }
     const Region& region() const { return region_; }
-    int64_t num_layers() const { return num_layers_; }
-    int64_t num_blocks() const { return pool_.num_blocks(); }
-    uint64_t block_nbytes() const { return block_nbytes_; }
-    uint64_t offset(int64_t layer, BlockId block) const;
+    const KVGeometry& geometry() const { return geometry_; }
+    int64_t num_layers() const { return geometry_.num_layers(); }
+    int64_t num_blocks() const { return geometry_.num_blocks(); }
+    uint64_t block_nbytes() const { return geometry_.block_nbytes(); }
+    // From the region's start to (layer, block).
+    uint64_t offset(int64_t layer, BlockId block) const {
+        return geometry_.address(layer, 0, block) - region_.addr();
+    }
 
     // Byte ranges holding the given blocks of the given layers (all layers when nullopt), in
     // layer order then block order, with ranges that touch merged into one.
@@ -50,10 +48,9 @@ public:
 private:
     static uint64_t checked_nbytes(int64_t num_layers, int64_t num_blocks, int64_t block_nbytes);
 
-    const int64_t num_layers_;
-    const uint64_t block_nbytes_;
     BlockPool pool_;
     Region region_;
+    const KVGeometry geometry_;  // over region_
 };
 
 // memcpy, or an asynchronous cudaMemcpy when device memory is involved (a host path never

@@ -171,7 +171,6 @@ std::vector<uint64_t> BlockFile::write(const KVCache& cache, const std::vector<B
                                        const std::vector<uint64_t>& hashes) {
     check_args(cache, ids, slots, hashes.size());
     std::lock_guard<std::mutex> lock(mu_);
-    const auto* base = static_cast<const char*>(cache.region().data());
     const uint64_t layer_nbytes = cache.block_nbytes();
     const bool device = cache.region().on_device();  // a device cache's blocks stage via host
     if (device) {
@@ -192,8 +191,9 @@ std::vector<uint64_t> BlockFile::write(const KVCache& cache, const std::vector<B
         char* out = buffer;
         for (size_t i = begin; i < end; ++i, out += slot_nbytes_) {
             for (int64_t layer = 0; layer < cache.num_layers(); ++layer) {
-                copy_bytes(out + layer * layer_nbytes, base + cache.offset(layer, ids[i]),
-                           layer_nbytes, device);
+                const auto* block =
+                    reinterpret_cast<const char*>(cache.geometry().address(layer, 0, ids[i]));
+                copy_bytes(out + layer * layer_nbytes, block, layer_nbytes, device);
             }
             std::memset(out + block_nbytes_, 0, slot_nbytes_ - block_nbytes_);
             if (!device) {  // while the block is still in the CPU's caches
@@ -226,7 +226,6 @@ std::vector<uint8_t> BlockFile::read(KVCache& cache, const std::vector<BlockId>&
                  "need one checksum per block id, got " << checksums.size() << " for "
                                                         << ids.size());
     std::lock_guard<std::mutex> lock(mu_);
-    auto* base = static_cast<char*>(cache.region().data());
     const uint64_t layer_nbytes = cache.block_nbytes();
     const bool device = cache.region().on_device();
     if (device) {
@@ -257,8 +256,8 @@ std::vector<uint8_t> BlockFile::read(KVCache& cache, const std::vector<BlockId>&
                 return ok;  // truncated, torn or overwritten: this block and the rest miss
             }
             for (int64_t layer = 0; layer < cache.num_layers(); ++layer) {
-                copy_bytes(base + cache.offset(layer, ids[i]), in + layer * layer_nbytes,
-                           layer_nbytes, device);
+                auto* block = reinterpret_cast<char*>(cache.geometry().address(layer, 0, ids[i]));
+                copy_bytes(block, in + layer * layer_nbytes, layer_nbytes, device);
             }
             ok[i] = 1;
         }

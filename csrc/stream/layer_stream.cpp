@@ -4,9 +4,9 @@
 #include <limits>
 #include <sstream>
 
-#include "transport/agent.h"
 #include "cuda/cuda_event.h"
 #include "stream/stream_message.h"
+#include "stream/stream_protocol.h"
 
 namespace kvmove {
 
@@ -62,11 +62,11 @@ bool StreamCompletion::complete(StreamState state, ErrorKind kind, std::string e
     return true;
 }
 
-SaveStream::SaveStream(Agent* agent, std::string peer, std::vector<BlockId> local_ids,
+SaveStream::SaveStream(StreamProtocol* protocol, std::string peer, std::vector<BlockId> local_ids,
                        std::vector<BlockId> remote_ids, std::string request_id, int64_t num_layers,
                        uint64_t serial)
     : StreamCompletion(num_layers),
-      agent_(agent),
+      protocol_(protocol),
       peer_(std::move(peer)),
       local_ids_(std::move(local_ids)),
       remote_ids_(std::move(remote_ids)),
@@ -83,15 +83,15 @@ std::string SaveStream::describe() const {
 void SaveStream::raise_failure_locked() const { throw Error(error_kind_, error_); }
 
 void SaveStream::save_layer(int64_t layer, uintptr_t cuda_event) {
-    KVMOVE_CHECK(!agent_->closed(), Config, "agent '" << agent_->name() << "' is closed");
+    protocol_->check_open();
     {
         std::lock_guard<std::mutex> lock(mu_);
         if (state_ == StreamState::Failed) {
             raise_failure_locked();
         }
-        KVMOVE_CHECK(closing_ == Closing::No, Config,
+        KVMOVE_CHECK(end_ == StreamEnd::None, Config,
                      "cannot save layer " << layer << " of " << describe() << " after "
-                                          << (closing_ == Closing::Abort ? "abort()" : "finish()"));
+                                          << (end_ == StreamEnd::Abort ? "abort()" : "finish()"));
         KVMOVE_CHECK(layer >= 0 && layer < num_layers_, Config,
                      "layer " << layer << " is out of range: layers are in [0, " << num_layers_
                               << ")");
@@ -106,23 +106,23 @@ void SaveStream::save_layer(int64_t layer, uintptr_t cuda_event) {
         ++num_saved_;
         ++unlanded_;
     }
-    agent_->queue_post(shared_from_this(), layer, cuda_event);
+    protocol_->queue_layer(shared_from_this(), layer, cuda_event);
 }
 
 void SaveStream::finish(const std::string& payload) {
-    KVMOVE_CHECK(!agent_->closed(), Config, "agent '" << agent_->name() << "' is closed");
-    KVMOVE_CHECK(payload.size() <= kMaxNotifyBytes, Config,
+    protocol_->check_open();
+    KVMOVE_CHECK(payload.size() <= kMaxPayloadBytes, Config,
                  "payload of " << payload.size() << " bytes exceeds the limit of "
-                               << kMaxNotifyBytes);
+                               << kMaxPayloadBytes);
     bool due = false;
     {
         std::lock_guard<std::mutex> lock(mu_);
         if (state_ == StreamState::Failed) {
             raise_failure_locked();
         }
-        KVMOVE_CHECK(closing_ == Closing::No, Config,
+        KVMOVE_CHECK(end_ == StreamEnd::None, Config,
                      describe() << " was already "
-                                << (closing_ == Closing::Abort ? "aborted" : "finished"));
+                                << (end_ == StreamEnd::Abort ? "aborted" : "finished"));
         if (num_saved_ < num_layers_) {
             std::ostringstream missing;
             int shown = 0;
@@ -136,12 +136,12 @@ void SaveStream::finish(const std::string& payload) {
                                                  << " layers were never saved (" << missing.str()
                                                  << (count > 8 ? ", ..." : "") << ")");
         }
-        closing_ = Closing::Finish;
+        end_ = StreamEnd::Finish;
         payload_ = payload;
         due = close_due_locked();
     }
     if (due) {
-        agent_->queue_post(shared_from_this(), kCloseLayer, 0);
+        protocol_->queue_end(shared_from_this());
     }
 }
 
@@ -152,12 +152,12 @@ void SaveStream::abort() {
         if (state_ != StreamState::Open || close_sent_) {
             return;  // nothing to stop: ended, or the Final is already on its way
         }
-        closing_ = Closing::Abort;
+        end_ = StreamEnd::Abort;
         due = close_due_locked();
     }
     if (due) {
         try {
-            agent_->queue_post(shared_from_this(), kCloseLayer, 0);
+            protocol_->queue_end(shared_from_this());
         } catch (const Error&) {
             // The agent is closing: it fails every open stream, and no byte moves any more.
         }
@@ -165,7 +165,7 @@ void SaveStream::abort() {
 }
 
 bool SaveStream::close_due_locked() {
-    if (closing_ == Closing::No || close_sent_ || unlanded_ > 0) {
+    if (end_ == StreamEnd::None || close_sent_ || unlanded_ > 0) {
         return false;
     }
     close_sent_ = true;
@@ -184,8 +184,8 @@ bool SaveStream::layer_done(int64_t layer, bool ok, ErrorKind kind, const std::s
             failed = set_state_locked(StreamState::Failed, kind,
                                       "stream of " + describe() + " failed at layer " +
                                           std::to_string(layer) + ": " + error);
-            if (closing_ == Closing::No) {
-                closing_ = Closing::Abort;  // tell the receiver, if it is still there
+            if (end_ == StreamEnd::None) {
+                end_ = StreamEnd::Abort;  // tell the receiver, if it is still there
             }
         }
         due = close_due_locked();
@@ -196,9 +196,9 @@ bool SaveStream::layer_done(int64_t layer, bool ok, ErrorKind kind, const std::s
     return due;
 }
 
-SaveStream::Closing SaveStream::closing() const {
+StreamEnd SaveStream::end() const {
     std::lock_guard<std::mutex> lock(mu_);
-    return closing_;
+    return end_;
 }
 
 std::string SaveStream::payload() const {
@@ -233,10 +233,10 @@ void SaveStream::record_posted(int64_t layer) {
 }
 
 
-LoadStream::LoadStream(Agent* agent, std::string peer, std::string request_id,
+LoadStream::LoadStream(StreamProtocol* protocol, std::string peer, std::string request_id,
                        std::vector<BlockId> local_ids, int64_t num_layers)
     : StreamCompletion(num_layers),
-      agent_(agent),
+      protocol_(protocol),
       peer_(std::move(peer)),
       request_id_(std::move(request_id)),
       local_ids_(std::move(local_ids)),
@@ -244,9 +244,22 @@ LoadStream::LoadStream(Agent* agent, std::string peer, std::string request_id,
       ids_hash_(hash_ids(local_ids_)),
       ready_(static_cast<size_t>(num_layers), false) {}
 
-void LoadStream::start_load() { agent_->start_load(*this); }
+void LoadStream::start_load() { protocol_->start_load(*this); }
 
-void LoadStream::cancel() { agent_->cancel_load(*this); }
+void LoadStream::cancel() { protocol_->cancel_load(*this); }
+
+void LoadStream::check_startable() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    KVMOVE_CHECK(!started_ && state_ == StreamState::Open, Config,
+                 "start_load() of request '" << request_id_ << "' with '" << peer_ << "'"
+                                             << (started_ ? " was already called"
+                                                          : " after cancel()"));
+}
+
+void LoadStream::mark_started() {
+    std::lock_guard<std::mutex> lock(mu_);
+    started_ = true;
+}
 
 bool LoadStream::apply(int32_t layer, bool final, const std::string& payload) {
     {

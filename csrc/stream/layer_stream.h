@@ -11,9 +11,10 @@
 // there; wait_all() once the Final did. An Abort, the sender's death or the agent closing
 // wakes every waiter with an exception.
 //
-// The protocol runs in the Agent (csrc/agent_stream.cpp) under its worker mutex; the classes
-// here hold each stream's state and the condition waiters block on. Messages:
-// csrc/stream_message.h.
+// The protocol runs in StreamProtocol (stream_protocol.h) under its port's lock; the classes
+// here hold each stream's user-facing state and the condition its waiters block on, behind
+// their own mutex, which only they touch. The protocol calls the methods marked "protocol".
+// Messages: stream_message.h.
 #pragma once
 
 #include <chrono>
@@ -24,16 +25,17 @@
 #include <string>
 #include <vector>
 
-#include "memory/block_pool.h"
 #include "common/errors.h"
+#include "common/kv_geometry.h"
 
 namespace kvmove {
 
-class Agent;
-
-constexpr int64_t kCloseLayer = -1;  // in the post queue: send the stream's Final or Abort
+class StreamProtocol;
 
 enum class StreamState { Open, Done, Aborted, Failed };
+
+// How a sender's stream is to end, once its saved layers have landed.
+enum class StreamEnd { None, Finish, Abort };
 
 // When a layer was posted (sender) and when it landed (both sides), in seconds on the steady
 // clock (CLOCK_MONOTONIC, the clock of Python's time.monotonic()); NaN until it happens.
@@ -67,7 +69,7 @@ protected:
 
 class SaveStream : public StreamCompletion, public std::enable_shared_from_this<SaveStream> {
 public:
-    SaveStream(Agent* agent, std::string peer, std::vector<BlockId> local_ids,
+    SaveStream(StreamProtocol* protocol, std::string peer, std::vector<BlockId> local_ids,
                std::vector<BlockId> remote_ids, std::string request_id, int64_t num_layers,
                uint64_t serial);
 
@@ -75,6 +77,10 @@ public:
     const std::string& request_id() const { return request_id_; }
     int64_t num_layers() const { return num_layers_; }
     int64_t num_blocks() const { return static_cast<int64_t>(local_ids_.size()); }
+    const std::vector<BlockId>& local_ids() const { return local_ids_; }
+    const std::vector<BlockId>& remote_ids() const { return remote_ids_; }
+    uint64_t ids_hash() const { return ids_hash_; }
+    uint64_t serial() const { return serial_; }
 
     // cuda_event: 0 for none, else a cudaEvent_t the core waits for before posting (CUDA
     // builds only).
@@ -84,19 +90,20 @@ public:
     // Returns DONE or ABORTED; throws the failure once FAILED, TimeoutError at the deadline.
     StreamState wait(double timeout_seconds) const;
 
-private:
-    friend class Agent;
-    enum class Closing { No, Finish, Abort };
+    // Protocol: layer was posted now.
     void record_posted(int64_t layer);
-    // A saved layer landed (ok) or failed; true when the Final/Abort is now due.
+    // Protocol: a saved layer landed (ok) or failed; true when the Final/Abort is now due.
     bool layer_done(int64_t layer, bool ok, ErrorKind kind, const std::string& error);
+    // Protocol: how the stream is to end, and the Final's payload.
+    StreamEnd end() const;
+    std::string payload() const;
+
+private:
     bool close_due_locked();  // mu_ held; true once, when closing and nothing is in flight
     std::string describe() const;
-    Closing closing() const;
-    std::string payload() const;
     [[noreturn]] void raise_failure_locked() const;
 
-    Agent* const agent_;
+    StreamProtocol* const protocol_;
     const std::string peer_;
     const std::vector<BlockId> local_ids_;
     const std::vector<BlockId> remote_ids_;
@@ -109,20 +116,21 @@ private:
     std::vector<char> saved_;
     int64_t num_saved_ = 0;
     int64_t unlanded_ = 0;  // saved, neither landed nor failed yet
-    Closing closing_ = Closing::No;
+    StreamEnd end_ = StreamEnd::None;
     bool close_sent_ = false;
     std::string payload_;
 };
 
 class LoadStream : public StreamCompletion, public std::enable_shared_from_this<LoadStream> {
 public:
-    LoadStream(Agent* agent, std::string peer, std::string request_id,
+    LoadStream(StreamProtocol* protocol, std::string peer, std::string request_id,
                std::vector<BlockId> local_ids, int64_t num_layers);
 
     const std::string& peer() const { return peer_; }
     const std::string& request_id() const { return request_id_; }
     const std::vector<BlockId>& local_ids() const { return local_ids_; }
     int64_t num_layers() const { return num_layers_; }
+    uint64_t ids_hash() const { return ids_hash_; }
 
     void start_load();
     // Stops expecting the request. The sender is not told: its puts may still land in the
@@ -133,21 +141,22 @@ public:
     std::vector<bool> layers_ready() const;
     std::string payload() const;
 
-private:
-    friend class Agent;
-    // Applies one message; returns true when it made the stream terminal.
+    // Protocol: throws ConfigError unless start_load() may run (not yet started, not
+    // cancelled); mark_started() then records that it did.
+    void check_startable() const;
+    void mark_started();
+    // Protocol: applies one message; returns true when it made the stream terminal.
     bool apply(int32_t layer, bool final, const std::string& payload);
+
+private:
     void raise_if_ended() const;  // with mu_ held
 
-    Agent* const agent_;
+    StreamProtocol* const protocol_;
     const std::string peer_;
     const std::string request_id_;
     const std::vector<BlockId> local_ids_;
     const int64_t num_layers_;
     const uint64_t ids_hash_;
-    // Guarded by the agent's worker mutex: the sender stream this load takes messages from.
-    bool bound_ = false;
-    uint64_t serial_ = 0;
 
     // Guarded by mu_.
     bool started_ = false;

@@ -36,6 +36,7 @@ struct StreamMessage {
 
 constexpr uint8_t kStreamMessageVersion = 1;
 constexpr size_t kMaxRequestIdBytes = 256;
+constexpr size_t kMaxPayloadBytes = 64 * 1024;  // a Final's payload (e.g. the first token)
 
 std::string encode(const StreamMessage& message);
 // Throws MetadataError naming what is wrong: a message from a peer is untrusted input.

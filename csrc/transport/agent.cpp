@@ -1,16 +1,28 @@
 #include "transport/agent.h"
-#include "transport/agent_internal.h"
 
 #include <poll.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <random>
+
+#include "transport/agent_internal.h"
 
 namespace kvmove {
 
 namespace {
+
+// How a UCX status ends a transfer: a peer that went away is a PeerError, anything else a
+// TransferError.
+PortOutcome outcome_of(ucs_status_t status) {
+    if (status == UCS_OK) {
+        return {};
+    }
+    bool peer_gone = status == UCS_ERR_ENDPOINT_TIMEOUT || status == UCS_ERR_CONNECTION_RESET ||
+                     status == UCS_ERR_UNREACHABLE || status == UCS_ERR_CANCELED;
+    return {false, peer_gone ? ErrorKind::Peer : ErrorKind::Transfer,
+            "UCX reported " + status_text(status)};
+}
 
 constexpr int kIdleSpins = 2000;          // progress calls with nothing done before sleeping
 constexpr int kSleepMs = 100;             // longest sleep; stop_ is checked at least this often
@@ -22,10 +34,12 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 }  // namespace
 
-Agent::Agent(std::string name, KVCache& cache, KVShape shape, AgentConfig config)
-    : name_(std::move(name)), cache_(cache), shape_(std::move(shape)), config_(std::move(config)) {
-    std::random_device entropy;  // stream serials start at random: a restarted sender differs
-    next_serial_ = (uint64_t{entropy()} << 32) ^ entropy();
+Agent::Agent(std::string name, KVCache& cache, BlockShape shape, AgentConfig config)
+    : name_(std::move(name)),
+      cache_(cache),
+      shape_(std::move(shape)),
+      config_(std::move(config)),
+      streams_(*this, cache.geometry()) {
     KVMOVE_CHECK(!name_.empty() && name_.size() <= kMaxAgentNameBytes, Config,
                  "agent name must be 1.." << kMaxAgentNameBytes << " bytes, got " << name_.size());
     size_t bad = first_unprintable(name_);
@@ -33,8 +47,9 @@ Agent::Agent(std::string name, KVCache& cache, KVShape shape, AgentConfig config
                  "agent name must be printable ASCII (peers reject anything else), '"
                      << name_ << "' has byte "
                      << int(static_cast<unsigned char>(name_[bad == std::string::npos ? 0 : bad])));
-    KVMOVE_CHECK(shape_.num_layers == cache.num_layers(), Config,
-                 "shape has " << shape_.num_layers << " layers, the cache " << cache.num_layers());
+    KVMOVE_CHECK(shape_.nbytes() == cache.block_nbytes(), Config,
+                 "a block of this shape is " << shape_.nbytes() << " B per layer, the cache's "
+                                             << cache.block_nbytes());
     KVMOVE_CHECK(std::isfinite(config_.peer_timeout_seconds) && config_.peer_timeout_seconds > 0,
                  Config,
                  "peer_timeout must be positive and finite, got " << config_.peer_timeout_seconds);
@@ -57,8 +72,8 @@ Agent::Agent(std::string name, KVCache& cache, KVShape shape, AgentConfig config
     KVMOVE_UCX_CHECK(ucp_worker_set_am_recv_handler(worker_.get(), &am),
                      "cannot install the layer stream handler");
     AgentMetadata meta{name_, worker_address(worker_.get()), cache.region().addr(),
-                       cache.region().nbytes(), registration_->packed_rkey(), cache.num_blocks(),
-                       cache.block_nbytes(), shape_};
+                       cache.region().nbytes(), registration_->packed_rkey(), cache.num_layers(),
+                       cache.num_blocks(), cache.block_nbytes(), shape_};
     metadata_ = encode(meta);
     progress_thread_ = std::thread([this] { progress_loop(); });
 }
@@ -69,14 +84,7 @@ void Agent::close() {
     if (closed_.exchange(true)) {
         return;
     }
-    {
-        std::lock_guard<std::mutex> lock(post_mu_);
-        post_stop_ = true;
-    }
-    post_cv_.notify_all();
-    if (post_thread_.joinable()) {
-        post_thread_.join();
-    }
+    streams_.stop_posting();
     stop_ = true;
     ucp_worker_signal(worker_.get());
     progress_thread_.join();
@@ -94,7 +102,7 @@ void Agent::close() {
     for (auto& [t, entry] : in_flight_) {
         t->fail(ErrorKind::Transfer, "agent '" + name_ + "' closed");
     }
-    end_all_streams("agent '" + name_ + "' closed");
+    streams_.close("agent '" + name_ + "' closed");
     for (auto& [name, peer] : peers_) {
         double left = std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count();
         peer->rkey.reset();
@@ -119,9 +127,7 @@ std::string Agent::add_peer(const std::vector<uint8_t>& metadata) {
     check_open();
     KVMOVE_CHECK(peers_.count(meta.name) == 0, Peer,
                  "peer '" << meta.name << "' is already added to agent '" << name_ << "'");
-    auto peer = std::make_unique<Peer>();
-    peer->agent = this;
-    peer->geometry = {meta.region_addr, meta.shape.num_layers, meta.num_blocks, meta.block_nbytes};
+    auto peer = std::make_unique<Peer>(this, meta);
     try {
         peer->endpoint = std::make_unique<Endpoint>(worker_.get(), meta.worker_address,
                                                     config_.peer_errors, &Agent::on_peer_error,
@@ -134,7 +140,6 @@ std::string Agent::add_peer(const std::vector<uint8_t>& metadata) {
     } catch (const Error& e) {
         KVMOVE_FAIL(Metadata, "bad agent metadata from '" << meta.name << "': " << e.what());
     }
-    peer->meta = std::move(meta);
     std::string peer_name = peer->meta.name;
     peers_.emplace(peer_name, std::move(peer));
     return peer_name;
@@ -147,7 +152,7 @@ void Agent::remove_peer(const std::string& name) {
     KVMOVE_CHECK(it != peers_.end(), Peer, "unknown peer '" << name << "' for agent '" << name_ << "'");
     Peer& peer = *it->second;
     fail_peer_transfers(&peer, "the peer was removed");
-    end_peer_streams(name, ErrorKind::Peer, "peer '" + name + "' was removed");
+    streams_.peer_failed(name, ErrorKind::Peer, "peer '" + name + "' was removed");
     peer.rkey.reset();
     peer.endpoint->close(!peer.failure.empty(), kCloseSeconds);
     detach_transfers(&peer);
@@ -185,7 +190,7 @@ std::shared_ptr<Transfer> Agent::start(Direction direction, const std::string& p
                                        const std::optional<std::vector<int64_t>>& layers,
                                        const std::optional<std::string>& notify) {
     std::vector<int64_t> all_layers;
-    for (int64_t l = 0; !layers && l < shape_.num_layers; ++l) {
+    for (int64_t l = 0; !layers && l < cache_.num_layers(); ++l) {
         all_layers.push_back(l);
     }
     const std::vector<int64_t>& wanted = layers ? *layers : all_layers;
@@ -194,11 +199,11 @@ std::shared_ptr<Transfer> Agent::start(Direction direction, const std::string& p
     Peer& peer = live_peer(peer_name);
     validate(peer, direction, local_ids, remote_ids, wanted, notify);
     auto t0 = std::chrono::steady_clock::now();
-    std::vector<RmaOp> ops =
-        plan_ops(local_ids, remote_ids, wanted, local_geometry(), peer.geometry);
+    std::vector<RangePair> ranges =
+        pair_ranges(cache_.geometry(), local_ids, peer.geometry, remote_ids, wanted);
     auto transfer = std::make_shared<Transfer>(
-        peer_name, local_ids.size() * wanted.size() * cache_.block_nbytes(), ops.size());
-    post_ops(direction, peer, ops, *transfer);
+        peer_name, local_ids.size() * wanted.size() * cache_.block_nbytes(), ranges.size());
+    post_ranges(direction, peer, ranges, *transfer);
     if (transfer->state() == TransferState::Pending) {
         post_flush(track(std::make_unique<InFlight>(this, transfer, &peer, notify)));
     }
@@ -207,12 +212,7 @@ std::shared_ptr<Transfer> Agent::start(Direction direction, const std::string& p
     return transfer;
 }
 
-CacheGeometry Agent::local_geometry() const {
-    return {cache_.region().addr(), cache_.num_layers(), cache_.num_blocks(),
-            cache_.block_nbytes()};
-}
-
-Agent::Peer& Agent::live_peer(const std::string& name) {
+Agent::Peer& Agent::live_peer(const std::string& name) const {
     auto it = peers_.find(name);
     KVMOVE_CHECK(it != peers_.end(), Peer, "unknown peer '" << name << "' for agent '" << name_ << "'");
     KVMOVE_CHECK(it->second->failure.empty(), Peer,
@@ -224,7 +224,8 @@ void Agent::validate(const Peer& peer, Direction direction, const std::vector<Bl
                      const std::vector<BlockId>& remote_ids, const std::vector<int64_t>& layers,
                      const std::optional<std::string>& notify) const {
     const std::string& name = peer.meta.name;
-    std::string difference = shape_difference(shape_, peer.meta.shape, name);
+    std::string difference = shape_difference(cache_.num_layers(), shape_, peer.meta.num_layers,
+                                              peer.meta.shape, name);
     KVMOVE_CHECK(difference.empty(), Config, "KV layouts differ: " << difference);
     KVMOVE_CHECK(local_ids.size() == remote_ids.size(), Config,
                  "cannot pair " << local_ids.size() << " local blocks with " << remote_ids.size()
@@ -247,26 +248,27 @@ void Agent::validate(const Peer& peer, Direction direction, const std::vector<Bl
                  "destination block " << (dup == targets.end() ? 0 : *dup)
                                       << " appears twice: each may be written once per transfer");
     for (int64_t layer : layers) {
-        KVMOVE_CHECK(layer >= 0 && layer < shape_.num_layers, Config,
+        KVMOVE_CHECK(layer >= 0 && layer < cache_.num_layers(), Config,
                      "layer " << layer << " is out of range: layers are in [0, "
-                              << shape_.num_layers << ")");
+                              << cache_.num_layers() << ")");
     }
     KVMOVE_CHECK(!notify || notify->size() <= kMaxNotifyBytes, Config,
                  "notification of " << notify->size() << " bytes exceeds the limit of "
                                     << kMaxNotifyBytes);
 }
 
-void Agent::post_ops(Direction direction, Peer& peer, const std::vector<RmaOp>& ops,
-                     Transfer& transfer) {
+// One put or get per range (here: local, there: remote).
+void Agent::post_ranges(Direction direction, Peer& peer, const std::vector<RangePair>& ranges,
+                        Transfer& transfer) {
     ucp_request_param_t param{};  // no callback: the flush that follows reports completion
-    for (const RmaOp& op : ops) {
-        void* local = reinterpret_cast<void*>(op.local_addr);
+    for (const RangePair& op : ranges) {
+        void* local = reinterpret_cast<void*>(op.here);
         ucs_status_ptr_t request =
             direction == Direction::Put
-                ? ucp_put_nbx(peer.endpoint->get(), local, op.nbytes, op.remote_addr,
-                              peer.rkey.get(), &param)
-                : ucp_get_nbx(peer.endpoint->get(), local, op.nbytes, op.remote_addr,
-                              peer.rkey.get(), &param);
+                ? ucp_put_nbx(peer.endpoint->get(), local, op.nbytes, op.there, peer.rkey.get(),
+                              &param)
+                : ucp_get_nbx(peer.endpoint->get(), local, op.nbytes, op.there, peer.rkey.get(),
+                              &param);
         if (UCS_PTR_IS_ERR(request)) {
             transfer.fail(ErrorKind::Transfer, "posting " + std::to_string(op.nbytes) +
                                                    " bytes: " +
@@ -324,17 +326,13 @@ void Agent::detach_transfers(const Peer* peer) {
 
 // Sends what UCX callbacks deferred: posting from inside a callback is not allowed.
 void Agent::drain_deferred() {
-    while (!flushed_.empty() || !closing_.empty()) {
+    while (!flushed_.empty() || streams_.has_deferred()) {
         std::vector<InFlight*> ready;
         ready.swap(flushed_);
         for (InFlight* entry : ready) {
             send_notification(entry);
         }
-        std::vector<std::shared_ptr<SaveStream>> closing;
-        closing.swap(closing_);
-        for (const auto& stream : closing) {
-            post_close(stream);
-        }
+        streams_.drain();
     }
 }
 
@@ -366,16 +364,14 @@ void Agent::on_notify_sent(void* request, ucs_status_t status, void* user_data) 
 }
 
 void Agent::finish(InFlight* entry, ucs_status_t status) {
-    if (entry->stream) {
-        stream_transfer_done(entry, status);
+    PortOutcome outcome = outcome_of(status);
+    if (entry->on_done) {
+        entry->on_done(outcome);
     }
-    if (status == UCS_OK) {
+    if (outcome.ok) {
         entry->transfer->finish();
     } else {
-        bool peer_gone = status == UCS_ERR_ENDPOINT_TIMEOUT || status == UCS_ERR_CONNECTION_RESET ||
-                         status == UCS_ERR_UNREACHABLE || status == UCS_ERR_CANCELED;
-        entry->transfer->fail(peer_gone ? ErrorKind::Peer : ErrorKind::Transfer,
-                              "UCX reported " + status_text(status));
+        entry->transfer->fail(outcome.kind, outcome.error);
     }
     in_flight_.erase(entry->transfer.get());
 }
@@ -384,8 +380,8 @@ void Agent::on_peer_error(void* arg, ucp_ep_h, ucs_status_t status) {
     auto peer = static_cast<Peer*>(arg);
     peer->failure = "UCX reported " + status_text(status);
     peer->agent->fail_peer_transfers(peer, "the peer failed: " + peer->failure);
-    peer->agent->end_peer_streams(peer->meta.name, ErrorKind::Peer,
-                                  "peer '" + peer->meta.name + "' failed: " + peer->failure);
+    peer->agent->streams_.peer_failed(peer->meta.name, ErrorKind::Peer,
+                                      "peer '" + peer->meta.name + "' failed: " + peer->failure);
 }
 
 void Agent::fail_peer_transfers(const Peer* peer, const std::string& reason) {
@@ -426,6 +422,120 @@ std::pair<std::string, std::string> Agent::wait_notification(double timeout_seco
     auto out = std::move(received_.front());
     received_.pop_front();
     return out;
+}
+
+std::shared_ptr<SaveStream> Agent::stream_to(const std::string& peer,
+                                             const std::vector<BlockId>& local_ids,
+                                             const std::vector<BlockId>& remote_ids,
+                                             const std::string& request_id) {
+    return streams_.stream_to(peer, local_ids, remote_ids, request_id);
+}
+
+std::shared_ptr<LoadStream> Agent::expect(const std::string& peer, const std::string& request_id,
+                                          const std::vector<BlockId>& local_ids) {
+    return streams_.expect(peer, request_id, local_ids);
+}
+
+// ---- StreamPort: the transport under layer streams -----------------------------------
+
+void Agent::run_locked(const std::function<void()>& fn) {
+    WorkerLock lock(*this);
+    fn();
+    if (!closed_) {
+        drain_deferred();
+        ucp_worker_signal(worker_.get());  // wake the progress thread if it sleeps
+    }
+}
+
+void Agent::check_put(const std::string& peer, const std::vector<BlockId>& local_ids,
+                      const std::vector<BlockId>& remote_ids) const {
+    validate(live_peer(peer), Direction::Put, local_ids, remote_ids,
+             cache_.geometry().layers_or_all(std::nullopt), std::nullopt);
+}
+
+void Agent::check_sender(const std::string& peer) const {
+    const AgentMetadata& meta = live_peer(peer).meta;
+    std::string difference =
+        shape_difference(cache_.num_layers(), shape_, meta.num_layers, meta.shape, peer);
+    KVMOVE_CHECK(difference.empty(), Config, "KV layouts differ: " << difference);
+}
+
+bool Agent::peer_alive(const std::string& peer) const {
+    auto it = peers_.find(peer);
+    return it != peers_.end() && it->second->failure.empty();
+}
+
+void Agent::put_then_send(const std::string& peer_name, const std::vector<BlockId>& local_ids,
+                          const std::vector<BlockId>& remote_ids, int64_t layer,
+                          std::string message, PortDone done) {
+    if (!peer_alive(peer_name)) {
+        done({false, ErrorKind::Peer, "peer '" + peer_name + "' is gone"});
+        return;
+    }
+    Peer& peer = *peers_.at(peer_name);
+    std::vector<RangePair> ranges =
+        pair_ranges(cache_.geometry(), local_ids, peer.geometry, remote_ids, {layer});
+    auto transfer = std::make_shared<Transfer>(
+        peer_name, local_ids.size() * cache_.block_nbytes(), ranges.size());
+    post_ranges(Direction::Put, peer, ranges, *transfer);
+    if (transfer->state() != TransferState::Pending) {
+        done({false, ErrorKind::Transfer, transfer->error()});
+        return;
+    }
+    auto entry = std::make_unique<InFlight>(this, transfer, &peer, std::move(message));
+    entry->am_id = kStreamAmId;
+    entry->on_done = std::move(done);
+    post_flush(track(std::move(entry)));
+}
+
+void Agent::send(const std::string& peer_name, std::string message, bool want_reply,
+                 PortDone done) {
+    if (!peer_alive(peer_name)) {
+        done({false, ErrorKind::Peer, "peer '" + peer_name + "' is gone"});
+        return;
+    }
+    auto transfer = std::make_shared<Transfer>(peer_name, 0, 0);
+    auto entry =
+        std::make_unique<InFlight>(this, transfer, peers_.at(peer_name).get(), std::move(message));
+    entry->am_id = kStreamAmId;
+    entry->want_reply = want_reply;
+    entry->on_done = std::move(done);
+    send_notification(track(std::move(entry)));
+}
+
+namespace {
+
+void free_reply(void* request, ucs_status_t, void* user_data) {
+    delete static_cast<std::string*>(user_data);
+    ucp_request_free(request);
+}
+
+}  // namespace
+
+void Agent::reply(ReplyHandle to, std::string message) {
+    auto data = new std::string(std::move(message));
+    ucp_request_param_t param{};
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    param.cb.send = &free_reply;
+    param.user_data = data;
+    param.flags = UCP_AM_SEND_FLAG_EAGER;
+    ucs_status_ptr_t request =
+        ucp_am_send_nbx(static_cast<ucp_ep_h>(to), kStreamAmId, name_.data(), name_.size(),
+                        data->data(), data->size(), &param);
+    if (request == nullptr || UCS_PTR_IS_ERR(request)) {
+        delete data;  // sent at once, or not at all: the sender's wait then fails or times out
+    }
+}
+
+ucs_status_t Agent::on_stream_am(void* arg, const void* header, size_t header_nbytes, void* data,
+                                 size_t nbytes, const ucp_am_recv_param_t* param) {
+    auto agent = static_cast<Agent*>(arg);
+    std::string sender(static_cast<const char*>(header), header_nbytes);
+    ReplyHandle reply_to =
+        (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : nullptr;
+    agent->streams_.on_message(sender, data, nbytes, reply_to);
+    return UCS_OK;  // the data was copied; UCX may release it
 }
 
 void Agent::progress_loop() {

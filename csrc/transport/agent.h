@@ -1,4 +1,5 @@
-// Agent: one UCX worker serving one KVCache — peers, one-sided block transfers, notifications.
+// Agent: one UCX worker serving one KVCache — peers, one-sided block transfers, notifications,
+// and the transport under layer streams (it is their StreamPort, stream/stream_port.h).
 //
 // Threads: a background progress thread drives the worker (over tcp a put is emulated with
 // messages, so the target must progress even while its user is idle); user threads post
@@ -12,6 +13,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -23,8 +25,7 @@
 #include <vector>
 
 #include "memory/kv_cache.h"
-#include "stream/layer_stream.h"
-#include "stream/stream_message.h"
+#include "stream/stream_protocol.h"
 #include "transport/metadata.h"
 #include "transport/transfer.h"
 #include "transport/ucx.h"
@@ -39,9 +40,9 @@ struct AgentConfig {
 
 constexpr size_t kMaxNotifyBytes = 64 * 1024;
 
-class Agent {
+class Agent : private StreamPort {
 public:
-    Agent(std::string name, KVCache& cache, KVShape shape, AgentConfig config);
+    Agent(std::string name, KVCache& cache, BlockShape shape, AgentConfig config);
     ~Agent();
     Agent(const Agent&) = delete;
     Agent& operator=(const Agent&) = delete;
@@ -64,7 +65,7 @@ public:
                                    const std::optional<std::vector<int64_t>>& layers,
                                    const std::optional<std::string>& notify);
 
-    // Layer streaming (csrc/layer_stream.h, csrc/agent_stream.cpp). stream_to() sends
+    // Layer streaming (stream/layer_stream.h, stream/stream_protocol.h). stream_to() sends
     // local_ids[i] -> remote_ids[i] of peer layer by layer; expect() prepares to receive
     // request_id from peer into local_ids. Both validate everything up front.
     std::shared_ptr<SaveStream> stream_to(const std::string& peer,
@@ -82,37 +83,21 @@ public:
     void close();
 
 private:
-    friend class SaveStream;
-    friend class LoadStream;
     struct Peer;
     struct InFlight;
-    // A stream message that came before its load's start_load().
-    struct Unclaimed {
-        double arrived;
-        std::string sender;
-        StreamMessage message;
-    };
-    // A saved layer the post thread posts, once its CUDA event (if any) completed.
-    struct PendingLayer {
-        std::shared_ptr<SaveStream> stream;
-        int64_t layer = 0;
-        uintptr_t event = 0;
-    };
     enum class Direction { Put, Get };
-    using StreamKey = std::pair<std::string, std::string>;  // (peer, request id)
 
     std::shared_ptr<Transfer> start(Direction direction, const std::string& peer,
                                     const std::vector<BlockId>& local_ids,
                                     const std::vector<BlockId>& remote_ids,
                                     const std::optional<std::vector<int64_t>>& layers,
                                     const std::optional<std::string>& notify);
-    Peer& live_peer(const std::string& name);
+    Peer& live_peer(const std::string& name) const;
     void validate(const Peer& peer, Direction direction, const std::vector<BlockId>& local_ids,
                   const std::vector<BlockId>& remote_ids, const std::vector<int64_t>& layers,
                   const std::optional<std::string>& notify) const;
-    void post_ops(Direction direction, Peer& peer, const std::vector<RmaOp>& ops,
-                  Transfer& transfer);
-    CacheGeometry local_geometry() const;
+    void post_ranges(Direction direction, Peer& peer, const std::vector<RangePair>& ranges,
+                     Transfer& transfer);
     InFlight* track(std::unique_ptr<InFlight> entry);
     void post_flush(InFlight* entry);
     void complete_flush(InFlight* entry, ucs_status_t status);
@@ -124,25 +109,19 @@ private:
     void progress_loop();
     void check_open() const;
 
-    // Layer streams; all with worker_mu_ held except queue_post() and post_loop().
-    void queue_post(std::shared_ptr<SaveStream> stream, int64_t layer, uintptr_t cuda_event);
-    void post_layer(const std::shared_ptr<SaveStream>& stream, int64_t layer);
-    void layer_result(const std::shared_ptr<SaveStream>& stream, int64_t layer,
-                      ucs_status_t status, const std::string& error,
-                      ErrorKind kind = ErrorKind::Transfer);
-    void post_close(const std::shared_ptr<SaveStream>& stream);
-    void stream_transfer_done(InFlight* entry, ucs_status_t status);
-    void forget(SaveStream& stream);
-    void start_load(LoadStream& load);
-    void cancel_load(LoadStream& load);
-    void deliver(const std::shared_ptr<LoadStream>& load, const StreamMessage& message);
-    void drop_rest(const LoadStream& load);
-    void on_stream_message(const std::string& sender, const StreamMessage& message,
-                           ucp_ep_h reply_ep);
-    void send_ack(ucp_ep_h reply_ep, const StreamMessage& final);
-    void end_peer_streams(const std::string& peer, ErrorKind kind, const std::string& reason);
-    void end_all_streams(const std::string& reason);
-    void post_loop();
+    // StreamPort (stream/stream_port.h), for streams_.
+    const std::string& local_name() const override { return name_; }
+    void run_locked(const std::function<void()>& fn) override;
+    void check_put(const std::string& peer, const std::vector<BlockId>& local_ids,
+                   const std::vector<BlockId>& remote_ids) const override;
+    void check_sender(const std::string& peer) const override;
+    bool peer_alive(const std::string& peer) const override;
+    void put_then_send(const std::string& peer, const std::vector<BlockId>& local_ids,
+                       const std::vector<BlockId>& remote_ids, int64_t layer,
+                       std::string message, PortDone done) override;
+    void send(const std::string& peer, std::string message, bool want_reply,
+              PortDone done) override;
+    void reply(ReplyHandle to, std::string message) override;
 
     static void on_flush(void* request, ucs_status_t status, void* user_data);
     static void on_notify_sent(void* request, ucs_status_t status, void* user_data);
@@ -155,7 +134,7 @@ private:
 
     const std::string name_;
     KVCache& cache_;
-    const KVShape shape_;
+    const BlockShape shape_;  // what each block of the cache holds
     const AgentConfig config_;
     // UCX objects in dependency order: destroyed bottom-up.
     ContextPtr context_;
@@ -185,27 +164,7 @@ private:
     std::map<std::string, std::unique_ptr<Peer>> peers_;
     std::unordered_map<Transfer*, std::unique_ptr<InFlight>> in_flight_;
     std::vector<InFlight*> flushed_;  // flushes done, notification still to send
-    std::map<StreamKey, std::shared_ptr<SaveStream>> sending_;  // open streams by receiver
-    std::vector<std::shared_ptr<SaveStream>> closing_;  // Final/Abort still to send
-    std::map<StreamKey, std::shared_ptr<LoadStream>> loading_;  // started loads by sender
-    std::deque<Unclaimed> unclaimed_;  // messages that came before their start_load()
-    // The rest of a stream whose load was cancelled or failed: dropped until it ends.
-    struct Dropped {
-        double since;
-        bool bound;       // serial is known (else: the next stream of the key to arrive)
-        uint64_t serial;
-    };
-    std::map<StreamKey, Dropped> dropped_;
-    std::atomic<uint64_t> next_serial_;  // streams sent, from a random start
-
-    // save_layer() only queues: the post thread posts each layer (after its CUDA event, if
-    // any). Over tcp and shared memory a put copies its bytes inside ucp_put_nbx, which
-    // would stall the forward pass calling save_layer() for the whole layer's transfer.
-    std::mutex post_mu_;
-    std::condition_variable post_cv_;
-    std::deque<PendingLayer> to_post_;
-    bool post_stop_ = false;  // guarded by post_mu_
-    std::thread post_thread_;
+    StreamProtocol streams_;           // layer streams over this agent (guarded by worker_mu_)
 
     std::mutex notify_mu_;
     std::condition_variable notify_cv_;

@@ -1,4 +1,4 @@
-// The Agent's private parts that agent.cpp and agent_stream.cpp share.
+// The Agent's private parts: a peer, and a transfer between posting and completion.
 #pragma once
 
 #include <memory>
@@ -11,14 +11,20 @@
 namespace kvmove {
 
 constexpr unsigned kNotifyAmId = 0x4B56;  // "KV": notifications of plain transfers
-constexpr unsigned kStreamAmId = 0x4B57;  // layer stream messages (csrc/stream_message.h)
+constexpr unsigned kStreamAmId = 0x4B57;  // layer stream messages (stream/stream_message.h)
 
 inline std::string status_text(ucs_status_t status) { return ucs_status_string(status); }
 
 struct Agent::Peer {
+    Peer(Agent* a, AgentMetadata m)
+        : agent(a),
+          meta(std::move(m)),
+          geometry(KVGeometry::layer_major(meta.region_addr, meta.num_layers,
+                                           meta.num_blocks, meta.block_nbytes)) {}
+
     Agent* agent;
     AgentMetadata meta;
-    CacheGeometry geometry;
+    KVGeometry geometry;  // of the peer's cache, in its address space
     std::string failure;  // why the peer is dead; empty while alive
     // Declared last so they are destroyed first: the key before its endpoint.
     std::unique_ptr<Endpoint> endpoint;
@@ -37,9 +43,8 @@ struct Agent::InFlight {
     Peer* peer;
     std::optional<std::string> notify;  // sent once the flush completes
     unsigned am_id = kNotifyAmId;
-    bool want_reply = false;            // the receiver answers on the reply endpoint
-    std::shared_ptr<SaveStream> stream;  // set for a layer stream's transfers
-    int64_t layer = -1;                 // the stream's layer; -1 for its Final/Abort
+    bool want_reply = false;  // the receiver answers on the reply endpoint
+    PortDone on_done;         // a stream's transfer: told how it ended
 };
 
 }  // namespace kvmove

@@ -1,7 +1,6 @@
 #include "transport/metadata.h"
 
 #include <cstring>
-#include <sstream>
 
 #include "memory/block_hash.h"
 #include "common/errors.h"
@@ -100,13 +99,14 @@ std::vector<uint8_t> encode(const AgentMetadata& meta) {
     body.put<uint64_t>(meta.region_addr);
     body.put<uint64_t>(meta.region_nbytes);
     body.blob<uint32_t>(meta.packed_rkey.data(), meta.packed_rkey.size());
-    body.put<uint32_t>(static_cast<uint32_t>(meta.shape.num_layers));
+    body.put<uint32_t>(static_cast<uint32_t>(meta.num_layers));
     body.put<uint32_t>(static_cast<uint32_t>(meta.num_blocks));
     body.put<uint64_t>(meta.block_nbytes);
     body.put<uint32_t>(static_cast<uint32_t>(meta.shape.num_kv_heads));
     body.put<uint32_t>(static_cast<uint32_t>(meta.shape.head_dim));
     body.put<uint32_t>(static_cast<uint32_t>(meta.shape.block_size));
-    body.blob<uint8_t>(meta.shape.dtype.data(), meta.shape.dtype.size());
+    const std::string dtype = dtype_name(meta.shape.dtype);
+    body.blob<uint8_t>(dtype.data(), dtype.size());
     Writer out;
     out.out.insert(out.out.end(), kMagic, kMagic + 4);
     out.put<uint16_t>(kMetadataVersion);
@@ -141,37 +141,24 @@ AgentMetadata decode(const std::vector<uint8_t>& bytes) {
     m.region_addr = r.get<uint64_t>("region_addr");
     m.region_nbytes = r.get<uint64_t>("region_nbytes");
     m.packed_rkey = r.blob<uint32_t>("packed_rkey", 1, kMaxBlobBytes);
-    m.shape.num_layers = r.count("num_layers");
+    m.num_layers = r.count("num_layers");
     m.num_blocks = r.count("num_blocks");
     m.block_nbytes = r.get<uint64_t>("block_nbytes");
-    m.shape.num_kv_heads = r.count("num_kv_heads");
-    m.shape.head_dim = r.count("head_dim");
-    m.shape.block_size = r.count("block_size");
-    m.shape.dtype = text(r.blob<uint8_t>("dtype", 1, 32), "dtype");
+    m.shape.num_kv_heads = static_cast<int32_t>(r.count("num_kv_heads"));
+    m.shape.head_dim = static_cast<int32_t>(r.count("head_dim"));
+    m.shape.block_size = static_cast<int32_t>(r.count("block_size"));
+    const std::string dtype = text(r.blob<uint8_t>("dtype", 1, 32), "dtype");
+    KVMOVE_CHECK(parse_dtype(dtype, m.shape.dtype), Metadata,
+                 "bad agent metadata: unknown dtype '" << dtype << "'");
     KVMOVE_CHECK(r.left() == 0, Metadata, "bad agent metadata: " << r.left() << " trailing bytes");
-    unsigned __int128 expected = static_cast<unsigned __int128>(m.shape.num_layers) *
+    unsigned __int128 expected = static_cast<unsigned __int128>(m.num_layers) *
                                  static_cast<uint64_t>(m.num_blocks) * m.block_nbytes;
     KVMOVE_CHECK(m.block_nbytes > 0 && expected == m.region_nbytes, Metadata,
                  "bad agent metadata: region_nbytes " << m.region_nbytes << " != "
-                                                      << m.shape.num_layers << " layers x "
+                                                      << m.num_layers << " layers x "
                                                       << m.num_blocks << " blocks x "
                                                       << m.block_nbytes << " bytes");
     return m;
-}
-
-std::string shape_difference(const KVShape& here, const KVShape& there, const std::string& peer) {
-    std::ostringstream os;
-    auto field = [&](const char* name, const auto& a, const auto& b) {
-        if (os.tellp() == 0 && a != b) {
-            os << name << ": " << a << " here, " << b << " at '" << peer << "'";
-        }
-    };
-    field("num_layers", here.num_layers, there.num_layers);
-    field("num_kv_heads", here.num_kv_heads, there.num_kv_heads);
-    field("head_dim", here.head_dim, there.head_dim);
-    field("dtype", here.dtype, there.dtype);
-    field("block_size", here.block_size, there.block_size);
-    return os.str();
 }
 
 }  // namespace kvmove

@@ -18,16 +18,9 @@
 #include <string_view>
 #include <vector>
 
-namespace kvmove {
+#include "common/block_shape.h"
 
-// The model-level shape both sides of a transfer must agree on.
-struct KVShape {
-    int64_t num_layers = 0;
-    int64_t num_kv_heads = 0;
-    int64_t head_dim = 0;
-    int64_t block_size = 0;
-    std::string dtype;
-};
+namespace kvmove {
 
 struct AgentMetadata {
     std::string name;
@@ -35,9 +28,10 @@ struct AgentMetadata {
     uint64_t region_addr = 0;
     uint64_t region_nbytes = 0;
     std::vector<uint8_t> packed_rkey;
+    int64_t num_layers = 0;
     int64_t num_blocks = 0;
     uint64_t block_nbytes = 0;
-    KVShape shape;
+    BlockShape shape;  // the wire carries no order yet: NHD
 };
 
 constexpr uint16_t kMetadataVersion = 1;
@@ -49,8 +43,5 @@ size_t first_unprintable(std::string_view text);
 
 std::vector<uint8_t> encode(const AgentMetadata& meta);
 AgentMetadata decode(const std::vector<uint8_t>& bytes);
-
-// "" when equal, else the first differing field: "num_kv_heads: 8 here, 4 at 'decode-0'".
-std::string shape_difference(const KVShape& here, const KVShape& there, const std::string& peer);
 
 }  // namespace kvmove

@@ -5,44 +5,6 @@
 
 namespace kvmove {
 
-std::vector<RmaOp> plan_ops(const std::vector<BlockId>& local_ids,
-                            const std::vector<BlockId>& remote_ids,
-                            const std::vector<int64_t>& layers, const CacheGeometry& local,
-                            const CacheGeometry& remote) {
-    // (local start, remote start, blocks) of runs consecutive on both sides.
-    struct Run {
-        BlockId local, remote;
-        int64_t num;
-    };
-    std::vector<Run> runs;
-    for (size_t i = 0; i < local_ids.size(); ++i) {
-        if (!runs.empty() && runs.back().local + runs.back().num == local_ids[i] &&
-            runs.back().remote + runs.back().num == remote_ids[i]) {
-            ++runs.back().num;
-        } else {
-            runs.push_back({local_ids[i], remote_ids[i], 1});
-        }
-    }
-    const uint64_t nbytes = local.block_nbytes;
-    std::vector<RmaOp> ops;
-    ops.reserve(runs.size() * layers.size());
-    for (int64_t layer : layers) {
-        for (const Run& run : runs) {
-            RmaOp op{local.base_addr + (layer * local.num_blocks + run.local) * nbytes,
-                     remote.base_addr + (layer * remote.num_blocks + run.remote) * nbytes,
-                     run.num * nbytes};
-            RmaOp* last = ops.empty() ? nullptr : &ops.back();
-            if (last != nullptr && last->local_addr + last->nbytes == op.local_addr &&
-                last->remote_addr + last->nbytes == op.remote_addr) {
-                last->nbytes += op.nbytes;
-            } else {
-                ops.push_back(op);
-            }
-        }
-    }
-    return ops;
-}
-
 Transfer::Transfer(std::string peer, uint64_t nbytes, uint64_t num_ops)
     : peer_(std::move(peer)), start_(std::chrono::steady_clock::now()) {
     stats_.nbytes = nbytes;

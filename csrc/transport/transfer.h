@@ -12,7 +12,6 @@
 #include <string>
 #include <vector>
 
-#include "memory/block_pool.h"
 #include "common/errors.h"
 
 namespace kvmove {
@@ -25,29 +24,6 @@ struct TransferStats {
     double post_seconds = 0;      // time spent posting them
     double complete_seconds = 0;  // from the first post to completion (0 while pending)
 };
-
-// One contiguous copy between this process's memory and a peer's.
-struct RmaOp {
-    uint64_t local_addr;
-    uint64_t remote_addr;
-    uint64_t nbytes;
-};
-
-// The geometry of one side: where its region starts and how blocks are laid out in it.
-struct CacheGeometry {
-    uint64_t base_addr;
-    int64_t num_layers;
-    int64_t num_blocks;
-    uint64_t block_nbytes;
-};
-
-// Coalesced operations copying local_ids[i] <-> remote_ids[i] for each layer: pairs
-// consecutive on both sides form one run, each run of each layer is one op, and ops that
-// continue the previous one on both sides merge. Inputs must be validated.
-std::vector<RmaOp> plan_ops(const std::vector<BlockId>& local_ids,
-                            const std::vector<BlockId>& remote_ids,
-                            const std::vector<int64_t>& layers, const CacheGeometry& local,
-                            const CacheGeometry& remote);
 
 class Transfer {
 public:

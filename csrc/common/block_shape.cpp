@@ -1,0 +1,55 @@
+#include "common/block_shape.h"
+
+#include <sstream>
+
+namespace kvmove {
+
+namespace {
+
+constexpr DType kDTypes[] = {DType::Float32, DType::Float16, DType::BFloat16, DType::Float8};
+
+}  // namespace
+
+const char* dtype_name(DType t) {
+    switch (t) {
+        case DType::Float32:
+            return "float32";
+        case DType::Float16:
+            return "float16";
+        case DType::BFloat16:
+            return "bfloat16";
+        case DType::Float8:
+            return "float8";
+    }
+    return "unknown";
+}
+
+bool parse_dtype(const std::string& name, DType& out) {
+    for (DType t : kDTypes) {
+        if (name == dtype_name(t)) {
+            out = t;
+            return true;
+        }
+    }
+    return false;
+}
+
+std::string shape_difference(int64_t num_layers, const BlockShape& here, int64_t peer_num_layers,
+                             const BlockShape& there, const std::string& peer) {
+    std::ostringstream os;
+    auto field = [&](const char* name, const auto& a, const auto& b) {
+        if (os.tellp() == 0 && a != b) {
+            os << name << ": " << a << " here, " << b << " at '" << peer << "'";
+        }
+    };
+    field("num_layers", num_layers, peer_num_layers);
+    field("num_kv_heads", here.num_kv_heads, there.num_kv_heads);
+    field("head_dim", here.head_dim, there.head_dim);
+    field("dtype", std::string(dtype_name(here.dtype)), std::string(dtype_name(there.dtype)));
+    field("block_size", here.block_size, there.block_size);
+    field("order", std::string(here.head_major ? "HND" : "NHD"),
+          std::string(there.head_major ? "HND" : "NHD"));
+    return os.str();
+}
+
+}  // namespace kvmove

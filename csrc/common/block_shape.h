@@ -1,0 +1,48 @@
+// BlockShape: what one block of one layer holds — how many tokens, KV heads, elements per
+// head, of which type, in which order. Two agents compare it (with their layer counts) before
+// any byte moves; the conversions address elements through it.
+//
+// A block of one layer holds K then V of block_size tokens:
+//
+//   NHD (token-major, FlashInfer/vLLM's default):  [2, block_size, num_kv_heads, head_dim]
+//   HND (head-major):                               [2, num_kv_heads, block_size, head_dim]
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common/host_device.h"
+
+namespace kvmove {
+
+enum class DType : int32_t { Float32 = 0, Float16 = 1, BFloat16 = 2, Float8 = 3 };
+
+KVMOVE_HD int dtype_nbytes(DType t) {
+    return t == DType::Float32 ? 4 : (t == DType::Float8 ? 1 : 2);
+}
+
+// "float32", "float16", "bfloat16", "float8" (kvmove.KVLayout's names).
+const char* dtype_name(DType t);
+// The DType of a name; false when the name is none of them.
+bool parse_dtype(const std::string& name, DType& out);
+
+struct BlockShape {
+    int32_t block_size = 0;
+    int32_t num_kv_heads = 0;
+    int32_t head_dim = 0;
+    DType dtype = DType::Float16;
+    bool head_major = false;  // HND instead of NHD
+
+    // Bytes of one block of one layer: K and V.
+    KVMOVE_HD uint64_t nbytes() const {
+        return 2ULL * static_cast<uint64_t>(block_size) * num_kv_heads * head_dim *
+               dtype_nbytes(dtype);
+    }
+};
+
+// "" when the two caches hold the same KV, else the first difference, naming both values:
+// "num_kv_heads: 8 here, 4 at 'decode-0'".
+std::string shape_difference(int64_t num_layers, const BlockShape& here, int64_t peer_num_layers,
+                             const BlockShape& there, const std::string& peer);
+
+}  // namespace kvmove

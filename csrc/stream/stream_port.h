@@ -1,0 +1,63 @@
+// StreamPort: what the layer-stream protocol needs from a transport, and nothing more.
+//
+// The Agent implements it over UCX (transport/agent.h); the protocol (stream_protocol.h) never
+// sees UCX. It asks the port to put one layer of a stream's blocks and then send a message, to
+// send a message, or to answer one, and learns how each ended from a callback.
+//
+// Serialization: the protocol's state is guarded by the port's lock. run_locked() is how a
+// caller (a user verb, the protocol's post thread) takes it; the port calls into the protocol
+// (StreamProtocol::on_message, ::peer_failed, ::drain, and every PortDone) with it held.
+// PortDone callbacks may run inside the transport's own callbacks, where nothing may be sent:
+// the protocol queues what they make due and sends it from drain().
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/errors.h"
+#include "common/kv_geometry.h"
+
+namespace kvmove {
+
+// How a posted operation ended. kind is Peer when the peer is gone (dead, removed, closing).
+struct PortOutcome {
+    bool ok = true;
+    ErrorKind kind = ErrorKind::Transfer;
+    std::string error;
+};
+using PortDone = std::function<void(const PortOutcome&)>;
+
+// Where an incoming message may be answered; opaque to the protocol, null when it can't be.
+using ReplyHandle = void*;
+
+class StreamPort {
+public:
+    virtual ~StreamPort() = default;
+
+    virtual const std::string& local_name() const = 0;
+    // Runs fn with the port's lock held (and sends what fn made due before releasing it).
+    virtual void run_locked(const std::function<void()>& fn) = 0;
+
+    // Locked. Throws (PeerError, ConfigError, BlockError) unless local_ids[i] -> remote_ids[i]
+    // may be put to peer: a live peer of the same layout, ids in range, no destination twice.
+    virtual void check_put(const std::string& peer, const std::vector<BlockId>& local_ids,
+                           const std::vector<BlockId>& remote_ids) const = 0;
+    // Locked. Throws unless peer is a live peer of the same layout.
+    virtual void check_sender(const std::string& peer) const = 0;
+    virtual bool peer_alive(const std::string& peer) const = 0;  // locked
+
+    // Locked. Puts layer `layer` of local_ids[i] -> remote_ids[i], flushes them, then sends
+    // message; done(ok) once the message is out, done(failure) when anything failed.
+    virtual void put_then_send(const std::string& peer, const std::vector<BlockId>& local_ids,
+                               const std::vector<BlockId>& remote_ids, int64_t layer,
+                               std::string message, PortDone done) = 0;
+    // Locked. Sends message to peer; want_reply lets the receiver answer it (reply()).
+    virtual void send(const std::string& peer, std::string message, bool want_reply,
+                      PortDone done) = 0;
+    // Locked. Answers an incoming message; best effort (a lost answer shows as a timeout).
+    virtual void reply(ReplyHandle to, std::string message) = 0;
+};
+
+}  // namespace kvmove
