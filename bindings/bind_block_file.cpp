@@ -29,9 +29,6 @@ its content hash. The bytes of a disk storage tier; kvmove.store keeps the index
         .def("sync", &BlockFile::sync, py::call_guard<py::gil_scoped_release>())
         .def("close", &BlockFile::close, py::call_guard<py::gil_scoped_release>())
         .attr("SLOT_ALIGN") = BlockFile::kSlotAlign;
-    m.def("copy_blocks", &copy_blocks, py::arg("src"), py::arg("src_ids"), py::arg("dst"),
-          py::arg("dst_ids"), py::call_guard<py::gil_scoped_release>(),
-          "Copies blocks (every layer) between two caches of the same shape.");
 }
 
 }  // namespace kvmove::bindings

@@ -62,12 +62,7 @@ Raises:
              "(the caller frees them like allocated blocks).")
         .def("ref_count", &BlockPool::ref_count, py::arg("id"))
         .def("block_hash", &BlockPool::block_hash, py::arg("id"),
-             "The hash committed to block ``id``, or None.")
-        .def_static("runs", &runs, py::arg("ids"),
-                    "Consecutive ascending ids as ``(first, count)`` runs, in order.");
-    m.def("runs", &runs, py::arg("ids"),
-          "Consecutive ascending ids as ``(first, count)`` runs, in order: "
-          "``[4, 5, 6, 9, 2, 3] -> [(4, 3), (9, 1), (2, 2)]``.");
+             "The hash committed to block ``id``, or None.");
 }
 
 }  // namespace kvmove::bindings

@@ -47,6 +47,12 @@ void register_kv_cache(py::module_& m) {
              "Byte offset of (layer, block) from the region's start.")
         .def("descriptors", &KVCache::descriptors, py::arg("block_ids"),
              py::arg("layers") = py::none(), py::call_guard<py::gil_scoped_release>());
+    m.def("copy_blocks", &copy_blocks, py::arg("src"), py::arg("src_ids"), py::arg("dst"),
+          py::arg("dst_ids"), py::call_guard<py::gil_scoped_release>(),
+          "Copies blocks (every layer) between two caches of the same shape.");
+    m.def("runs", &runs, py::arg("ids"),
+          "Consecutive ascending ids as ``(first, count)`` runs, in order: "
+          "``[4, 5, 6, 9, 2, 3] -> [(4, 3), (9, 1), (2, 2)]``.");
 }
 
 }  // namespace kvmove::bindings

@@ -624,7 +624,6 @@ def test_runs_groups_consecutive_ascending_ids(
     ids: list[int], expected: list[tuple[int, int]]
 ) -> None:
     assert kvmove.runs(ids) == expected
-    assert BlockPool.runs(ids) == expected
 
 
 # --- block_hashes ------------------------------------------------------------------------------

@@ -17,9 +17,9 @@
 #include <optional>
 #include <vector>
 
-namespace kvmove {
+#include "common/xxh64.h"
 
-uint64_t xxh64(const void* data, size_t nbytes, uint64_t seed);
+namespace kvmove {
 
 // One hash per full block of tokens; a trailing partial block gets none.
 std::vector<uint64_t> block_hashes(const int64_t* tokens, size_t num_tokens, int64_t block_size,

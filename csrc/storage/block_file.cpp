@@ -9,7 +9,7 @@
 #include <cstring>
 #include <future>
 
-#include "memory/block_hash.h"
+#include "common/xxh64.h"
 #include "common/errors.h"
 
 namespace kvmove {

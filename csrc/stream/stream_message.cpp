@@ -2,7 +2,7 @@
 
 #include <cstring>
 
-#include "memory/block_hash.h"
+#include "common/xxh64.h"
 #include "common/errors.h"
 
 namespace kvmove {
