@@ -1,8 +1,8 @@
 #include <pybind11/stl.h>
 
-#include "transport/agent.h"
 #include "bindings.h"
 #include "ids.h"
+#include "transport/agent.h"
 
 namespace py = pybind11;
 
@@ -11,7 +11,9 @@ namespace kvmove::bindings {
 namespace {
 
 // bytes <-> std::vector<uint8_t> for metadata, which is binary, not a list of ints.
-std::vector<uint8_t> to_vector(const std::string& b) { return {b.begin(), b.end()}; }
+std::vector<uint8_t> to_vector(const std::string& b) {
+    return {b.begin(), b.end()};
+}
 
 py::bytes to_bytes(const std::vector<uint8_t>& v) {
     return {reinterpret_cast<const char*>(v.data()), v.size()};
@@ -21,9 +23,11 @@ py::tuple to_notification(const std::pair<std::string, std::string>& n) {
     return py::make_tuple(n.first, py::bytes(n.second));
 }
 
-using StartFn = std::shared_ptr<Transfer> (Agent::*)(
-    const std::string&, const std::vector<BlockId>&, const std::vector<BlockId>&,
-    const std::optional<std::vector<int64_t>>&, const std::optional<std::string>&);
+using StartFn = std::shared_ptr<Transfer> (Agent::*)(const std::string&,
+                                                     const std::vector<BlockId>&,
+                                                     const std::vector<BlockId>&,
+                                                     const std::optional<std::vector<int64_t>>&,
+                                                     const std::optional<std::string>&);
 
 // write/read with block-id lists read by the fast Ids caster.
 auto transfer_method(StartFn start) {
@@ -49,8 +53,9 @@ void register_agent(py::module_& m) {
         .def_readonly("post_seconds", &TransferStats::post_seconds)
         .def_readonly("complete_seconds", &TransferStats::complete_seconds)
         .def("__repr__", [](const TransferStats& s) {
-            return py::str("TransferStats(nbytes={}, num_ops={}, post_seconds={:.6f}, "
-                           "complete_seconds={:.6f})")
+            return py::str(
+                       "TransferStats(nbytes={}, num_ops={}, post_seconds={:.6f}, "
+                       "complete_seconds={:.6f})")
                 .format(s.nbytes, s.num_ops, s.post_seconds, s.complete_seconds);
         });
 
@@ -64,18 +69,19 @@ void register_agent(py::module_& m) {
     py::class_<Agent>(m, "Agent")
         .def(py::init([](std::string name, KVCache& cache, const BlockShape& shape,
                          std::string transports, bool peer_errors, double peer_timeout) {
-                 return std::make_unique<Agent>(std::move(name), cache, shape,
-                                                AgentConfig{std::move(transports), peer_errors,
-                                                            peer_timeout});
+                 return std::make_unique<Agent>(
+                     std::move(name), cache, shape,
+                     AgentConfig{std::move(transports), peer_errors, peer_timeout});
              }),
              py::arg("name"), py::arg("cache"), py::arg("shape"), py::arg("transports"),
              py::arg("peer_errors"), py::arg("peer_timeout"), py::keep_alive<1, 3>(), release())
         .def_property_readonly("name", &Agent::name)
         .def_property_readonly("closed", &Agent::closed)
         .def("metadata", [](const Agent& a) { return to_bytes(a.metadata()); })
-        .def("add_peer",
-             [](Agent& a, const std::string& meta) { return a.add_peer(to_vector(meta)); },
-             py::arg("metadata"), release())
+        .def(
+            "add_peer",
+            [](Agent& a, const std::string& meta) { return a.add_peer(to_vector(meta)); },
+            py::arg("metadata"), release())
         .def("remove_peer", &Agent::remove_peer, py::arg("name"), release())
         .def_property_readonly("peers", &Agent::peers)
         .def("write", transfer_method(&Agent::write), py::arg("peer"), py::arg("local_ids"),
@@ -84,18 +90,21 @@ void register_agent(py::module_& m) {
         .def("read", transfer_method(&Agent::read), py::arg("peer"), py::arg("local_ids"),
              py::arg("remote_ids"), py::arg("layers") = py::none(), py::arg("notify") = py::none(),
              release(), "One-sided get of remote_ids[i] -> local_ids[i] (see docs/transfer.md).")
-        .def("stream_to",
-             [](Agent& a, const std::string& peer, const Ids& local, const Ids& remote,
-                const std::string& request_id) {
-                 return a.stream_to(peer, local.values, remote.values, request_id);
-             },
-             py::arg("peer"), py::arg("local_ids"), py::arg("remote_ids"), py::arg("request_id"),
-             py::keep_alive<0, 1>(), release())
-        .def("expect",
-             [](Agent& a, const std::string& peer, const std::string& request_id,
-                const Ids& local) { return a.expect(peer, request_id, local.values); },
-             py::arg("peer"), py::arg("request_id"), py::arg("local_ids"), py::keep_alive<0, 1>(),
-             release())
+        .def(
+            "stream_to",
+            [](Agent& a, const std::string& peer, const Ids& local, const Ids& remote,
+               const std::string& request_id) {
+                return a.stream_to(peer, local.values, remote.values, request_id);
+            },
+            py::arg("peer"), py::arg("local_ids"), py::arg("remote_ids"), py::arg("request_id"),
+            py::keep_alive<0, 1>(), release())
+        .def(
+            "expect",
+            [](Agent& a, const std::string& peer, const std::string& request_id, const Ids& local) {
+                return a.expect(peer, request_id, local.values);
+            },
+            py::arg("peer"), py::arg("request_id"), py::arg("local_ids"), py::keep_alive<0, 1>(),
+            release())
         .def("notifications",
              [](Agent& a) {
                  py::list out;
@@ -104,16 +113,17 @@ void register_agent(py::module_& m) {
                  }
                  return out;
              })
-        .def("wait_notification",
-             [](Agent& a, double timeout) {
-                 std::pair<std::string, std::string> n;
-                 {
-                     py::gil_scoped_release nogil;
-                     n = a.wait_notification(timeout);
-                 }
-                 return to_notification(n);
-             },
-             py::arg("timeout"))
+        .def(
+            "wait_notification",
+            [](Agent& a, double timeout) {
+                std::pair<std::string, std::string> n;
+                {
+                    py::gil_scoped_release nogil;
+                    n = a.wait_notification(timeout);
+                }
+                return to_notification(n);
+            },
+            py::arg("timeout"))
         .def("close", &Agent::close, release());
 }
 

@@ -20,8 +20,8 @@ device cache through ``kvmove.KVCache.__cuda_array_interface__``.
         .def_property_readonly("pinned", &Region::pinned,
                                "Host memory page-locked for DMA (cudaHostRegister).")
         .def_buffer([](Region& r) {
-            return py::buffer_info(r.host_data(), 1, py::format_descriptor<uint8_t>::format(),
-                                   1, {static_cast<py::ssize_t>(r.nbytes())}, {1});
+            return py::buffer_info(r.host_data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                                   {static_cast<py::ssize_t>(r.nbytes())}, {1});
         });
 }
 

@@ -1,8 +1,8 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
-#include "cuda/cuda_status.h"
 #include "common/errors.h"
+#include "cuda/cuda_status.h"
 #include "transport/ucx.h"
 
 namespace py = pybind11;

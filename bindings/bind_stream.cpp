@@ -38,13 +38,14 @@ void register_stream(py::module_& m) {
         .def("layer_times", &layer_times<SaveStream>)
         .def("save_layer", &SaveStream::save_layer, py::arg("layer"), py::arg("cuda_event"),
              release())
-        .def("finish",
-             [](SaveStream& s, const py::bytes& payload) {
-                 std::string data = payload;
-                 py::gil_scoped_release nogil;
-                 s.finish(data);
-             },
-             py::arg("payload"))
+        .def(
+            "finish",
+            [](SaveStream& s, const py::bytes& payload) {
+                std::string data = payload;
+                py::gil_scoped_release nogil;
+                s.finish(data);
+            },
+            py::arg("payload"))
         .def("abort", &SaveStream::abort, release())
         .def("wait", &SaveStream::wait, py::arg("timeout"), release());
 
@@ -55,23 +56,25 @@ void register_stream(py::module_& m) {
         .def_property_readonly("local_ids", &LoadStream::local_ids)
         .def_property_readonly("state", &LoadStream::state)
         .def_property_readonly("error", &LoadStream::error)
-        .def_property_readonly("payload", [](const LoadStream& s) { return py::bytes(s.payload()); })
+        .def_property_readonly("payload",
+                               [](const LoadStream& s) { return py::bytes(s.payload()); })
         .def("layers_ready", &LoadStream::layers_ready)
         .def("layer_times", &layer_times<LoadStream>)
         .def("start_load", &LoadStream::start_load, release())
         .def("cancel", &LoadStream::cancel, release())
         .def("wait_for_layer", &LoadStream::wait_for_layer, py::arg("layer"), py::arg("timeout"),
              release())
-        .def("wait_all",
-             [](const LoadStream& s, double timeout) {
-                 std::string payload;
-                 {
-                     py::gil_scoped_release nogil;
-                     payload = s.wait_all(timeout);
-                 }
-                 return py::bytes(payload);
-             },
-             py::arg("timeout"));
+        .def(
+            "wait_all",
+            [](const LoadStream& s, double timeout) {
+                std::string payload;
+                {
+                    py::gil_scoped_release nogil;
+                    payload = s.wait_all(timeout);
+                }
+                return py::bytes(payload);
+            },
+            py::arg("timeout"));
 }
 
 }  // namespace kvmove::bindings

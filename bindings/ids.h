@@ -47,8 +47,8 @@ struct type_caster<kvmove::bindings::Ids> {
             PyObject* item = items[i];
             object index;  // owns the int of a non-int item that has __index__ (numpy ints)
             if (!PyLong_Check(item)) {
-                index = reinterpret_steal<object>(PyIndex_Check(item) ? PyNumber_Index(item)
-                                                                      : nullptr);
+                index =
+                    reinterpret_steal<object>(PyIndex_Check(item) ? PyNumber_Index(item) : nullptr);
                 if (!index) {
                     PyErr_Clear();
                     return false;

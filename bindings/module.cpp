@@ -24,8 +24,8 @@ PYBIND11_MODULE(_C, m) {
         try {
             std::rethrow_exception(p);
         } catch (const kvmove::Error& e) {
-            py::object cls = py::module_::import("kvmove.errors")
-                                 .attr(kvmove::error_class_name(e.kind()));
+            py::object cls =
+                py::module_::import("kvmove.errors").attr(kvmove::error_class_name(e.kind()));
             PyErr_SetString(cls.ptr(), e.what());
         }
     });

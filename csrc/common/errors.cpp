@@ -38,9 +38,9 @@ void throw_error(ErrorKind kind, const std::string& message, const char* file, i
 }
 
 void check_timeout(double timeout_seconds) {
-    KVMOVE_CHECK(timeout_seconds >= 0 && timeout_seconds <= kMaxTimeoutSeconds, Config,
-                 "timeout must be in [0, " << kMaxTimeoutSeconds << "] seconds, got "
-                                           << timeout_seconds);
+    KVMOVE_CHECK(
+        timeout_seconds >= 0 && timeout_seconds <= kMaxTimeoutSeconds, Config,
+        "timeout must be in [0, " << kMaxTimeoutSeconds << "] seconds, got " << timeout_seconds);
 }
 
 }  // namespace kvmove

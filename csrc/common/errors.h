@@ -17,11 +17,11 @@ enum class ErrorKind {
     Allocation,  // the OS or driver refused memory
     Transfer,
     Peer,
-    Metadata,    // peer metadata that is truncated, forged or of another version
+    Metadata,  // peer metadata that is truncated, forged or of another version
     Timeout,
     Ucx,
     Cuda,
-    Store,       // a storage tier's files are unusable (I/O error, full disk)
+    Store,  // a storage tier's files are unusable (I/O error, full disk)
 };
 
 // The name of the Python exception class in kvmove.errors for each kind.
@@ -46,14 +46,14 @@ void check_timeout(double timeout_seconds);
 }  // namespace kvmove
 
 // KVMOVE_CHECK(cond, Kind, "text " << value): throws Error(ErrorKind::Kind) unless cond holds.
-#define KVMOVE_CHECK(cond, kind, stream_expr)                                               \
-    do {                                                                                    \
-        if (!(cond)) {                                                                      \
-            std::ostringstream kvmove_check_os_;                                            \
-            kvmove_check_os_ << stream_expr;                                                \
+#define KVMOVE_CHECK(cond, kind, stream_expr)                                                  \
+    do {                                                                                       \
+        if (!(cond)) {                                                                         \
+            std::ostringstream kvmove_check_os_;                                               \
+            kvmove_check_os_ << stream_expr;                                                   \
             ::kvmove::throw_error(::kvmove::ErrorKind::kind, kvmove_check_os_.str(), __FILE__, \
-                                  __LINE__);                                                \
-        }                                                                                   \
+                                  __LINE__);                                                   \
+        }                                                                                      \
     } while (0)
 
 // KVMOVE_FAIL(Kind, "text " << value): throws unconditionally.

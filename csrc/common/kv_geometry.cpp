@@ -22,7 +22,9 @@ std::vector<BlockRun> runs(const std::vector<BlockId>& ids) {
 
 KVGeometry::KVGeometry(int64_t num_layers, int64_t num_blocks, int64_t num_parts,
                        std::vector<Plane> planes)
-    : num_layers_(num_layers), num_blocks_(num_blocks), num_parts_(num_parts),
+    : num_layers_(num_layers),
+      num_blocks_(num_blocks),
+      num_parts_(num_parts),
       planes_(std::move(planes)) {
     KVMOVE_CHECK(num_layers > 0 && num_layers <= INT32_MAX, Config,
                  "num_layers must be in [1, " << INT32_MAX << "], got " << num_layers);
@@ -62,8 +64,8 @@ KVGeometry KVGeometry::layer_major(uint64_t base, int64_t num_layers, int64_t nu
     std::vector<Plane> planes;
     const uint64_t plane_nbytes = static_cast<uint64_t>(num_blocks) * block_nbytes;
     for (int64_t layer = 0; layer < num_layers; ++layer) {
-        planes.push_back({base + static_cast<uint64_t>(layer) * plane_nbytes, block_nbytes,
-                          block_nbytes});
+        planes.push_back(
+            {base + static_cast<uint64_t>(layer) * plane_nbytes, block_nbytes, block_nbytes});
     }
     return KVGeometry(num_layers, num_blocks, 1, std::move(planes));
 }
@@ -86,9 +88,9 @@ std::vector<int64_t> KVGeometry::layers_or_all(
         return out;
     }
     for (int64_t layer : *layers) {
-        KVMOVE_CHECK(layer >= 0 && layer < num_layers_, Config,
-                     "layer " << layer << " is out of range: layers are in [0, " << num_layers_
-                              << ")");
+        KVMOVE_CHECK(
+            layer >= 0 && layer < num_layers_, Config,
+            "layer " << layer << " is out of range: layers are in [0, " << num_layers_ << ")");
     }
     return *layers;
 }
@@ -113,7 +115,9 @@ void append(std::vector<RangePair>& out, uint64_t here, uint64_t there, uint64_t
     }
 }
 
-bool dense(const Plane& p) { return p.block_stride == p.block_nbytes; }
+bool dense(const Plane& p) {
+    return p.block_stride == p.block_nbytes;
+}
 
 }  // namespace
 
@@ -126,8 +130,7 @@ std::vector<Descriptor> KVGeometry::descriptors(const std::vector<BlockId>& ids,
             const Plane& p = plane(layer, part);
             for (auto [start, num] : block_runs) {
                 for (int64_t i = 0; i < (dense(p) ? 1 : num); ++i) {
-                    append(out, block_address(p, start + i),
-                           (dense(p) ? num : 1) * p.block_nbytes);
+                    append(out, block_address(p, start + i), (dense(p) ? num : 1) * p.block_nbytes);
                 }
             }
         }
@@ -154,8 +157,7 @@ std::string copy_difference(const KVGeometry& a, const KVGeometry& b) {
 }
 
 std::vector<RangePair> pair_ranges(const KVGeometry& here, const std::vector<BlockId>& here_ids,
-                                   const KVGeometry& there,
-                                   const std::vector<BlockId>& there_ids,
+                                   const KVGeometry& there, const std::vector<BlockId>& there_ids,
                                    const std::vector<int64_t>& layers) {
     // (here start, there start, blocks) of pairs consecutive on both sides.
     struct Run {

@@ -68,7 +68,8 @@ class KVGeometry {
 public:
     // planes: num_layers * num_parts of them, layer-major. Throws ConfigError for counts out
     // of range, a stride below its block, or a plane whose last block overflows 64 bits.
-    KVGeometry(int64_t num_layers, int64_t num_blocks, int64_t num_parts, std::vector<Plane> planes);
+    KVGeometry(int64_t num_layers, int64_t num_blocks, int64_t num_parts,
+               std::vector<Plane> planes);
     // kvmove's own layout: one part per layer, planes back to back from base.
     static KVGeometry layer_major(uint64_t base, int64_t num_layers, int64_t num_blocks,
                                   uint64_t block_nbytes);
@@ -113,8 +114,7 @@ std::string copy_difference(const KVGeometry& a, const KVGeometry& b);
 // range that continues the previous one on both sides merges with it. Inputs must be
 // validated (ids in range, equal lengths, copy_difference empty).
 std::vector<RangePair> pair_ranges(const KVGeometry& here, const std::vector<BlockId>& here_ids,
-                                   const KVGeometry& there,
-                                   const std::vector<BlockId>& there_ids,
+                                   const KVGeometry& there, const std::vector<BlockId>& there_ids,
                                    const std::vector<int64_t>& layers);
 
 }  // namespace kvmove

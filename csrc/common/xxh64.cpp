@@ -14,7 +14,9 @@ constexpr uint64_t kPrime3 = 0x165667B19E3779F9ULL;
 constexpr uint64_t kPrime4 = 0x85EBCA77C2B2AE63ULL;
 constexpr uint64_t kPrime5 = 0x27D4EB2F165667C5ULL;
 
-inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+inline uint64_t rotl(uint64_t x, int r) {
+    return (x << r) | (x >> (64 - r));
+}
 
 inline uint64_t load64(const unsigned char* p) {
     uint64_t v;
@@ -32,7 +34,9 @@ inline uint64_t xx_round(uint64_t acc, uint64_t lane) {
     return rotl(acc + lane * kPrime2, 31) * kPrime1;
 }
 
-inline uint64_t merge(uint64_t acc, uint64_t v) { return (acc ^ xx_round(0, v)) * kPrime1 + kPrime4; }
+inline uint64_t merge(uint64_t acc, uint64_t v) {
+    return (acc ^ xx_round(0, v)) * kPrime1 + kPrime4;
+}
 
 uint64_t stripes(const unsigned char*& p, const unsigned char* end, uint64_t seed) {
     uint64_t v1 = seed + kPrime1 + kPrime2, v2 = seed + kPrime2, v3 = seed, v4 = seed - kPrime1;

@@ -23,8 +23,7 @@ CacheView view_of(const KVCache& cache, const std::vector<int64_t>& layers,
 
 // The given layers, checked; every layer when the list is empty.
 std::vector<int64_t> checked_layers(const KVCache& cache, const std::vector<int64_t>& layers) {
-    return cache.geometry().layers_or_all(layers.empty() ? std::nullopt
-                                                         : std::optional(layers));
+    return cache.geometry().layers_or_all(layers.empty() ? std::nullopt : std::optional(layers));
 }
 
 void check_shape(const KVCache& cache, const BlockShape& s, const char* side) {
@@ -99,8 +98,8 @@ namespace {
 
 // pack (unpack=false) or unpack, after checking ids, layers and the staging buffer's size.
 void move_packed(const KVCache& cache, const std::vector<BlockId>& ids,
-                 const std::vector<int64_t>& layers, uint64_t staging_addr,
-                 uint64_t staging_nbytes, bool unpack) {
+                 const std::vector<int64_t>& layers, uint64_t staging_addr, uint64_t staging_nbytes,
+                 bool unpack) {
     cache.geometry().check_ids(ids, "");
     const std::vector<int64_t> wanted = checked_layers(cache, layers);
     const uint64_t need = wanted.size() * ids.size() * cache.block_nbytes();
@@ -139,16 +138,16 @@ void convert_blocks(const KVCache& src, const BlockShape& src_shape,
     KVMOVE_CHECK(src_shape.num_kv_heads == dst_shape.num_kv_heads &&
                      src_shape.head_dim == dst_shape.head_dim,
                  Config,
-                 "heads and head_dim must match: source " << src_shape.num_kv_heads << " x "
-                     << src_shape.head_dim << ", destination " << dst_shape.num_kv_heads << " x "
-                     << dst_shape.head_dim);
+                 "heads and head_dim must match: source "
+                     << src_shape.num_kv_heads << " x " << src_shape.head_dim << ", destination "
+                     << dst_shape.num_kv_heads << " x " << dst_shape.head_dim);
     KVMOVE_CHECK(src.region().device() == dst.region().device(), Config,
                  "both caches must be in the same memory: source on device "
                      << src.region().device() << ", destination on " << dst.region().device()
                      << " (-1: host)");
-    KVMOVE_CHECK(src.num_layers() == dst.num_layers(), Config,
-                 "the caches have " << src.num_layers() << " and " << dst.num_layers()
-                                    << " layers");
+    KVMOVE_CHECK(
+        src.num_layers() == dst.num_layers(), Config,
+        "the caches have " << src.num_layers() << " and " << dst.num_layers() << " layers");
     KVMOVE_CHECK(num_tokens > 0, Config, "num_tokens must be positive, got " << num_tokens);
     const int64_t src_need = (num_tokens + src_shape.block_size - 1) / src_shape.block_size;
     const int64_t dst_need = (num_tokens + dst_shape.block_size - 1) / dst_shape.block_size;
@@ -161,18 +160,23 @@ void convert_blocks(const KVCache& src, const BlockShape& src_shape,
     src.geometry().check_ids(src_ids, "");
     dst.geometry().check_ids(dst_ids, "");
     const std::vector<int64_t> wanted = checked_layers(src, layers);
-    ConvertPlan plan{view_of(src, wanted, src_shape), view_of(dst, wanted, dst_shape), src_ids,
-                     dst_ids, num_tokens, reinterpret_cast<float*>(scales_addr)};
+    ConvertPlan plan{view_of(src, wanted, src_shape),
+                     view_of(dst, wanted, dst_shape),
+                     src_ids,
+                     dst_ids,
+                     num_tokens,
+                     reinterpret_cast<float*>(scales_addr)};
     const bool fp8_src = src_shape.dtype == DType::Float8;
     const bool fp8_dst = dst_shape.dtype == DType::Float8;
     KVMOVE_CHECK(!(fp8_src && fp8_dst), Config,
                  "float8 to float8 takes one scale buffer per side: convert through float16");
     if (fp8_src || fp8_dst) {
-        const uint64_t need = wanted.size() * (fp8_dst ? dst_ids.size() : src_ids.size()) * 2 *
-                              sizeof(float);
+        const uint64_t need =
+            wanted.size() * (fp8_dst ? dst_ids.size() : src_ids.size()) * 2 * sizeof(float);
         KVMOVE_CHECK(scales_addr != 0 && scales_nbytes >= need, Config,
                      "a float8 side needs a float32 scales buffer of " << need << " B (layers x "
-                         << "blocks x K/V), got " << scales_nbytes << " B");
+                                                                       << "blocks x K/V), got "
+                                                                       << scales_nbytes << " B");
     }
     if (&src == &dst) {
         std::vector<BlockId> a = src_ids, b = dst_ids;

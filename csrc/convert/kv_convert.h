@@ -21,8 +21,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "memory/kv_cache.h"
 #include "convert/kv_convert_math.h"
+#include "memory/kv_cache.h"
 
 namespace kvmove {
 

@@ -22,9 +22,11 @@ constexpr float kFloat8Max = 448.0f;
 KVMOVE_HD int64_t element_index(const BlockShape& s, int kv, int token, int head, int dim) {
     return s.head_major
                ? ((static_cast<int64_t>(kv) * s.num_kv_heads + head) * s.block_size + token) *
-                         s.head_dim + dim
+                         s.head_dim +
+                     dim
                : ((static_cast<int64_t>(kv) * s.block_size + token) * s.num_kv_heads + head) *
-                         s.head_dim + dim;
+                         s.head_dim +
+                     dim;
 }
 
 KVMOVE_HD uint32_t float_bits(float f) {
@@ -81,7 +83,9 @@ KVMOVE_HD uint16_t float_to_half(float f) {
     return static_cast<uint16_t>(sign | ((rounded - 0x38000000u) >> 13));
 }
 
-KVMOVE_HD float bf16_to_float(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
+KVMOVE_HD float bf16_to_float(uint16_t b) {
+    return bits_float(static_cast<uint32_t>(b) << 16);
+}
 
 KVMOVE_HD uint16_t float_to_bf16(float f) {
     const uint32_t u = float_bits(f);
@@ -173,6 +177,8 @@ KVMOVE_HD void store_element(char* block, DType t, int64_t index, float value) {
 }
 
 // The scale that maps a block's amax to kFloat8Max (1 for an all-zero block).
-KVMOVE_HD float fp8_scale(float amax) { return amax > 0.0f ? amax / kFloat8Max : 1.0f; }
+KVMOVE_HD float fp8_scale(float amax) {
+    return amax > 0.0f ? amax / kFloat8Max : 1.0f;
+}
 
 }  // namespace kvmove

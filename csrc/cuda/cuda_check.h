@@ -7,12 +7,12 @@
 
 #include "common/errors.h"
 
-#define KVMOVE_CUDA_CHECK(expr, stream_expr)                                                 \
-    do {                                                                                     \
-        cudaError_t kvmove_err_ = (expr);                                                    \
-        if (kvmove_err_ != cudaSuccess) {                                                    \
-            cudaGetLastError();                                                              \
-            KVMOVE_FAIL(Cuda, stream_expr << ": " #expr " failed: "                          \
-                                          << cudaGetErrorString(kvmove_err_));               \
-        }                                                                                    \
+#define KVMOVE_CUDA_CHECK(expr, stream_expr)                                                       \
+    do {                                                                                           \
+        cudaError_t kvmove_err_ = (expr);                                                          \
+        if (kvmove_err_ != cudaSuccess) {                                                          \
+            cudaGetLastError();                                                                    \
+            KVMOVE_FAIL(Cuda,                                                                      \
+                        stream_expr << ": " #expr " failed: " << cudaGetErrorString(kvmove_err_)); \
+        }                                                                                          \
     } while (0)

@@ -1,12 +1,14 @@
 // Polling CUDA events for the CUDA build (see csrc/cuda_event.h).
 #include <cuda_runtime_api.h>
 
-#include "cuda/cuda_event.h"
 #include "common/errors.h"
+#include "cuda/cuda_event.h"
 
 namespace kvmove {
 
-bool cuda_events_supported() { return true; }
+bool cuda_events_supported() {
+    return true;
+}
 
 bool cuda_event_done(uintptr_t event) {
     KVMOVE_CHECK(event != 0, Cuda, "CUDA event handle is null");
@@ -18,8 +20,8 @@ bool cuda_event_done(uintptr_t event) {
         return false;
     }
     cudaGetLastError();  // clear the sticky-free error so later calls are not blamed
-    KVMOVE_FAIL(Cuda, "waiting for CUDA event 0x" << std::hex << event << ": "
-                                                  << cudaGetErrorString(err));
+    KVMOVE_FAIL(
+        Cuda, "waiting for CUDA event 0x" << std::hex << event << ": " << cudaGetErrorString(err));
 }
 
 }  // namespace kvmove

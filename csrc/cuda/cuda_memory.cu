@@ -2,8 +2,8 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda/cuda_check.h"
-#include "cuda/device_guard.h"
 #include "cuda/cuda_memory.h"
+#include "cuda/device_guard.h"
 
 namespace kvmove {
 
@@ -43,7 +43,9 @@ bool cuda_pin(void* p, uint64_t nbytes) {
     return true;
 }
 
-void cuda_unpin(void* p) noexcept { cudaHostUnregister(p); }
+void cuda_unpin(void* p) noexcept {
+    cudaHostUnregister(p);
+}
 
 void cuda_copy(void* dst, const void* src, uint64_t nbytes) {
     KVMOVE_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, 0),

@@ -1,11 +1,11 @@
 // The CPU-only build's answers; csrc/cuda/*.cu replace them under KVMOVE_CUDA=1.
 #ifndef KVMOVE_WITH_CUDA
 
+#include "common/errors.h"
+#include "convert/kv_convert.h"
 #include "cuda/cuda_event.h"
 #include "cuda/cuda_memory.h"
 #include "cuda/cuda_status.h"
-#include "common/errors.h"
-#include "convert/kv_convert.h"
 
 namespace kvmove {
 
@@ -13,18 +13,21 @@ CudaStatus cuda_status() {
     return {false, 0, "kvmove was built without CUDA (rebuild with KVMOVE_CUDA=1)"};
 }
 
-bool cuda_events_supported() { return false; }
+bool cuda_events_supported() {
+    return false;
+}
 
 bool cuda_event_done(uintptr_t) {
-    KVMOVE_FAIL(Cuda, "kvmove was built without CUDA: it cannot wait for CUDA events "
-                      "(rebuild with KVMOVE_CUDA=1)");
+    KVMOVE_FAIL(Cuda,
+                "kvmove was built without CUDA: it cannot wait for CUDA events "
+                "(rebuild with KVMOVE_CUDA=1)");
 }
 
 namespace {
 
 [[noreturn]] void no_cuda(const char* what) {
-    KVMOVE_FAIL(Cuda, "kvmove was built without CUDA: it cannot " << what
-                                                                   << " (rebuild with KVMOVE_CUDA=1)");
+    KVMOVE_FAIL(Cuda, "kvmove was built without CUDA: it cannot "
+                          << what << " (rebuild with KVMOVE_CUDA=1)");
 }
 
 }  // namespace
@@ -37,19 +40,27 @@ void* cuda_alloc(int device, uint64_t nbytes) {
 
 void cuda_free(int, void*) noexcept {}
 
-bool cuda_pin(void*, uint64_t) { return false; }
+bool cuda_pin(void*, uint64_t) {
+    return false;
+}
 
 void cuda_unpin(void*) noexcept {}
 
-void cuda_copy(void*, const void*, uint64_t) { no_cuda("copy device memory"); }
+void cuda_copy(void*, const void*, uint64_t) {
+    no_cuda("copy device memory");
+}
 
-void cuda_synchronize(int) { no_cuda("synchronize a device"); }
+void cuda_synchronize(int) {
+    no_cuda("synchronize a device");
+}
 
 void pack_blocks_cuda(const CacheView&, const std::vector<int64_t>&, char*, bool) {
     no_cuda("pack device blocks");
 }
 
-void convert_blocks_cuda(const ConvertPlan&) { no_cuda("convert device blocks"); }
+void convert_blocks_cuda(const ConvertPlan&) {
+    no_cuda("convert device blocks");
+}
 
 }  // namespace kvmove
 

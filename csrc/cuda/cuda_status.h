@@ -6,8 +6,8 @@
 namespace kvmove {
 
 struct CudaStatus {
-    bool built;        // compiled with KVMOVE_CUDA=1
-    int device_count;  // 0 unless built and a driver sees devices
+    bool built;          // compiled with KVMOVE_CUDA=1
+    int device_count;    // 0 unless built and a driver sees devices
     std::string reason;  // why device_count is 0, empty otherwise
 };
 

@@ -10,9 +10,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "convert/kv_convert.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_guard.h"
-#include "convert/kv_convert.h"
 
 namespace kvmove {
 
@@ -89,13 +89,13 @@ struct ConvertArgs {
     float* scales;
 };
 
-__device__ float convert_value(const ConvertArgs& a, int64_t li, int kv, int64_t t, int h,
-                               int x) {
+__device__ float convert_value(const ConvertArgs& a, int64_t li, int kv, int64_t t, int h, int x) {
     const BlockShape& s = a.src_shape;
     const int64_t sb = t / s.block_size;
-    const char* block = reinterpret_cast<const char*>(block_address(a.src_planes[li], a.src_ids[sb]));
-    const float scale = s.dtype == DType::Float8 ? a.scales[(li * a.num_src_ids + sb) * 2 + kv]
-                                                 : 1.0f;
+    const char* block =
+        reinterpret_cast<const char*>(block_address(a.src_planes[li], a.src_ids[sb]));
+    const float scale =
+        s.dtype == DType::Float8 ? a.scales[(li * a.num_src_ids + sb) * 2 + kv] : 1.0f;
     return load_element(block, s.dtype,
                         element_index(s, kv, static_cast<int>(t % s.block_size), h, x)) *
            scale;
@@ -121,17 +121,17 @@ __global__ void convert_kernel(ConvertArgs a) {
             float amax = 0.0f;
             for (int64_t e = threadIdx.x; e < elements; e += blockDim.x) {
                 const int64_t t = first + e / per_token;
-                amax = fmaxf(amax, fabsf(convert_value(a, li, kv, t,
-                                                       static_cast<int>((e / d.head_dim) %
-                                                                        d.num_kv_heads),
-                                                       static_cast<int>(e % d.head_dim))));
+                amax = fmaxf(
+                    amax, fabsf(convert_value(a, li, kv, t,
+                                              static_cast<int>((e / d.head_dim) % d.num_kv_heads),
+                                              static_cast<int>(e % d.head_dim))));
             }
             partial[threadIdx.x] = amax;
             __syncthreads();
             for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
                 if (threadIdx.x < stride) {
-                    partial[threadIdx.x] = fmaxf(partial[threadIdx.x],
-                                                 partial[threadIdx.x + stride]);
+                    partial[threadIdx.x] =
+                        fmaxf(partial[threadIdx.x], partial[threadIdx.x + stride]);
                 }
                 __syncthreads();
             }
@@ -146,8 +146,7 @@ __global__ void convert_kernel(ConvertArgs a) {
             const int64_t t = first + e / per_token;
             const int h = static_cast<int>((e / d.head_dim) % d.num_kv_heads);
             const int x = static_cast<int>(e % d.head_dim);
-            store_element(block, d.dtype,
-                          element_index(d, kv, static_cast<int>(t - first), h, x),
+            store_element(block, d.dtype, element_index(d, kv, static_cast<int>(t - first), h, x),
                           convert_value(a, li, kv, t, h, x) / scale);
         }
     }

@@ -107,8 +107,7 @@ void BlockPool::reject_free(const std::vector<BlockId>& ids, BlockId id) const {
     auto count = std::count(ids.begin(), ids.end(), id);
     KVMOVE_CHECK(ref_count_[id] > 0, Block, "cannot free block " << id << ": it is free");
     KVMOVE_FAIL(Block, "cannot free block " << id << " " << count
-                                            << " times: its reference count is "
-                                            << ref_count_[id]);
+                                            << " times: its reference count is " << ref_count_[id]);
 }
 
 void BlockPool::share(const std::vector<BlockId>& ids) {
@@ -116,9 +115,9 @@ void BlockPool::share(const std::vector<BlockId>& ids) {
     for (BlockId id : ids) {
         check_id(id, "share");
         KVMOVE_CHECK(ref_count_[id] > 0, Block,
-                     "cannot share block " << id << ": it is not allocated"
-                                           << (has_hash_[id] ? " (match() revives cached blocks)"
-                                                             : ""));
+                     "cannot share block "
+                         << id << ": it is not allocated"
+                         << (has_hash_[id] ? " (match() revives cached blocks)" : ""));
     }
     for (BlockId id : ids) {
         ++ref_count_[id];
@@ -184,9 +183,9 @@ std::optional<BlockHash> BlockPool::block_hash(BlockId id) const {
 }
 
 void BlockPool::check_id(BlockId id, const char* action) const {
-    KVMOVE_CHECK(id >= 0 && id < num_blocks_, Block,
-                 "cannot " << action << " block " << id << ": ids are in [0, " << num_blocks_
-                           << ")");
+    KVMOVE_CHECK(
+        id >= 0 && id < num_blocks_, Block,
+        "cannot " << action << " block " << id << ": ids are in [0, " << num_blocks_ << ")");
 }
 
 void BlockPool::evict_lru() {

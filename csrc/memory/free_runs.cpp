@@ -6,8 +6,12 @@ namespace {
 
 constexpr uint64_t kOne = 1;
 
-inline int lowest_bit(uint64_t x) { return __builtin_ctzll(x); }
-inline int highest_bit(uint64_t x) { return 63 - __builtin_clzll(x); }
+inline int lowest_bit(uint64_t x) {
+    return __builtin_ctzll(x);
+}
+inline int highest_bit(uint64_t x) {
+    return 63 - __builtin_clzll(x);
+}
 
 }  // namespace
 
@@ -113,7 +117,8 @@ int32_t FreeRuns::shortest_at_least(int32_t num) const {
     // The next non-empty word after `word`, through the summary.
     size_t next = word + 1;
     for (size_t s = next / 64; s < word_bits_.size(); ++s) {
-        uint64_t words = word_bits_[s] & (s == next / 64 ? ~uint64_t{0} << (next % 64) : ~uint64_t{0});
+        uint64_t words =
+            word_bits_[s] & (s == next / 64 ? ~uint64_t{0} << (next % 64) : ~uint64_t{0});
         if (words != 0) {
             size_t w = s * 64 + lowest_bit(words);
             return static_cast<int32_t>(w * 64 + lowest_bit(len_bits_[w]));

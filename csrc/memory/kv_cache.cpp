@@ -3,8 +3,8 @@
 #include <climits>
 #include <cstring>
 
-#include "cuda/cuda_memory.h"
 #include "common/errors.h"
+#include "cuda/cuda_memory.h"
 
 namespace kvmove {
 
@@ -60,9 +60,10 @@ void copy_blocks(const KVCache& src, const std::vector<BlockId>& src_ids, KVCach
                      << dst_ids.size() << " for " << src_ids.size());
     std::string difference = copy_difference(src.geometry(), dst.geometry());
     KVMOVE_CHECK(difference.empty(), Config,
-                 "copy_blocks needs caches of the same shape, got " << src.num_layers() << " x "
-                     << src.block_nbytes() << " B and " << dst.num_layers() << " x "
-                     << dst.block_nbytes() << " B (layers x bytes per block and layer)");
+                 "copy_blocks needs caches of the same shape, got "
+                     << src.num_layers() << " x " << src.block_nbytes() << " B and "
+                     << dst.num_layers() << " x " << dst.block_nbytes()
+                     << " B (layers x bytes per block and layer)");
     src.geometry().check_ids(src_ids, "source");
     dst.geometry().check_ids(dst_ids, "destination");
     const bool device = src.region().on_device() || dst.region().on_device();

@@ -5,8 +5,8 @@
 #include <cerrno>
 #include <cstring>
 
-#include "cuda/cuda_memory.h"
 #include "common/errors.h"
+#include "cuda/cuda_memory.h"
 
 namespace kvmove {
 
@@ -40,8 +40,8 @@ Region::Region(uint64_t nbytes, bool huge_pages, int device, bool pin)
     if (device >= 0) {
         KVMOVE_CHECK(!huge_pages && !pin, Config,
                      "huge_pages and pin apply to host memory, not to CUDA device " << device);
-        mapping_ = std::unique_ptr<char, RegionFree>(
-            static_cast<char*>(cuda_alloc(device, nbytes)), RegionFree{0, device, nullptr});
+        mapping_ = std::unique_ptr<char, RegionFree>(static_cast<char*>(cuda_alloc(device, nbytes)),
+                                                     RegionFree{0, device, nullptr});
         return;
     }
     // Over-map by one huge page so the data can start on a 2 MiB boundary.

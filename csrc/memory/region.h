@@ -16,8 +16,8 @@ namespace kvmove {
 // Frees what a Region holds: unpins and unmaps host memory, or frees device memory.
 struct RegionFree {
     size_t mapped_nbytes = 0;
-    int device = -1;          // >= 0: the pointer is cudaMalloc'ed on this device
-    void* pinned = nullptr;   // host memory page-locked at this address
+    int device = -1;         // >= 0: the pointer is cudaMalloc'ed on this device
+    void* pinned = nullptr;  // host memory page-locked at this address
     void operator()(char* p) const;
 };
 

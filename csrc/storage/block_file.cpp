@@ -9,16 +9,20 @@
 #include <cstring>
 #include <future>
 
-#include "common/xxh64.h"
 #include "common/errors.h"
+#include "common/xxh64.h"
 
 namespace kvmove {
 
-void StagingFree::operator()(char* p) const { std::free(p); }
+void StagingFree::operator()(char* p) const {
+    std::free(p);
+}
 
 namespace {
 
-uint64_t round_up(uint64_t n, uint64_t align) { return (n + align - 1) / align * align; }
+uint64_t round_up(uint64_t n, uint64_t align) {
+    return (n + align - 1) / align * align;
+}
 
 // Writes all of [data, data + nbytes) at offset; 0, or the errno of the failure.
 int pwrite_all(int fd, const char* data, uint64_t nbytes, uint64_t offset) {
@@ -84,8 +88,7 @@ int64_t pread_parallel(int fd, char* data, uint64_t nbytes, uint64_t offset) {
 
 }  // namespace
 
-BlockFile::BlockFile(const std::string& path, uint64_t block_nbytes, int64_t num_slots,
-                     bool direct)
+BlockFile::BlockFile(const std::string& path, uint64_t block_nbytes, int64_t num_slots, bool direct)
     : path_(path),
       block_nbytes_(block_nbytes),
       slot_nbytes_(round_up(block_nbytes, kSlotAlign)),
@@ -98,7 +101,8 @@ BlockFile::BlockFile(const std::string& path, uint64_t block_nbytes, int64_t num
     if (fd_ < 0) {  // not asked for, or the file system refuses O_DIRECT (tmpfs: EINVAL)
         fd_ = ::open(path.c_str(), flags, 0644);
     }
-    KVMOVE_CHECK(fd_ >= 0, Store, "cannot open block file " << path << ": " << std::strerror(errno));
+    KVMOVE_CHECK(fd_ >= 0, Store,
+                 "cannot open block file " << path << ": " << std::strerror(errno));
     const uint64_t file_nbytes = slot_nbytes_ * static_cast<uint64_t>(num_slots);
     if (::ftruncate(fd_, static_cast<off_t>(file_nbytes)) != 0) {
         int err = errno;
@@ -111,14 +115,15 @@ BlockFile::BlockFile(const std::string& path, uint64_t block_nbytes, int64_t num
         void* p = nullptr;
         if (posix_memalign(&p, kSlotAlign, staging_nbytes_) != 0) {
             ::close(fd_);
-            KVMOVE_FAIL(Allocation, "cannot allocate a " << staging_nbytes_
-                                                         << " B staging buffer");
+            KVMOVE_FAIL(Allocation, "cannot allocate a " << staging_nbytes_ << " B staging buffer");
         }
         buffer.reset(static_cast<char*>(p));
     }
 }
 
-BlockFile::~BlockFile() { close(); }
+BlockFile::~BlockFile() {
+    close();
+}
 
 void BlockFile::close() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -136,15 +141,16 @@ void BlockFile::check_args(const KVCache& cache, const std::vector<BlockId>& ids
                  "the cache's blocks are " << cache_block_nbytes << " B, this block file's are "
                                            << block_nbytes_ << " B");
     KVMOVE_CHECK(ids.size() == slots.size() && ids.size() == num_hashes, Config,
-                 "need one slot and one hash per block id, got " << ids.size() << " ids, "
-                     << slots.size() << " slots and " << num_hashes << " hashes");
+                 "need one slot and one hash per block id, got "
+                     << ids.size() << " ids, " << slots.size() << " slots and " << num_hashes
+                     << " hashes");
     for (size_t i = 0; i < ids.size(); ++i) {
         KVMOVE_CHECK(ids[i] >= 0 && ids[i] < cache.num_blocks(), Block,
                      "block id " << ids[i] << " is out of range: ids are in [0, "
                                  << cache.num_blocks() << ")");
-        KVMOVE_CHECK(slots[i] >= 0 && slots[i] < num_slots_, Config,
-                     "slot " << slots[i] << " is out of range: slots are in [0, " << num_slots_
-                             << ")");
+        KVMOVE_CHECK(
+            slots[i] >= 0 && slots[i] < num_slots_, Config,
+            "slot " << slots[i] << " is out of range: slots are in [0, " << num_slots_ << ")");
     }
 }
 
@@ -153,8 +159,7 @@ std::vector<std::pair<size_t, size_t>> BlockFile::chunks(const std::vector<int64
     std::vector<std::pair<size_t, size_t>> out;
     for (size_t begin = 0; begin < slots.size();) {
         size_t end = begin + 1;
-        while (end < slots.size() && end - begin < max_slots &&
-               slots[end] == slots[end - 1] + 1) {
+        while (end < slots.size() && end - begin < max_slots && slots[end] == slots[end - 1] + 1) {
             ++end;
         }
         out.emplace_back(begin, end);
@@ -181,9 +186,9 @@ std::vector<uint64_t> BlockFile::write(const KVCache& cache, const std::vector<B
     uint64_t in_flight_offset = 0;
     auto check_written = [&] {
         int err = in_flight.valid() ? in_flight.get() : 0;
-        KVMOVE_CHECK(err == 0, Store, "cannot write at offset " << in_flight_offset << " of "
-                                                                << path_ << ": "
-                                                                << std::strerror(err));
+        KVMOVE_CHECK(err == 0, Store,
+                     "cannot write at offset " << in_flight_offset << " of " << path_ << ": "
+                                               << std::strerror(err));
     };
     size_t k = 0;
     for (auto [begin, end] : chunks(slots)) {
@@ -203,15 +208,14 @@ std::vector<uint64_t> BlockFile::write(const KVCache& cache, const std::vector<B
         if (device) {  // once the device's copies into the staging buffer are done
             sync_devices(cache, cache);
             for (size_t i = begin; i < end; ++i) {
-                checksums[i] = xxh64(buffer + (i - begin) * slot_nbytes_, block_nbytes_,
-                                     hashes[i]);
+                checksums[i] = xxh64(buffer + (i - begin) * slot_nbytes_, block_nbytes_, hashes[i]);
             }
         }
         check_written();  // the chunk before: its buffer is the one we fill next
         const uint64_t nbytes = (end - begin) * slot_nbytes_;
         in_flight_offset = static_cast<uint64_t>(slots[begin]) * slot_nbytes_;
-        in_flight = std::async(std::launch::async, pwrite_all, fd_, buffer, nbytes,
-                               in_flight_offset);
+        in_flight =
+            std::async(std::launch::async, pwrite_all, fd_, buffer, nbytes, in_flight_offset);
     }
     check_written();
     return checksums;
@@ -222,9 +226,9 @@ std::vector<uint8_t> BlockFile::read(KVCache& cache, const std::vector<BlockId>&
                                      const std::vector<uint64_t>& hashes,
                                      const std::vector<uint64_t>& checksums) {
     check_args(cache, ids, slots, hashes.size());
-    KVMOVE_CHECK(checksums.size() == ids.size(), Config,
-                 "need one checksum per block id, got " << checksums.size() << " for "
-                                                        << ids.size());
+    KVMOVE_CHECK(
+        checksums.size() == ids.size(), Config,
+        "need one checksum per block id, got " << checksums.size() << " for " << ids.size());
     std::lock_guard<std::mutex> lock(mu_);
     const uint64_t layer_nbytes = cache.block_nbytes();
     const bool device = cache.region().on_device();

@@ -14,7 +14,9 @@ namespace {
 
 constexpr double kNever = std::numeric_limits<double>::quiet_NaN();
 
-std::chrono::duration<double> seconds(double s) { return std::chrono::duration<double>(s); }
+std::chrono::duration<double> seconds(double s) {
+    return std::chrono::duration<double>(s);
+}
 
 }  // namespace
 
@@ -80,7 +82,9 @@ std::string SaveStream::describe() const {
     return "request '" + request_id_ + "' with '" + peer_ + "'";
 }
 
-void SaveStream::raise_failure_locked() const { throw Error(error_kind_, error_); }
+void SaveStream::raise_failure_locked() const {
+    throw Error(error_kind_, error_);
+}
 
 void SaveStream::save_layer(int64_t layer, uintptr_t cuda_event) {
     protocol_->check_open();
@@ -92,9 +96,9 @@ void SaveStream::save_layer(int64_t layer, uintptr_t cuda_event) {
         KVMOVE_CHECK(end_ == StreamEnd::None, Config,
                      "cannot save layer " << layer << " of " << describe() << " after "
                                           << (end_ == StreamEnd::Abort ? "abort()" : "finish()"));
-        KVMOVE_CHECK(layer >= 0 && layer < num_layers_, Config,
-                     "layer " << layer << " is out of range: layers are in [0, " << num_layers_
-                              << ")");
+        KVMOVE_CHECK(
+            layer >= 0 && layer < num_layers_, Config,
+            "layer " << layer << " is out of range: layers are in [0, " << num_layers_ << ")");
         KVMOVE_CHECK(!saved_[layer], Config,
                      "layer " << layer << " of " << describe()
                               << " was already saved: each layer is saved once");
@@ -111,18 +115,18 @@ void SaveStream::save_layer(int64_t layer, uintptr_t cuda_event) {
 
 void SaveStream::finish(const std::string& payload) {
     protocol_->check_open();
-    KVMOVE_CHECK(payload.size() <= kMaxPayloadBytes, Config,
-                 "payload of " << payload.size() << " bytes exceeds the limit of "
-                               << kMaxPayloadBytes);
+    KVMOVE_CHECK(
+        payload.size() <= kMaxPayloadBytes, Config,
+        "payload of " << payload.size() << " bytes exceeds the limit of " << kMaxPayloadBytes);
     bool due = false;
     {
         std::lock_guard<std::mutex> lock(mu_);
         if (state_ == StreamState::Failed) {
             raise_failure_locked();
         }
-        KVMOVE_CHECK(end_ == StreamEnd::None, Config,
-                     describe() << " was already "
-                                << (end_ == StreamEnd::Abort ? "aborted" : "finished"));
+        KVMOVE_CHECK(
+            end_ == StreamEnd::None, Config,
+            describe() << " was already " << (end_ == StreamEnd::Abort ? "aborted" : "finished"));
         if (num_saved_ < num_layers_) {
             std::ostringstream missing;
             int shown = 0;
@@ -232,7 +236,6 @@ void SaveStream::record_posted(int64_t layer) {
     times_[layer].posted = steady_seconds();
 }
 
-
 LoadStream::LoadStream(StreamProtocol* protocol, std::string peer, std::string request_id,
                        std::vector<BlockId> local_ids, int64_t num_layers)
     : StreamCompletion(num_layers),
@@ -244,16 +247,20 @@ LoadStream::LoadStream(StreamProtocol* protocol, std::string peer, std::string r
       ids_hash_(hash_ids(local_ids_)),
       ready_(static_cast<size_t>(num_layers), false) {}
 
-void LoadStream::start_load() { protocol_->start_load(*this); }
+void LoadStream::start_load() {
+    protocol_->start_load(*this);
+}
 
-void LoadStream::cancel() { protocol_->cancel_load(*this); }
+void LoadStream::cancel() {
+    protocol_->cancel_load(*this);
+}
 
 void LoadStream::check_startable() const {
     std::lock_guard<std::mutex> lock(mu_);
     KVMOVE_CHECK(!started_ && state_ == StreamState::Open, Config,
-                 "start_load() of request '" << request_id_ << "' with '" << peer_ << "'"
-                                             << (started_ ? " was already called"
-                                                          : " after cancel()"));
+                 "start_load() of request '"
+                     << request_id_ << "' with '" << peer_ << "'"
+                     << (started_ ? " was already called" : " after cancel()"));
 }
 
 void LoadStream::mark_started() {
@@ -285,8 +292,8 @@ bool LoadStream::apply(int32_t layer, bool final, const std::string& payload) {
 
 void LoadStream::raise_if_ended() const {
     if (state_ == StreamState::Aborted) {
-        KVMOVE_FAIL(Transfer, "request '" << request_id_ << "' was aborted by its sender '"
-                                          << peer_ << "'");
+        KVMOVE_FAIL(Transfer,
+                    "request '" << request_id_ << "' was aborted by its sender '" << peer_ << "'");
     }
     if (state_ == StreamState::Failed) {
         throw Error(error_kind_, error_);
@@ -300,14 +307,13 @@ void LoadStream::wait_for_layer(int64_t layer, double timeout_seconds) const {
     std::unique_lock<std::mutex> lock(mu_);
     KVMOVE_CHECK(started_ || state_ != StreamState::Open, Config,
                  "request '" << request_id_ << "': call start_load() before waiting");
-    bool ready = cv_.wait_for(lock, seconds(timeout_seconds), [&] {
-        return ready_[layer] || state_ != StreamState::Open;
-    });
+    bool ready = cv_.wait_for(lock, seconds(timeout_seconds),
+                              [&] { return ready_[layer] || state_ != StreamState::Open; });
     raise_if_ended();
     KVMOVE_CHECK(ready, Timeout,
                  "layer " << layer << " of request '" << request_id_ << "' from '" << peer_
-                          << "' not in after " << timeout_seconds << " s (" << num_ready_
-                          << " of " << num_layers_ << " layers are)");
+                          << "' not in after " << timeout_seconds << " s (" << num_ready_ << " of "
+                          << num_layers_ << " layers are)");
 }
 
 std::string LoadStream::wait_all(double timeout_seconds) const {

@@ -2,8 +2,8 @@
 
 #include <cstring>
 
-#include "common/xxh64.h"
 #include "common/errors.h"
+#include "common/xxh64.h"
 
 namespace kvmove {
 
@@ -59,12 +59,12 @@ StreamMessage decode_stream_message(const void* data, size_t nbytes) {
     m.layer = static_cast<int32_t>(get<uint32_t>(p + 4));
     m.ids_hash = get<uint64_t>(p + 8);
     m.serial = get<uint64_t>(p + 16);
-    KVMOVE_CHECK(id_nbytes >= 1 && id_nbytes <= kMaxRequestIdBytes, Metadata,
-                 "stream message request id of " << id_nbytes << " bytes, limit 1.."
-                                                 << kMaxRequestIdBytes);
+    KVMOVE_CHECK(
+        id_nbytes >= 1 && id_nbytes <= kMaxRequestIdBytes, Metadata,
+        "stream message request id of " << id_nbytes << " bytes, limit 1.." << kMaxRequestIdBytes);
     KVMOVE_CHECK(kFixedBytes + id_nbytes <= nbytes, Metadata,
-                 "stream message of " << nbytes << " bytes is too short for its "
-                                      << id_nbytes << "-byte request id");
+                 "stream message of " << nbytes << " bytes is too short for its " << id_nbytes
+                                      << "-byte request id");
     m.request_id.assign(reinterpret_cast<const char*>(p + kFixedBytes), id_nbytes);
     size_t rest = nbytes - kFixedBytes - id_nbytes;
     KVMOVE_CHECK(rest == 0 || m.kind == MessageKind::Final, Metadata,

@@ -18,9 +18,9 @@ std::string describe(const std::string& request_id, const std::string& peer) {
 }
 
 void check_request_id(const std::string& request_id) {
-    KVMOVE_CHECK(!request_id.empty() && request_id.size() <= kMaxRequestIdBytes, Config,
-                 "request_id must be 1.." << kMaxRequestIdBytes << " bytes, got "
-                                          << request_id.size());
+    KVMOVE_CHECK(
+        !request_id.empty() && request_id.size() <= kMaxRequestIdBytes, Config,
+        "request_id must be 1.." << kMaxRequestIdBytes << " bytes, got " << request_id.size());
 }
 
 uint64_t random_serial() {
@@ -33,7 +33,9 @@ uint64_t random_serial() {
 StreamProtocol::StreamProtocol(StreamPort& port, const KVGeometry& local)
     : port_(port), local_(local), next_serial_(random_serial()) {}
 
-StreamProtocol::~StreamProtocol() { stop_posting(); }
+StreamProtocol::~StreamProtocol() {
+    stop_posting();
+}
 
 void StreamProtocol::check_open() const {
     KVMOVE_CHECK(!closed_, Config, "agent '" << port_.local_name() << "' is closed");
@@ -127,7 +129,7 @@ void StreamProtocol::post_layer(const std::shared_ptr<SaveStream>& s, int64_t la
     }
     s->record_posted(layer);
     StreamMessage message{MessageKind::Layer, s->request_id(), static_cast<int32_t>(layer),
-                          s->ids_hash(), s->serial(), ""};
+                          s->ids_hash(),      s->serial(),     ""};
     port_.put_then_send(s->peer(), s->local_ids(), s->remote_ids(), layer, encode(message),
                         [this, s, layer](const PortOutcome& o) { layer_result(s, layer, o); });
 }
@@ -161,8 +163,12 @@ void StreamProtocol::send_end(const std::shared_ptr<SaveStream>& s) {
         forget(*s);
         return;
     }
-    StreamMessage message{finish ? MessageKind::Final : MessageKind::Abort, s->request_id(), -1,
-                          s->ids_hash(), s->serial(), finish ? s->payload() : ""};
+    StreamMessage message{finish ? MessageKind::Final : MessageKind::Abort,
+                          s->request_id(),
+                          -1,
+                          s->ids_hash(),
+                          s->serial(),
+                          finish ? s->payload() : ""};
     // Every layer's flush completed, so the message needs none of its own; the receiver acks a
     // Final.
     port_.send(s->peer(), encode(message), finish,
@@ -256,9 +262,9 @@ void StreamProtocol::cancel_load(LoadStream& load) {
             loading_.erase(it);
             registered = true;
         }
-        if (load.complete(StreamState::Failed, ErrorKind::Transfer,
-                          describe(load.request_id(), load.peer()) +
-                              " was cancelled by the receiver") &&
+        if (load.complete(
+                StreamState::Failed, ErrorKind::Transfer,
+                describe(load.request_id(), load.peer()) + " was cancelled by the receiver") &&
             registered) {
             // Its stream may still be sending: no later load may take that.
             drop_rest(load, entry.bound, entry.serial);
@@ -293,21 +299,21 @@ void StreamProtocol::deliver(Loading& entry, const StreamMessage& m) {
     }
     bool ended = false;
     if (m.ids_hash != load->ids_hash()) {
-        ended = load->complete(StreamState::Failed, ErrorKind::Transfer,
-                               "sender '" + load->peer() + "' streamed request '" +
-                                   load->request_id() +
-                                   "' into other blocks than this load expects (ids hash differs)");
+        ended =
+            load->complete(StreamState::Failed, ErrorKind::Transfer,
+                           "sender '" + load->peer() + "' streamed request '" + load->request_id() +
+                               "' into other blocks than this load expects (ids hash differs)");
         if (ended && m.kind == MessageKind::Layer) {
             drop_rest(*load, entry.bound, entry.serial);
         }
     } else if (m.kind == MessageKind::Abort) {
         ended = load->complete(StreamState::Aborted);
     } else if (m.kind == MessageKind::Layer && (m.layer < 0 || m.layer >= load->num_layers())) {
-        ended = load->complete(StreamState::Failed, ErrorKind::Transfer,
-                               "sender '" + load->peer() + "' sent layer " +
-                                   std::to_string(m.layer) + " of request '" +
-                                   load->request_id() + "', layers are in [0, " +
-                                   std::to_string(load->num_layers()) + ")");
+        ended =
+            load->complete(StreamState::Failed, ErrorKind::Transfer,
+                           "sender '" + load->peer() + "' sent layer " + std::to_string(m.layer) +
+                               " of request '" + load->request_id() + "', layers are in [0, " +
+                               std::to_string(load->num_layers()) + ")");
     } else {
         ended = load->apply(m.layer, m.kind == MessageKind::Final, m.payload);
     }
@@ -334,8 +340,8 @@ void StreamProtocol::on_message(const std::string& sender, const void* data, siz
     }
     if (m.kind == MessageKind::Final && reply_to != nullptr) {
         // The bytes and the Final are here, whether claimed or not.
-        port_.reply(reply_to, encode(StreamMessage{MessageKind::Ack, m.request_id, -1,
-                                                   m.ids_hash, m.serial, ""}));
+        port_.reply(reply_to, encode(StreamMessage{MessageKind::Ack, m.request_id, -1, m.ids_hash,
+                                                   m.serial, ""}));
     }
     const StreamKey key{sender, m.request_id};
     if (drop_if_cancelled(key, m)) {
@@ -401,9 +407,9 @@ void StreamProtocol::peer_failed(const std::string& peer, ErrorKind kind,
                                  const std::string& reason) {
     for (auto it = sending_.begin(); it != sending_.end();) {
         if (it->first.first == peer) {
-            it->second->complete(StreamState::Failed, kind,
-                                 "stream of " + describe(it->first.second, peer) + " failed: " +
-                                     reason);
+            it->second->complete(
+                StreamState::Failed, kind,
+                "stream of " + describe(it->first.second, peer) + " failed: " + reason);
             it = sending_.erase(it);
         } else {
             ++it;
@@ -411,9 +417,9 @@ void StreamProtocol::peer_failed(const std::string& peer, ErrorKind kind,
     }
     for (auto it = loading_.begin(); it != loading_.end();) {
         if (it->first.first == peer) {
-            it->second.load->complete(StreamState::Failed, kind,
-                                      "load of " + describe(it->first.second, peer) +
-                                          " failed: " + reason);
+            it->second.load->complete(
+                StreamState::Failed, kind,
+                "load of " + describe(it->first.second, peer) + " failed: " + reason);
             it = loading_.erase(it);
         } else {
             ++it;

@@ -118,8 +118,8 @@ private:
 
     // Guarded by the port's lock.
     std::map<StreamKey, std::shared_ptr<SaveStream>> sending_;  // open streams by receiver
-    std::vector<std::shared_ptr<SaveStream>> ending_;  // Final/Abort due, sent by drain()
-    std::map<StreamKey, Loading> loading_;             // started loads by sender
+    std::vector<std::shared_ptr<SaveStream>> ending_;           // Final/Abort due, sent by drain()
+    std::map<StreamKey, Loading> loading_;                      // started loads by sender
     std::deque<Unclaimed> unclaimed_;
     std::map<StreamKey, Dropped> dropped_;
 

@@ -24,9 +24,9 @@ PortOutcome outcome_of(ucs_status_t status) {
             "UCX reported " + status_text(status)};
 }
 
-constexpr int kIdleSpins = 2000;          // progress calls with nothing done before sleeping
-constexpr int kSleepMs = 100;             // longest sleep; stop_ is checked at least this often
-constexpr double kCloseSeconds = 2.0;     // how long close() lets pending work finish
+constexpr int kIdleSpins = 2000;       // progress calls with nothing done before sleeping
+constexpr int kSleepMs = 100;          // longest sleep; stop_ is checked at least this often
+constexpr double kCloseSeconds = 2.0;  // how long close() lets pending work finish
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -55,13 +55,12 @@ Agent::Agent(std::string name, KVCache& cache, BlockShape shape, AgentConfig con
                  "peer_timeout must be positive and finite, got " << config_.peer_timeout_seconds);
     context_ = make_context(config_.transports, config_.peer_timeout_seconds);
     worker_ = make_worker(context_.get());
-    registration_ = std::make_unique<MemoryRegistration>(context_.get(), cache.region().data(),
-                                                         cache.region().nbytes(),
-                                                         cache.region().on_device());
+    registration_ = std::make_unique<MemoryRegistration>(
+        context_.get(), cache.region().data(), cache.region().nbytes(), cache.region().on_device());
     KVMOVE_UCX_CHECK(ucp_worker_get_efd(worker_.get(), &event_fd_), "cannot get the worker's fd");
     ucp_am_handler_param_t am{};
-    am.field_mask =
-        UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG;
     am.id = kNotifyAmId;
     am.cb = &Agent::on_notification;
     am.arg = this;
@@ -71,14 +70,22 @@ Agent::Agent(std::string name, KVCache& cache, BlockShape shape, AgentConfig con
     am.cb = &Agent::on_stream_am;
     KVMOVE_UCX_CHECK(ucp_worker_set_am_recv_handler(worker_.get(), &am),
                      "cannot install the layer stream handler");
-    AgentMetadata meta{name_, worker_address(worker_.get()), cache.region().addr(),
-                       cache.region().nbytes(), registration_->packed_rkey(), cache.num_layers(),
-                       cache.num_blocks(), cache.block_nbytes(), shape_};
+    AgentMetadata meta{name_,
+                       worker_address(worker_.get()),
+                       cache.region().addr(),
+                       cache.region().nbytes(),
+                       registration_->packed_rkey(),
+                       cache.num_layers(),
+                       cache.num_blocks(),
+                       cache.block_nbytes(),
+                       shape_};
     metadata_ = encode(meta);
     progress_thread_ = std::thread([this] { progress_loop(); });
 }
 
-Agent::~Agent() { close(); }
+Agent::~Agent() {
+    close();
+}
 
 void Agent::close() {
     if (closed_.exchange(true)) {
@@ -104,7 +111,8 @@ void Agent::close() {
     }
     streams_.close("agent '" + name_ + "' closed");
     for (auto& [name, peer] : peers_) {
-        double left = std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count();
+        double left =
+            std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count();
         peer->rkey.reset();
         peer->endpoint->close(!peer->failure.empty(), std::max(left, 0.05));
         detach_transfers(peer.get());
@@ -129,9 +137,9 @@ std::string Agent::add_peer(const std::vector<uint8_t>& metadata) {
                  "peer '" << meta.name << "' is already added to agent '" << name_ << "'");
     auto peer = std::make_unique<Peer>(this, meta);
     try {
-        peer->endpoint = std::make_unique<Endpoint>(worker_.get(), meta.worker_address,
-                                                    config_.peer_errors, &Agent::on_peer_error,
-                                                    peer.get());
+        peer->endpoint =
+            std::make_unique<Endpoint>(worker_.get(), meta.worker_address, config_.peer_errors,
+                                       &Agent::on_peer_error, peer.get());
     } catch (const Error& e) {
         KVMOVE_FAIL(Peer, "cannot reach peer '" << meta.name << "': " << e.what());
     }
@@ -149,7 +157,8 @@ void Agent::remove_peer(const std::string& name) {
     WorkerLock lock(*this);
     check_open();
     auto it = peers_.find(name);
-    KVMOVE_CHECK(it != peers_.end(), Peer, "unknown peer '" << name << "' for agent '" << name_ << "'");
+    KVMOVE_CHECK(it != peers_.end(), Peer,
+                 "unknown peer '" << name << "' for agent '" << name_ << "'");
     Peer& peer = *it->second;
     fail_peer_transfers(&peer, "the peer was removed");
     streams_.peer_failed(name, ErrorKind::Peer, "peer '" + name + "' was removed");
@@ -214,7 +223,8 @@ std::shared_ptr<Transfer> Agent::start(Direction direction, const std::string& p
 
 Agent::Peer& Agent::live_peer(const std::string& name) const {
     auto it = peers_.find(name);
-    KVMOVE_CHECK(it != peers_.end(), Peer, "unknown peer '" << name << "' for agent '" << name_ << "'");
+    KVMOVE_CHECK(it != peers_.end(), Peer,
+                 "unknown peer '" << name << "' for agent '" << name_ << "'");
     KVMOVE_CHECK(it->second->failure.empty(), Peer,
                  "peer '" << name << "' failed: " << it->second->failure);
     return *it->second;
@@ -224,8 +234,8 @@ void Agent::validate(const Peer& peer, Direction direction, const std::vector<Bl
                      const std::vector<BlockId>& remote_ids, const std::vector<int64_t>& layers,
                      const std::optional<std::string>& notify) const {
     const std::string& name = peer.meta.name;
-    std::string difference = shape_difference(cache_.num_layers(), shape_, peer.meta.num_layers,
-                                              peer.meta.shape, name);
+    std::string difference =
+        shape_difference(cache_.num_layers(), shape_, peer.meta.num_layers, peer.meta.shape, name);
     KVMOVE_CHECK(difference.empty(), Config, "KV layouts differ: " << difference);
     KVMOVE_CHECK(local_ids.size() == remote_ids.size(), Config,
                  "cannot pair " << local_ids.size() << " local blocks with " << remote_ids.size()
@@ -252,9 +262,9 @@ void Agent::validate(const Peer& peer, Direction direction, const std::vector<Bl
                      "layer " << layer << " is out of range: layers are in [0, "
                               << cache_.num_layers() << ")");
     }
-    KVMOVE_CHECK(!notify || notify->size() <= kMaxNotifyBytes, Config,
-                 "notification of " << notify->size() << " bytes exceeds the limit of "
-                                    << kMaxNotifyBytes);
+    KVMOVE_CHECK(
+        !notify || notify->size() <= kMaxNotifyBytes, Config,
+        "notification of " << notify->size() << " bytes exceeds the limit of " << kMaxNotifyBytes);
 }
 
 // One put or get per range (here: local, there: remote).
@@ -263,15 +273,13 @@ void Agent::post_ranges(Direction direction, Peer& peer, const std::vector<Range
     ucp_request_param_t param{};  // no callback: the flush that follows reports completion
     for (const RangePair& op : ranges) {
         void* local = reinterpret_cast<void*>(op.here);
-        ucs_status_ptr_t request =
-            direction == Direction::Put
-                ? ucp_put_nbx(peer.endpoint->get(), local, op.nbytes, op.there, peer.rkey.get(),
-                              &param)
-                : ucp_get_nbx(peer.endpoint->get(), local, op.nbytes, op.there, peer.rkey.get(),
-                              &param);
+        ucs_status_ptr_t request = direction == Direction::Put
+                                       ? ucp_put_nbx(peer.endpoint->get(), local, op.nbytes,
+                                                     op.there, peer.rkey.get(), &param)
+                                       : ucp_get_nbx(peer.endpoint->get(), local, op.nbytes,
+                                                     op.there, peer.rkey.get(), &param);
         if (UCS_PTR_IS_ERR(request)) {
-            transfer.fail(ErrorKind::Transfer, "posting " + std::to_string(op.nbytes) +
-                                                   " bytes: " +
+            transfer.fail(ErrorKind::Transfer, "posting " + std::to_string(op.nbytes) + " bytes: " +
                                                    status_text(UCS_PTR_STATUS(request)));
             return;
         }
@@ -392,8 +400,8 @@ void Agent::fail_peer_transfers(const Peer* peer, const std::string& reason) {
     }
 }
 
-ucs_status_t Agent::on_notification(void* arg, const void* header, size_t header_nbytes,
-                                    void* data, size_t nbytes, const ucp_am_recv_param_t*) {
+ucs_status_t Agent::on_notification(void* arg, const void* header, size_t header_nbytes, void* data,
+                                    size_t nbytes, const ucp_am_recv_param_t*) {
     auto agent = static_cast<Agent*>(arg);
     {
         std::lock_guard<std::mutex> lock(agent->notify_mu_);
@@ -417,8 +425,8 @@ std::pair<std::string, std::string> Agent::wait_notification(double timeout_seco
     bool got = notify_cv_.wait_for(lock, std::chrono::duration<double>(timeout_seconds),
                                    [this] { return !received_.empty() || closed_; });
     KVMOVE_CHECK(got && !received_.empty(), Timeout,
-                 "no notification for agent '" << name_ << "' within " << timeout_seconds
-                                               << " s" << (closed_ ? " (agent closed)" : ""));
+                 "no notification for agent '" << name_ << "' within " << timeout_seconds << " s"
+                                               << (closed_ ? " (agent closed)" : ""));
     auto out = std::move(received_.front());
     received_.pop_front();
     return out;
@@ -475,8 +483,8 @@ void Agent::put_then_send(const std::string& peer_name, const std::vector<BlockI
     Peer& peer = *peers_.at(peer_name);
     std::vector<RangePair> ranges =
         pair_ranges(cache_.geometry(), local_ids, peer.geometry, remote_ids, {layer});
-    auto transfer = std::make_shared<Transfer>(
-        peer_name, local_ids.size() * cache_.block_nbytes(), ranges.size());
+    auto transfer = std::make_shared<Transfer>(peer_name, local_ids.size() * cache_.block_nbytes(),
+                                               ranges.size());
     post_ranges(Direction::Put, peer, ranges, *transfer);
     if (transfer->state() != TransferState::Pending) {
         done({false, ErrorKind::Transfer, transfer->error()});
@@ -520,9 +528,8 @@ void Agent::reply(ReplyHandle to, std::string message) {
     param.cb.send = &free_reply;
     param.user_data = data;
     param.flags = UCP_AM_SEND_FLAG_EAGER;
-    ucs_status_ptr_t request =
-        ucp_am_send_nbx(static_cast<ucp_ep_h>(to), kStreamAmId, name_.data(), name_.size(),
-                        data->data(), data->size(), &param);
+    ucs_status_ptr_t request = ucp_am_send_nbx(static_cast<ucp_ep_h>(to), kStreamAmId, name_.data(),
+                                               name_.size(), data->data(), data->size(), &param);
     if (request == nullptr || UCS_PTR_IS_ERR(request)) {
         delete data;  // sent at once, or not at all: the sender's wait then fails or times out
     }

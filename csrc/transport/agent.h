@@ -117,8 +117,8 @@ private:
     void check_sender(const std::string& peer) const override;
     bool peer_alive(const std::string& peer) const override;
     void put_then_send(const std::string& peer, const std::vector<BlockId>& local_ids,
-                       const std::vector<BlockId>& remote_ids, int64_t layer,
-                       std::string message, PortDone done) override;
+                       const std::vector<BlockId>& remote_ids, int64_t layer, std::string message,
+                       PortDone done) override;
     void send(const std::string& peer, std::string message, bool want_reply,
               PortDone done) override;
     void reply(ReplyHandle to, std::string message) override;
@@ -143,7 +143,7 @@ private:
     std::vector<uint8_t> metadata_;
     int event_fd_ = -1;
 
-    mutable std::mutex worker_mu_;  // every worker call, peers_, in_flight_, deferred_
+    mutable std::mutex worker_mu_;              // every worker call, peers_, in_flight_, deferred_
     mutable std::atomic<int> lock_waiters_{0};  // threads in WorkerLock waiting for worker_mu_
 
     // worker_mu_ for any thread but the progress thread, which yields to it.
@@ -164,7 +164,7 @@ private:
     std::map<std::string, std::unique_ptr<Peer>> peers_;
     std::unordered_map<Transfer*, std::unique_ptr<InFlight>> in_flight_;
     std::vector<InFlight*> flushed_;  // flushes done, notification still to send
-    StreamProtocol streams_;           // layer streams over this agent (guarded by worker_mu_)
+    StreamProtocol streams_;          // layer streams over this agent (guarded by worker_mu_)
 
     std::mutex notify_mu_;
     std::condition_variable notify_cv_;

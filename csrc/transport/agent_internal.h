@@ -13,14 +13,16 @@ namespace kvmove {
 constexpr unsigned kNotifyAmId = 0x4B56;  // "KV": notifications of plain transfers
 constexpr unsigned kStreamAmId = 0x4B57;  // layer stream messages (stream/stream_message.h)
 
-inline std::string status_text(ucs_status_t status) { return ucs_status_string(status); }
+inline std::string status_text(ucs_status_t status) {
+    return ucs_status_string(status);
+}
 
 struct Agent::Peer {
     Peer(Agent* a, AgentMetadata m)
         : agent(a),
           meta(std::move(m)),
-          geometry(KVGeometry::layer_major(meta.region_addr, meta.num_layers,
-                                           meta.num_blocks, meta.block_nbytes)) {}
+          geometry(KVGeometry::layer_major(meta.region_addr, meta.num_layers, meta.num_blocks,
+                                           meta.block_nbytes)) {}
 
     Agent* agent;
     AgentMetadata meta;

@@ -2,8 +2,8 @@
 
 #include <cstring>
 
-#include "common/xxh64.h"
 #include "common/errors.h"
+#include "common/xxh64.h"
 
 namespace kvmove {
 
@@ -117,9 +117,9 @@ std::vector<uint8_t> encode(const AgentMetadata& meta) {
 }
 
 AgentMetadata decode(const std::vector<uint8_t>& bytes) {
-    KVMOVE_CHECK(bytes.size() >= kHeaderBytes && std::memcmp(bytes.data(), kMagic, 4) == 0,
-                 Metadata, "bad agent metadata: not kvmove metadata (" << bytes.size()
-                                                                        << " bytes, no KVMV magic)");
+    KVMOVE_CHECK(
+        bytes.size() >= kHeaderBytes && std::memcmp(bytes.data(), kMagic, 4) == 0, Metadata,
+        "bad agent metadata: not kvmove metadata (" << bytes.size() << " bytes, no KVMV magic)");
     Reader header(bytes.data() + 4, bytes.size() - 4);
     auto version = header.get<uint16_t>("version");
     KVMOVE_CHECK(version == kMetadataVersion, Metadata,
@@ -154,10 +154,9 @@ AgentMetadata decode(const std::vector<uint8_t>& bytes) {
     unsigned __int128 expected = static_cast<unsigned __int128>(m.num_layers) *
                                  static_cast<uint64_t>(m.num_blocks) * m.block_nbytes;
     KVMOVE_CHECK(m.block_nbytes > 0 && expected == m.region_nbytes, Metadata,
-                 "bad agent metadata: region_nbytes " << m.region_nbytes << " != "
-                                                      << m.num_layers << " layers x "
-                                                      << m.num_blocks << " blocks x "
-                                                      << m.block_nbytes << " bytes");
+                 "bad agent metadata: region_nbytes "
+                     << m.region_nbytes << " != " << m.num_layers << " layers x " << m.num_blocks
+                     << " blocks x " << m.block_nbytes << " bytes");
     return m;
 }
 

@@ -32,9 +32,8 @@ void Transfer::wait(double timeout_seconds) const {
     bool finished = done_.wait_for(lock, std::chrono::duration<double>(timeout_seconds),
                                    [this] { return state_ != TransferState::Pending; });
     KVMOVE_CHECK(finished, Timeout,
-                 "transfer with '" << peer_ << "' still pending after " << timeout_seconds
-                                   << " s (" << stats_.nbytes << " bytes in " << stats_.num_ops
-                                   << " ops)");
+                 "transfer with '" << peer_ << "' still pending after " << timeout_seconds << " s ("
+                                   << stats_.nbytes << " bytes in " << stats_.num_ops << " ops)");
     if (state_ == TransferState::Failed) {
         throw Error(error_kind_, error_);
     }
@@ -45,7 +44,9 @@ void Transfer::posted(double post_seconds) {
     stats_.post_seconds = post_seconds;
 }
 
-void Transfer::finish() { complete(TransferState::Done); }
+void Transfer::finish() {
+    complete(TransferState::Done);
+}
 
 void Transfer::fail(ErrorKind kind, const std::string& reason) {
     {

@@ -20,7 +20,7 @@ enum class TransferState { Pending, Done, Failed };
 
 struct TransferStats {
     uint64_t nbytes = 0;
-    uint64_t num_ops = 0;          // RMA operations posted after coalescing
+    uint64_t num_ops = 0;         // RMA operations posted after coalescing
     double post_seconds = 0;      // time spent posting them
     double complete_seconds = 0;  // from the first post to completion (0 while pending)
 };

@@ -19,9 +19,8 @@ struct ConfigDeleter {
 
 // UCX prints its log to stdout by default, which corrupts the output of CLIs that print JSON.
 // This handler takes every message UCX's level lets through and writes it to stderr instead.
-ucs_log_func_rc_t log_to_stderr(const char* file, unsigned line, const char*,
-                                ucs_log_level_t level, const ucs_log_component_config_t*,
-                                const char* format, va_list ap) {
+ucs_log_func_rc_t log_to_stderr(const char* file, unsigned line, const char*, ucs_log_level_t level,
+                                const ucs_log_component_config_t*, const char* format, va_list ap) {
     char message[1024];
     std::vsnprintf(message, sizeof message, format, ap);
     const char* base = std::strrchr(file, '/');
@@ -32,7 +31,9 @@ ucs_log_func_rc_t log_to_stderr(const char* file, unsigned line, const char*,
 
 }  // namespace
 
-std::string ucx_version() { return ucp_get_version_string(); }
+std::string ucx_version() {
+    return ucp_get_version_string();
+}
 
 ContextPtr make_context(const std::string& transports, double keepalive_seconds) {
     static std::once_flag log_handler_installed;
@@ -78,8 +79,7 @@ std::vector<uint8_t> worker_address(ucp_worker_h worker) {
     return out;
 }
 
-MemoryRegistration::MemoryRegistration(ucp_context_h context, void* addr, size_t nbytes,
-                                       bool cuda)
+MemoryRegistration::MemoryRegistration(ucp_context_h context, void* addr, size_t nbytes, bool cuda)
     : context_(context) {
     ucp_mem_map_params_t params{};
     params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
@@ -103,7 +103,9 @@ MemoryRegistration::MemoryRegistration(ucp_context_h context, void* addr, size_t
     ucp_rkey_buffer_release(rkey);
 }
 
-MemoryRegistration::~MemoryRegistration() { ucp_mem_unmap(context_, memh_); }
+MemoryRegistration::~MemoryRegistration() {
+    ucp_mem_unmap(context_, memh_);
+}
 
 Endpoint::Endpoint(ucp_worker_h worker, const std::vector<uint8_t>& address, bool peer_errors,
                    ucp_err_handler_cb_t on_error, void* error_arg)
@@ -118,7 +120,9 @@ Endpoint::Endpoint(ucp_worker_h worker, const std::vector<uint8_t>& address, boo
     KVMOVE_UCX_CHECK(ucp_ep_create(worker_, &params, &ep_), "cannot create a UCX endpoint");
 }
 
-Endpoint::~Endpoint() { close(true, 5.0); }
+Endpoint::~Endpoint() {
+    close(true, 5.0);
+}
 
 void Endpoint::close(bool force, double timeout_seconds) {
     if (ep_ == nullptr) {
@@ -132,7 +136,8 @@ void Endpoint::close(bool force, double timeout_seconds) {
     if (request == nullptr || UCS_PTR_IS_ERR(request)) {
         return;
     }
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_seconds);
+    auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_seconds);
     while (ucp_request_check_status(request) == UCS_INPROGRESS &&
            std::chrono::steady_clock::now() < deadline) {
         ucp_worker_progress(worker_);

@@ -15,12 +15,12 @@
 
 // KVMOVE_UCX_CHECK(ucp_call(...), "what failed " << value): throws UCXError with UCX's status
 // string unless the call returned UCS_OK.
-#define KVMOVE_UCX_CHECK(expr, stream_expr)                                              \
-    do {                                                                                 \
-        ucs_status_t kvmove_ucx_status_ = (expr);                                        \
-        KVMOVE_CHECK(kvmove_ucx_status_ == UCS_OK, Ucx,                                  \
-                     stream_expr << ": " #expr " returned "                              \
-                                 << ucs_status_string(kvmove_ucx_status_));               \
+#define KVMOVE_UCX_CHECK(expr, stream_expr)                                                   \
+    do {                                                                                      \
+        ucs_status_t kvmove_ucx_status_ = (expr);                                             \
+        KVMOVE_CHECK(                                                                         \
+            kvmove_ucx_status_ == UCS_OK, Ucx,                                                \
+            stream_expr << ": " #expr " returned " << ucs_status_string(kvmove_ucx_status_)); \
     } while (0)
 
 namespace kvmove {
