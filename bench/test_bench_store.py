@@ -32,7 +32,7 @@ WAIT = 600.0
 @pytest.fixture(scope="module")
 def caches() -> tuple[KVCache, KVCache]:
     src, dst = KVCache(LAYOUT, NUM_BLOCKS), KVCache(LAYOUT, NUM_BLOCKS)
-    raw = np.frombuffer(src.region, dtype=np.uint8)
+    raw = np.asarray(src.region)
     raw[:] = np.resize(np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8),
                        raw.size)
     return src, dst
@@ -40,7 +40,7 @@ def caches() -> tuple[KVCache, KVCache]:
 
 @pytest.fixture(scope="module")
 def memcpy_seconds(caches: tuple[KVCache, KVCache]) -> float:
-    src, dst = (np.frombuffer(c.region, dtype=np.uint8) for c in caches)
+    src, dst = (np.asarray(c.region) for c in caches)
     times = []
     for _ in range(ROUNDS + 1):
         start = time.perf_counter()
@@ -85,5 +85,5 @@ def test_get(benchmark, store: KVStore, caches: tuple[KVCache, KVCache],
     hashes = _put(store, src)
     benchmark.pedantic(lambda: store.get(hashes, dst, IDS).wait(WAIT), rounds=ROUNDS,
                        warmup_rounds=1)
-    assert np.array_equal(np.frombuffer(dst.region, np.uint8), np.frombuffer(src.region, np.uint8))
+    assert np.array_equal(np.asarray(dst.region), np.asarray(src.region))
     _extra(benchmark, memcpy_seconds)

@@ -15,11 +15,32 @@ from kvmove import errors
 # soname even when the extension's rpath does not point there (editable installs, UCX_HOME).
 libucx.load_library()
 
-from kvmove import _C  # noqa: E402
-from kvmove._C import BlockPool, Region, block_hashes, runs  # noqa: E402
+
+def _missing_core() -> ImportError:
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    return ImportError(
+        f"kvmove's compiled core (kvmove._C) is not built in {here}: this looks like a source "
+        "checkout imported instead of the installed package. Install it (`pip install .`) and "
+        "run from outside the checkout (plain `pytest` does; `python -m pytest` puts the "
+        "current directory first on sys.path), or build it in place for development "
+        "(`python setup.py build_ext --inplace`).")
+
+
+try:
+    from kvmove import _C  # noqa: E402
+except ImportError as error:
+    import importlib.util
+
+    if importlib.util.find_spec("kvmove._C") is None:
+        raise _missing_core() from error
+    raise
 from kvmove.agent import Agent, Transfer, TransferState, TransferStats  # noqa: E402
+from kvmove.block_pool import BlockPool, block_hashes, runs  # noqa: E402
 from kvmove.kv_cache import KVCache  # noqa: E402
 from kvmove.layout import KVLayout  # noqa: E402
+from kvmove.region import Region  # noqa: E402
 from kvmove.store import DiskTier, HostTier, KVStore, Lookup, StoreHandle  # noqa: E402
 from kvmove.stream import LoadStream, SaveStream, StreamState  # noqa: E402
 from kvmove.runtime import CudaStatus, cuda_available, cuda_status, ucx_version  # noqa: E402

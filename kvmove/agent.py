@@ -1,15 +1,17 @@
 """Agent: moves KV blocks between this process's KVCache and its peers' (see docs/transfer.md).
 
-The byte-moving core is C++ (``csrc/agent.h``): one UCX worker, a progress thread, one-sided
-put/get of coalesced block runs, notifications by active message. This module adds the
-Python side: construction from a ``KVCache``, the metadata side channel (``listen`` /
-``connect``), and the context-manager protocol.
+The byte-moving core is C++ (``csrc/transport/agent.h``): one UCX worker, a progress thread,
+one-sided put/get of coalesced block runs, notifications by active message. This module is
+its Python face: construction from a ``KVCache``, the metadata side channel (``listen`` /
+``connect``), transfers and the context-manager protocol.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from kvmove import _C
 from kvmove.bootstrap import MetadataServer, exchange
@@ -20,11 +22,67 @@ from kvmove.validation import require_positive_finite
 
 __all__ = ["Agent", "Transfer", "TransferState", "TransferStats"]
 
-Transfer = _C.Transfer
 TransferState = _C.TransferState
-TransferStats = _C.TransferStats
+"""PENDING, then DONE or FAILED."""
 
 ERROR_MODES = ("peer", "none")
+
+
+@dataclass(frozen=True, slots=True)
+class TransferStats:
+    """What a transfer moved and how long it took.
+
+    Attributes:
+        nbytes: bytes moved.
+        num_ops: RMA operations posted, after coalescing adjacent blocks.
+        post_seconds: time spent posting them.
+        complete_seconds: from the first post to completion (0 while pending).
+    """
+
+    nbytes: int
+    num_ops: int
+    post_seconds: float
+    complete_seconds: float
+
+
+class Transfer:
+    """One batch of block copies to or from a peer (made by ``Agent.write`` / ``read``)."""
+
+    __slots__ = ("_core",)
+
+    def __init__(self, core: _C.Transfer) -> None:
+        self._core = core
+
+    @property
+    def peer(self) -> str:
+        return self._core.peer
+
+    @property
+    def state(self) -> TransferState:
+        return self._core.state
+
+    @property
+    def stats(self) -> TransferStats:
+        s = self._core.stats
+        return TransferStats(s.nbytes, s.num_ops, s.post_seconds, s.complete_seconds)
+
+    @property
+    def error(self) -> str:
+        """Why it failed; empty unless FAILED."""
+        return self._core.error
+
+    def wait(self, timeout: float) -> None:
+        """Returns once every byte is in place (and the notification, if any, was sent).
+
+        Raises:
+            TimeoutError: still pending after ``timeout`` seconds (the transfer goes on).
+            TransferError: it failed.
+            PeerError: the peer died or was removed.
+        """
+        self._core.wait(timeout)
+
+    def __repr__(self) -> str:
+        return f"Transfer({self.peer!r}, {self.state.name}, {self.stats})"
 
 
 def _weak_add_peer(agent: Agent) -> Callable[[bytes], str]:
@@ -39,8 +97,13 @@ def _weak_add_peer(agent: Agent) -> Callable[[bytes], str]:
     return add_peer
 
 
-class Agent(_C.Agent):
+class Agent:
     """One UCX endpoint set for one ``KVCache``: peers, transfers and notifications.
+
+    Example:
+        >>> with kvmove.Agent("prefill-0", cache) as agent:
+        ...     peer = agent.connect("decode-host", 5555)   # the decode side listen()s
+        ...     agent.write(peer, ids, remote_ids, notify=b"req-42").wait(timeout=5.0)
 
     Args:
         name: how peers address this agent (1..255 printable bytes, unique among them).
@@ -52,10 +115,7 @@ class Agent(_C.Agent):
             ``"none"`` keeps shared memory, and waits still end at their deadlines.
         peer_timeout: seconds of silence after which UCX declares a peer dead (keepalive).
 
-    Methods from the core: ``metadata()``, ``add_peer(bytes) -> name``, ``remove_peer(name)``,
-    ``peers``, ``write(peer, local_ids, remote_ids, layers=None, notify=None) -> Transfer``,
-    ``read(...)``, ``notifications()``, ``wait_notification(timeout)``. Layer streaming:
-    ``stream_to`` and ``expect`` (docs/streaming.md).
+    Layer streaming: ``stream_to`` and ``expect`` (docs/streaming.md).
     """
 
     def __init__(self, name: str, cache: KVCache, *, transports: str | Sequence[str] | None = None,
@@ -66,10 +126,76 @@ class Agent(_C.Agent):
             raise ConfigError(f"cache must be a kvmove.KVCache, got {type(cache).__name__}")
         if transports is not None and not isinstance(transports, str):
             transports = ",".join(transports)
-        super().__init__(name, cache, block_shape(cache.layout), transports or "",
-                         error_mode == "peer", float(peer_timeout))
+        self._core = _C.Agent(name, cache._core, block_shape(cache.layout), transports or "",
+                              error_mode == "peer", float(peer_timeout))
         self.cache = cache
         self._server: MetadataServer | None = None
+
+    @property
+    def name(self) -> str:
+        return self._core.name
+
+    @property
+    def closed(self) -> bool:
+        return self._core.closed
+
+    @property
+    def peers(self) -> list[str]:
+        """Names of the peers added, dead ones included until removed."""
+        return self._core.peers
+
+    def metadata(self) -> bytes:
+        """What a peer needs to reach this agent (``add_peer`` on its side): opaque bytes,
+        versioned and checksummed."""
+        return self._core.metadata()
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Adds the agent that ``metadata`` describes as a peer; returns its name.
+
+        Raises:
+            MetadataError: truncated, corrupted or foreign metadata.
+            PeerError: a peer of that name is already added, or it cannot be reached.
+        """
+        return self._core.add_peer(metadata)
+
+    def remove_peer(self, name: str) -> None:
+        """Fails the peer's pending transfers and streams (``PeerError``), then closes its
+        endpoint after flushing what is already posted."""
+        self._core.remove_peer(name)
+
+    def write(self, peer: str, local_ids: Sequence[int], remote_ids: Sequence[int],
+              layers: Sequence[int] | None = None, notify: bytes | None = None) -> Transfer:
+        """One-sided put of block ``local_ids[i]`` into ``remote_ids[i]`` of ``peer``.
+
+        Args:
+            layers: the layers to move (all when None).
+            notify: up to 64 KiB delivered to the peer (``notifications()``) once every byte is
+                in place there.
+
+        Raises:
+            ConfigError: mismatched lengths, layouts or a layer out of range.
+            BlockError: an id out of range, or a destination block twice.
+            PeerError: unknown or dead peer.
+        """
+        return Transfer(self._core.write(peer, local_ids, remote_ids, _layers(layers), notify))
+
+    def read(self, peer: str, local_ids: Sequence[int], remote_ids: Sequence[int],
+             layers: Sequence[int] | None = None, notify: bytes | None = None) -> Transfer:
+        """One-sided get of ``peer``'s block ``remote_ids[i]`` into ``local_ids[i]`` (as
+        ``write``, the other way)."""
+        return Transfer(self._core.read(peer, local_ids, remote_ids, _layers(layers), notify))
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """Received ``(peer name, payload)`` pairs, oldest first; drains the queue."""
+        return self._core.notifications()
+
+    def wait_notification(self, timeout: float) -> tuple[str, bytes]:
+        """The oldest notification, waiting up to ``timeout`` seconds for one.
+
+        Raises:
+            TimeoutError: none came in time (or the agent closed).
+        """
+        return self._core.wait_notification(timeout)
 
     def listen(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         """Serves metadata exchange on ``host:port`` (0 = any free port) until ``close()``.
@@ -109,7 +235,7 @@ class Agent(_C.Agent):
             BlockError: an id out of range, or a destination block twice.
             PeerError: unknown or dead peer.
         """
-        return SaveStream(super().stream_to(peer, local_ids, remote_ids, request_id), self)
+        return SaveStream(self._core.stream_to(peer, local_ids, remote_ids, request_id), self)
 
     def expect(self, peer: str, request_id: str, local_ids: Sequence[int]) -> LoadStream:
         """Prepares to receive request ``request_id`` from ``peer`` into ``local_ids``.
@@ -122,14 +248,14 @@ class Agent(_C.Agent):
             PeerError: unknown or dead peer (the sender must be a peer: that is how its death
                 is noticed).
         """
-        return LoadStream(super().expect(peer, request_id, local_ids), self)
+        return LoadStream(self._core.expect(peer, request_id, local_ids), self)
 
     def close(self) -> None:
         """Stops listening and progress, fails pending transfers, releases UCX. Idempotent."""
         if self._server is not None:
             self._server.close()
             self._server = None
-        super().close()
+        self._core.close()
 
     def __enter__(self) -> Agent:
         return self
@@ -139,3 +265,7 @@ class Agent(_C.Agent):
 
     def __repr__(self) -> str:
         return f"Agent({self.name!r}, peers={self.peers})"
+
+
+def _layers(layers: Sequence[int] | None) -> list[int] | None:
+    return None if layers is None else list(layers)

@@ -29,7 +29,7 @@ STOP = b"stop"  # the notification that ends Side.echo
 def _words(cache: KVCache) -> np.ndarray:
     """The cache as writable uint64 words ``[L, N, words per block per layer]``."""
     lay = cache.layout
-    raw = np.frombuffer(cache.region, dtype=np.uint8)
+    raw = np.asarray(cache.region)
     return raw.view(np.uint64).reshape(lay.num_layers, cache.num_blocks, -1)
 
 

@@ -214,7 +214,7 @@ def _time(fn: Callable[[], Any], iters: int) -> tuple[float, ...]:
 
 
 def _bytes(cache: KVCache) -> np.ndarray:
-    return np.frombuffer(cache.region, dtype=np.uint8)
+    return np.asarray(cache.region)
 
 
 def _fill(cache: KVCache) -> None:

@@ -27,8 +27,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvmove import _C
+from kvmove.block_pool import BlockPool
 from kvmove.errors import AllocationError, ConfigError
 from kvmove.layout import KVLayout
+from kvmove.region import Region
 
 if TYPE_CHECKING:
     import torch
@@ -60,9 +62,15 @@ def block_shape(layout: KVLayout, order: str = "NHD") -> _C.BlockShape:
                          getattr(_C.DType, layout.dtype), order == "HND")
 
 
-class KVCache(_C.KVCache):
+class KVCache:
     """Host or device memory for ``num_blocks`` paged KV blocks of ``layout``, with their
     BlockPool.
+
+    Example:
+        >>> layout = kvmove.KVLayout.preset("llama-3.1-8b")
+        >>> cache = kvmove.KVCache(layout, num_blocks=1024)
+        >>> ids = cache.pool.allocate(layout.blocks_for(4000))
+        >>> cache.descriptors(ids, layers=[0])     # [(addr, nbytes)], coalesced
 
     Args:
         layout: the model's KV shape.
@@ -88,12 +96,31 @@ class KVCache(_C.KVCache):
         gpus = _C.cuda_status()[1] > 0
         if pin is None:
             pin = index < 0 and gpus
-        super().__init__(layout.num_layers, num_blocks, layout.bytes_per_block_per_layer,
-                         huge_pages, index, bool(pin))
+        self._core = _C.KVCache(layout.num_layers, num_blocks, layout.bytes_per_block_per_layer,
+                                huge_pages, index, bool(pin))
+        self.layout = layout
+        self.pool = BlockPool._of(self._core.pool, self)
+        self.region = Region._of(self._core.region, self)
         if pin and gpus and not self.region.pinned:
             raise AllocationError(f"cannot pin {self.region.nbytes} bytes of host memory "
                                   "(cudaHostRegister refused; see ulimit -l)")
-        self.layout = layout
+
+    @property
+    def num_layers(self) -> int:
+        return self._core.num_layers
+
+    @property
+    def num_blocks(self) -> int:
+        return self._core.num_blocks
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block in one layer (K and V)."""
+        return self._core.block_nbytes
+
+    def offset(self, layer: int, block: int) -> int:
+        """Byte offset of (layer, block) from the region's start."""
+        return self._core.offset(layer, block)
 
     @property
     def device(self) -> str:
@@ -113,7 +140,7 @@ class KVCache(_C.KVCache):
         (uint16, uint8). Host memory only (a device cache: ``torch()``)."""
         if self.region.device >= 0:
             raise ConfigError(f"a KVCache on {self.device} has no numpy view: use torch()")
-        raw = np.frombuffer(self.region, dtype=np.uint8)
+        raw = np.asarray(self.region)
         return raw.view(_NUMPY_DTYPES[self.layout.dtype]).reshape(self.shape)
 
     def torch(self) -> torch.Tensor:
@@ -124,7 +151,7 @@ class KVCache(_C.KVCache):
         if self.region.device >= 0:
             raw = torch.as_tensor(self, device=self.device)  # __cuda_array_interface__
         else:
-            raw = torch.from_dlpack(np.frombuffer(self.region, dtype=np.uint8))
+            raw = torch.from_dlpack(np.asarray(self.region))
         return raw.view(getattr(torch, _TORCH_DTYPES[self.layout.dtype])).view(self.shape)
 
     @property
@@ -134,8 +161,7 @@ class KVCache(_C.KVCache):
         AttributeError for a host cache, as the interface expects."""
         if self.region.device < 0:
             raise AttributeError("a host KVCache has no __cuda_array_interface__: use numpy()")
-        return {"shape": (self.region.nbytes,), "typestr": "|u1", "version": 3,
-                "data": (self.region.addr, False), "strides": None, "stream": None}
+        return self.region.__cuda_array_interface__
 
     def descriptors(
         self, block_ids: list[int], layers: list[int] | None = None
@@ -149,7 +175,7 @@ class KVCache(_C.KVCache):
             BlockError: a block id out of range.
             ConfigError: a layer out of range.
         """
-        return super().descriptors(block_ids, layers)
+        return self._core.descriptors(block_ids, layers)
 
     def __repr__(self) -> str:
         return (f"KVCache({self.layout!r}, num_blocks={self.num_blocks}, "

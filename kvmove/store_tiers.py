@@ -198,7 +198,7 @@ class OpenTier:
         written go back to the free heap, except after a full disk (see ``_disk_full``)."""
         start = time.perf_counter()
         if self.file is None:
-            _C.copy_blocks(cache, ids, self.cache, slots)
+            _C.copy_blocks(cache._core, ids, self.cache._core, slots)
             written = list(zip(hashes, slots, [0] * len(ids)))
         else:
             written = self._write_file(cache, ids, hashes, slots)
@@ -209,7 +209,7 @@ class OpenTier:
     def _write_file(self, cache: KVCache, ids: list[int], hashes: list[int],
                     slots: list[int]) -> list[tuple[int, int, int]]:
         try:
-            checksums = self.file.write(cache, ids, slots, hashes)
+            checksums = self.file.write(cache._core, ids, slots, hashes)
             self.written.update(slots)
             return list(zip(hashes, slots, checksums))
         except StoreError as error:
@@ -225,7 +225,7 @@ class OpenTier:
         written = []
         for i, slot, h in zip(ids, slots, hashes):
             try:
-                (checksum,) = self.file.write(cache, [i], [slot], [h])
+                (checksum,) = self.file.write(cache._core, [i], [slot], [h])
             except StoreError:
                 break
             self.written.add(slot)
@@ -248,10 +248,10 @@ class OpenTier:
         slots = [slot for slot, _ in entries]
         start = time.perf_counter()
         if self.file is None:
-            _C.copy_blocks(self.cache, slots, cache, ids)
+            _C.copy_blocks(self.cache._core, slots, cache._core, ids)
             ok = [1] * len(ids)
         else:
-            ok = self.file.read(cache, ids, slots, hashes, [c for _, c in entries])
+            ok = self.file.read(cache._core, ids, slots, hashes, [c for _, c in entries])
         self.stats.record_read(len(ids) * self.block_nbytes, time.perf_counter() - start)
         return ok.index(0) if 0 in ok else len(ok)
 

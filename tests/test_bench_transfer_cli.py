@@ -351,7 +351,7 @@ def test_pattern_verification_finds_each_wrong_block(side: Side) -> None:
     side.fill(ids, seed=9)
     assert side.mismatches(ids, ids, seed=9) == 0
     assert side.mismatches(ids, ids, seed=10) == 16 * 8  # another seed: every (layer, block)
-    raw = np.frombuffer(side.cache.region, dtype=np.uint8).reshape(16, 16, -1)
+    raw = np.asarray(side.cache.region).reshape(16, 16, -1)
     raw[3, ids[5], 1000] ^= 1  # one bit of one block in one layer
     assert side.mismatches(ids, ids, seed=9) == 1
     raw[7, [ids[0], ids[1]]] = raw[7, [ids[1], ids[0]]]  # two blocks swapped in one layer

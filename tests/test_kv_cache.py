@@ -94,7 +94,7 @@ def test_numpy_view_writes_land_at_descriptor_addresses(cache):
     assert view.dtype == np.float16
     view[1, 4, 1, 2, 1, 3] = 7.5  # layer 1, block 4, V, token 2, head 1, dim 3
     (addr, nbytes), = cache.descriptors([4], layers=[1])
-    raw = np.frombuffer(cache.region, dtype=np.uint8)
+    raw = np.asarray(cache.region)
     block = raw[addr - cache.region.addr: addr - cache.region.addr + nbytes].view(np.float16)
     # Inside a block: K [B, H, D] then V [B, H, D].
     assert block[4 * 2 * 8 + (2 * 2 + 1) * 8 + 3] == 7.5
@@ -140,7 +140,7 @@ def test_huge_page_region_is_aligned_to_2mib():
     region = Region(3 << 20, huge_pages=True)
     assert region.addr % (2 << 20) == 0
     assert region.huge_pages
-    view = np.frombuffer(region, dtype=np.uint8)
+    view = np.asarray(region)
     view[-1] = 9
     assert view.size == 3 << 20 and view[-1] == 9
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmove._C import BlockPool
+from kvmove.block_pool import BlockPool
 from kvmove.engine.request import Request, RequestState
 from kvmove.errors import ConfigError, TimeoutError
 from kvmove.kv_cache import KVCache

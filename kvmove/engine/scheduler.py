@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvmove._C import BlockPool, block_hashes
+from kvmove.block_pool import BlockPool, block_hashes
 from kvmove.engine.prefix_store import PrefixStore
 from kvmove.engine.request import Request, RequestState
 from kvmove.errors import ConfigError

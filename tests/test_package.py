@@ -1,0 +1,41 @@
+"""The package as a user meets it: what it exports, and how it fails when it cannot load."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import kvmove
+
+
+def test_importing_a_checkout_without_the_compiled_core_says_so(tmp_path: Path) -> None:
+    """A source tree imported instead of the installed package (e.g. ``python -m pytest`` from
+    the repository root) has no ``kvmove._C``: the error names that, not a circular import."""
+    source = Path(kvmove.__file__).parent
+    shutil.copytree(source, tmp_path / "kvmove",
+                    ignore=shutil.ignore_patterns("_C*.so", "_C*.pyd", "__pycache__"))
+    result = subprocess.run([sys.executable, "-c", "import kvmove"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "compiled core (kvmove._C) is not built" in result.stderr, result.stderr
+    assert "pip install ." in result.stderr
+    assert "circular import" not in result.stderr.splitlines()[-1]
+
+
+def test_every_public_name_is_exported_and_documented() -> None:
+    for name in kvmove.__all__:
+        obj = getattr(kvmove, name)
+        assert obj.__doc__, f"kvmove.{name} has no docstring"
+
+
+def test_public_classes_are_python_classes_over_the_core() -> None:
+    """One way to expose a compiled type: a Python class holding the core object, never the
+    core class itself, an alias of it or a subclass of it."""
+    core_types = tuple(t for t in vars(kvmove._C).values() if isinstance(t, type))
+    for name in ("Agent", "BlockPool", "KVCache", "Region", "Transfer", "SaveStream",
+                 "LoadStream"):
+        cls = getattr(kvmove, name)
+        assert cls.__module__.startswith("kvmove."), (name, cls.__module__)
+        assert not issubclass(cls, core_types), f"kvmove.{name} subclasses a core type"
