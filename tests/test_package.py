@@ -39,3 +39,18 @@ def test_public_classes_are_python_classes_over_the_core() -> None:
         cls = getattr(kvmove, name)
         assert cls.__module__.startswith("kvmove."), (name, cls.__module__)
         assert not issubclass(cls, core_types), f"kvmove.{name} subclasses a core type"
+
+
+def test_the_core_type_stubs_name_exactly_what_the_core_has() -> None:
+    """kvmove/_C.pyi ships in the wheel so that the core's types check; regenerate it with
+    pybind11-stubgen when the bindings change (this test says when)."""
+    import ast
+
+    stub = Path(kvmove.__file__).with_name("_C.pyi")
+    assert stub.is_file(), "kvmove/_C.pyi is not installed beside the module"
+    tree = ast.parse(stub.read_text())
+    declared = {node.name for node in tree.body
+                if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
+    actual = {name for name in dir(kvmove._C) if not name.startswith("_")}
+    assert declared == actual, (f"missing from the stub: {sorted(actual - declared)}; "
+                                f"not in the module: {sorted(declared - actual)}")
