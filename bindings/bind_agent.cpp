@@ -66,15 +66,32 @@ void register_agent(py::module_& m) {
         .def_property_readonly("error", &Transfer::error)
         .def("wait", &Transfer::wait, py::arg("timeout"), release());
 
+    py::class_<StreamStats>(m, "StreamStats")
+        .def_readonly("leases_granted", &StreamStats::leases_granted)
+        .def_readonly("leases_active", &StreamStats::leases_active)
+        .def_readonly("blocks_quarantined", &StreamStats::blocks_quarantined)
+        .def_readonly("leases_expired", &StreamStats::leases_expired)
+        .def_readonly("cancels_sent", &StreamStats::cancels_sent)
+        .def_readonly("senders_disconnected", &StreamStats::senders_disconnected)
+        .def_readonly("messages_refused", &StreamStats::messages_refused)
+        .def_readonly("begins_refused", &StreamStats::begins_refused)
+        .def_readonly("checksum_mismatches", &StreamStats::checksum_mismatches)
+        .def_readonly("acks_missed", &StreamStats::acks_missed);
+
     py::class_<Agent>(m, "Agent")
         .def(py::init([](std::string name, KVCache& cache, const BlockShape& shape,
-                         std::string transports, bool peer_errors, double peer_timeout) {
+                         std::string transports, bool peer_errors, double peer_timeout,
+                         double cancel_timeout, double ack_timeout) {
                  return std::make_unique<Agent>(
                      std::move(name), cache, shape,
-                     AgentConfig{std::move(transports), peer_errors, peer_timeout});
+                     AgentConfig{std::move(transports), peer_errors, peer_timeout,
+                                 StreamConfig{cancel_timeout, ack_timeout}});
              }),
              py::arg("name"), py::arg("cache"), py::arg("shape"), py::arg("transports"),
-             py::arg("peer_errors"), py::arg("peer_timeout"), py::keep_alive<1, 3>(), release())
+             py::arg("peer_errors"), py::arg("peer_timeout"), py::arg("cancel_timeout"),
+             py::arg("ack_timeout"), py::keep_alive<1, 3>(), release())
+        .def_property_readonly("incarnation", &Agent::incarnation)
+        .def("stream_stats", &Agent::stream_stats, release())
         .def_property_readonly("name", &Agent::name)
         .def_property_readonly("closed", &Agent::closed)
         .def("metadata", [](const Agent& a) { return to_bytes(a.metadata()); })
@@ -93,18 +110,20 @@ void register_agent(py::module_& m) {
         .def(
             "stream_to",
             [](Agent& a, const std::string& peer, const Ids& local, const Ids& remote,
-               const std::string& request_id) {
-                return a.stream_to(peer, local.values, remote.values, request_id);
+               const std::string& request_id, uint64_t epoch, bool checksums) {
+                return a.stream_to(peer, local.values, remote.values, request_id, epoch,
+                                   checksums);
             },
             py::arg("peer"), py::arg("local_ids"), py::arg("remote_ids"), py::arg("request_id"),
-            py::keep_alive<0, 1>(), release())
+            py::arg("epoch"), py::arg("checksums"), py::keep_alive<0, 1>(), release())
         .def(
             "expect",
-            [](Agent& a, const std::string& peer, const std::string& request_id, const Ids& local) {
-                return a.expect(peer, request_id, local.values);
+            [](Agent& a, const std::string& peer, const std::string& request_id, const Ids& local,
+               double lease_seconds) {
+                return a.expect(peer, request_id, local.values, lease_seconds);
             },
-            py::arg("peer"), py::arg("request_id"), py::arg("local_ids"), py::keep_alive<0, 1>(),
-            release())
+            py::arg("peer"), py::arg("request_id"), py::arg("local_ids"),
+            py::arg("lease_seconds"), py::keep_alive<0, 1>(), release())
         .def("notifications",
              [](Agent& a) {
                  py::list out;

@@ -36,7 +36,7 @@ except ImportError as error:
     if importlib.util.find_spec("kvmove._C") is None:
         raise _missing_core() from error
     raise
-from kvmove.agent import Agent, Transfer, TransferState, TransferStats  # noqa: E402
+from kvmove.agent import Agent, AgentStats, Transfer, TransferState, TransferStats  # noqa: E402
 from kvmove.block_pool import BlockPool, block_hashes, runs  # noqa: E402
 from kvmove.kv_cache import KVCache  # noqa: E402
 from kvmove.layout import KVLayout  # noqa: E402
@@ -49,6 +49,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Agent",
+    "AgentStats",
     "BlockPool",
     "CudaStatus",
     "DiskTier",

@@ -20,12 +20,43 @@ from kvmove.kv_cache import KVCache, block_shape
 from kvmove.stream import LoadStream, SaveStream
 from kvmove.validation import require_positive_finite
 
-__all__ = ["Agent", "Transfer", "TransferState", "TransferStats"]
+__all__ = ["Agent", "AgentStats", "Transfer", "TransferState", "TransferStats"]
 
 TransferState = _C.TransferState
 """PENDING, then DONE or FAILED."""
 
 ERROR_MODES = ("peer", "none")
+
+
+@dataclass(frozen=True, slots=True)
+class AgentStats:
+    """What an agent's layer streams and leases did (counters since it started, unless said).
+
+    Attributes:
+        leases_granted: ``expect`` calls.
+        leases_active: now: leases granted and not yet released.
+        blocks_quarantined: now: blocks of cancelled or expired leases whose sender has not
+            answered yet (not reusable until it does, or is disconnected).
+        leases_expired: leases whose deadline passed before they completed.
+        cancels_sent: Cancels sent to senders (a cancel or an expiry of an engaged lease).
+        senders_disconnected: senders cut off for not answering a Cancel in time.
+        messages_refused: stream messages refused: for no lease, from another sender than the
+            lease's, for other blocks, or in a state that does not allow them.
+        begins_refused: of those, senders told no (they wrote nothing).
+        checksum_mismatches: received blocks (per layer) whose bytes did not match.
+        acks_missed: sent Finals not acknowledged in time (those streams failed).
+    """
+
+    leases_granted: int
+    leases_active: int
+    blocks_quarantined: int
+    leases_expired: int
+    cancels_sent: int
+    senders_disconnected: int
+    messages_refused: int
+    begins_refused: int
+    checksum_mismatches: int
+    acks_missed: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,21 +145,34 @@ class Agent:
             (UCX then drops the posix/sysv shared-memory transports; tcp and cma remain);
             ``"none"`` keeps shared memory, and waits still end at their deadlines.
         peer_timeout: seconds of silence after which UCX declares a peer dead (keepalive).
+        cancel_timeout: seconds a stream's sender has to answer a Cancel of its lease (it
+            stops and flushes) before it is disconnected.
+        ack_timeout: seconds a stream's receiver has to acknowledge the final message before
+            the stream fails.
+        checksums: streams sent by this agent carry per-block checksums by default, which
+            their receiver verifies before the KV is used (``stream_to(checksums=...)``).
 
     Layer streaming: ``stream_to`` and ``expect`` (docs/streaming.md).
     """
 
     def __init__(self, name: str, cache: KVCache, *, transports: str | Sequence[str] | None = None,
-                 error_mode: str = "peer", peer_timeout: float = 10.0) -> None:
+                 error_mode: str = "peer", peer_timeout: float = 10.0,
+                 cancel_timeout: float = 5.0, ack_timeout: float = 10.0,
+                 checksums: bool = False) -> None:
         if error_mode not in ERROR_MODES:
             raise ConfigError(f"error_mode must be one of {ERROR_MODES}, got {error_mode!r}")
         if not isinstance(cache, KVCache):
             raise ConfigError(f"cache must be a kvmove.KVCache, got {type(cache).__name__}")
         if transports is not None and not isinstance(transports, str):
             transports = ",".join(transports)
+        for what, value in (("peer_timeout", peer_timeout), ("cancel_timeout", cancel_timeout),
+                            ("ack_timeout", ack_timeout)):
+            require_positive_finite(what, value)
         self._core = _C.Agent(name, cache._core, block_shape(cache.layout), transports or "",
-                              error_mode == "peer", float(peer_timeout))
+                              error_mode == "peer", float(peer_timeout), float(cancel_timeout),
+                              float(ack_timeout))
         self.cache = cache
+        self.checksums = bool(checksums)
         self._server: MetadataServer | None = None
 
     @property
@@ -138,6 +182,17 @@ class Agent:
     @property
     def closed(self) -> bool:
         return self._core.closed
+
+    @property
+    def incarnation(self) -> int:
+        """This agent's run, a random nonzero number: the high 32 bits of its leases' epochs.
+        A peer that comes back under the same name has another."""
+        return self._core.incarnation
+
+    def stats(self) -> AgentStats:
+        """Counters of this agent's streams and leases (``AgentStats``)."""
+        s = self._core.stream_stats()
+        return AgentStats(**{f: getattr(s, f) for f in AgentStats.__dataclass_fields__})
 
     @property
     def peers(self) -> list[str]:
@@ -152,9 +207,13 @@ class Agent:
     def add_peer(self, metadata: bytes) -> str:
         """Adds the agent that ``metadata`` describes as a peer; returns its name.
 
+        A peer of that name that comes back with new metadata (it restarted) replaces the
+        old one: the old connection is closed first (its remote key dropped before it), and
+        whatever was in flight with it fails with ``PeerError``.
+
         Raises:
             MetadataError: truncated, corrupted or foreign metadata.
-            PeerError: a peer of that name is already added, or it cannot be reached.
+            PeerError: the same peer is already added, or it cannot be reached.
         """
         return self._core.add_peer(metadata)
 
@@ -223,32 +282,49 @@ class Agent:
         return self.add_peer(exchange(self.metadata(), host, port, timeout))
 
     def stream_to(self, peer: str, local_ids: Sequence[int], remote_ids: Sequence[int],
-                  request_id: str) -> SaveStream:
-        """Starts streaming one request's KV to ``peer`` layer by layer (see kvmove.stream).
+                  request_id: str, *, epoch: int, checksums: bool | None = None) -> SaveStream:
+        """Starts streaming one request's KV into ``peer``'s lease ``epoch`` (see kvmove.stream).
 
         ``local_ids[i]`` of this cache goes to ``remote_ids[i]`` of the peer's, in every layer
-        the caller saves. Everything is checked here, before any byte moves.
+        the caller saves. The peer granted the lease (``expect``) and told us ``epoch`` and
+        ``remote_ids``; it is asked at once, and nothing is posted before it said yes.
+
+        Args:
+            epoch: the receiver's lease (``LoadStream.epoch`` on its side).
+            checksums: send per-block checksums for the receiver to verify (default: the
+                agent's ``checksums``). Host memory only.
 
         Raises:
             ConfigError: mismatched lengths or layouts, a bad ``request_id`` (1..256 bytes),
-                or the same request already streaming to this peer.
+                the same lease already streaming, or checksums from a device cache.
             BlockError: an id out of range, or a destination block twice.
-            PeerError: unknown or dead peer.
+            PeerError: unknown or dead peer, or an epoch of an earlier run of it.
         """
-        return SaveStream(self._core.stream_to(peer, local_ids, remote_ids, request_id), self)
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 < epoch < 2**64:
+            raise ConfigError(f"epoch must be a lease's epoch (an int in [1, 2**64)), got "
+                              f"{epoch!r}")
+        sums = self.checksums if checksums is None else bool(checksums)
+        return SaveStream(self._core.stream_to(peer, local_ids, remote_ids, request_id, epoch,
+                                               sums), self)
 
-    def expect(self, peer: str, request_id: str, local_ids: Sequence[int]) -> LoadStream:
-        """Prepares to receive request ``request_id`` from ``peer`` into ``local_ids``.
+    def expect(self, peer: str, request_id: str, local_ids: Sequence[int], *,
+               timeout: float = 60.0) -> LoadStream:
+        """Leases ``local_ids`` to ``peer`` for request ``request_id``: its stream may fill them
+        until the lease ends. Tell the sender ``LoadStream.epoch`` and ``local_ids``.
 
-        Call ``start_load()`` on the result to start matching the sender's messages.
+        The lease ends when the load completes, fails or is cancelled, and at the latest
+        ``timeout`` seconds from now (then the load fails with ``TimeoutError`` and the sender
+        is told to stop). Reuse the blocks only once ``LoadStream.released``.
 
         Raises:
-            ConfigError: a bad ``request_id`` or differing layouts.
+            ConfigError: a bad ``request_id`` or ``timeout``, differing layouts, or the
+                request already leased from this peer.
             BlockError: an id out of range or twice.
             PeerError: unknown or dead peer (the sender must be a peer: that is how its death
                 is noticed).
         """
-        return LoadStream(self._core.expect(peer, request_id, local_ids), self)
+        require_positive_finite("timeout", timeout)
+        return LoadStream(self._core.expect(peer, request_id, local_ids, float(timeout)), self)
 
     def close(self) -> None:
         """Stops listening and progress, fails pending transfers, releases UCX. Idempotent."""

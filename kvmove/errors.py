@@ -18,6 +18,7 @@ __all__ = [
     "AllocationError",
     "OutOfBlocksError",
     "TransferError",
+    "ChecksumError",
     "PeerError",
     "MetadataError",
     "TimeoutError",
@@ -50,6 +51,12 @@ class OutOfBlocksError(KVMoveError):
 
 class TransferError(KVMoveError):
     """A transfer failed: its blocks were not all delivered."""
+
+
+class ChecksumError(TransferError):
+    """Received KV does not match the checksums its sender computed: it was corrupted on the
+    way (or overwritten) and must not be used. The load names the bad blocks
+    (``LoadStream.bad_blocks()``)."""
 
 
 class PeerError(KVMoveError):

@@ -1,22 +1,28 @@
-"""Layer-wise streaming: send each layer's KV as the forward pass computes it.
+"""Layer-wise streaming: send each layer's KV as the forward pass computes it, into blocks the
+receiver leased for it.
 
 The verbs are vLLM's KV-connector verbs, so an engine author knows where each one goes::
 
-    # prefill side                              # decode side
-    stream = agent.stream_to(                   load = agent.expect(
-        "decode-0", src_ids, dst_ids, "req-7")      "prefill-0", "req-7", dst_ids)
-    for i, layer in enumerate(model.layers):    load.start_load()
-        hidden = layer(hidden)  # writes KV     for i, layer in enumerate(model.layers):
-        stream.save_layer(i)    # non-blocking      load.wait_for_layer(i)
-    token = sample(hidden)                          hidden = layer(hidden)  # reads KV
-    stream.finish(payload=token_bytes)          first = load.wait_all()  # the payload
-    stream.wait_for_save()
+    # decode side: lease the blocks              # prefill side
+    load = agent.expect("prefill-0", "req-7",
+                        dst_ids, timeout=30.0)
+    # -> load.epoch and dst_ids to the prefill (the control plane: a router, kv_transfer_params)
+                                                 stream = agent.stream_to("decode-0", src_ids,
+                                                     dst_ids, "req-7", epoch=epoch)
+    load.start_load()                            for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.layers):         hidden = layer(hidden)  # writes KV
+        load.wait_for_layer(i)                       stream.save_layer(i)    # non-blocking
+        hidden = layer(hidden)  # reads KV       stream.finish(payload=token_bytes)
+    first = load.wait_all()  # the payload       stream.wait_for_save()
+    ...                                          # its blocks are the prefill's again
+    load.wait_released(); pool.free(dst_ids)  # only when the request is over
 
 ``save_layer(i)`` posts layer ``i``'s coalesced puts and returns; when they have landed in the
 decode side's blocks the sender tells the receiver, and only then does ``wait_for_layer(i)``
-return there. ``finish`` sends the final message (with the payload) once every layer landed;
-the receiver acknowledges it, and ``wait_for_save`` returns. See docs/streaming.md for the
-timeline and the failure rules.
+return there. The sender writes nothing before the receiver said yes to its lease: a late
+sender of a cancelled or expired lease writes 0 bytes. A lease's blocks may be reused only
+once ``load.released`` (the sender ended, or is gone): a timeout alone never frees them. See
+docs/streaming.md for the protocol, the timeline and the failure rules.
 """
 
 from __future__ import annotations
@@ -90,6 +96,11 @@ class _Stream:
         """Why it failed; empty unless FAILED."""
         return self._core.error
 
+    @property
+    def epoch(self) -> int:
+        """The receiver's lease this stream fills (unique per receiving agent)."""
+        return self._core.epoch
+
 
 class SaveStream(_Stream):
     """The sending half of one request's layer stream (made by ``Agent.stream_to``).
@@ -146,16 +157,20 @@ class SaveStream(_Stream):
         Calls ``finish()`` (no payload) first if it was not called.
 
         Raises:
-            TimeoutError: not done within ``timeout`` seconds.
-            TransferError: the stream was aborted, or a transfer failed.
+            TimeoutError: not done within ``timeout`` seconds, or the receiver did not
+                acknowledge the final message within the agent's ``ack_timeout`` (the stream
+                has then failed: this side's blocks are free to reuse).
+            TransferError: the stream was aborted or cancelled by its receiver, the receiver
+                refused the lease (nothing was written), or a transfer failed.
             PeerError: the receiver died or was removed.
         """
         _C.check_timeout(timeout)  # before finish(): a rejected call changes nothing
         if not self._closing:
             self.finish()
         if self._core.wait(timeout) == StreamState.ABORTED:
-            raise TransferError(
-                f"stream of request {self.request_id!r} to {self.peer!r} was aborted")
+            raise TransferError(self._core.error or
+                                f"stream of request {self.request_id!r} to {self.peer!r} was "
+                                "aborted")
 
     def abort(self, timeout: float = DEFAULT_TIMEOUT, wait: bool = True) -> None:
         """Stops the stream and tells the receiver the request is cancelled.
@@ -190,10 +205,10 @@ class SaveStream(_Stream):
 
 
 class LoadStream(_Stream):
-    """The receiving half of one request's layer stream (made by ``Agent.expect``).
+    """The receiving half of one request's layer stream, and the lease of its blocks (made by
+    ``Agent.expect``).
 
-    A load dropped while still open is cancelled. Cancelling does not stop the sender: until
-    it finishes or aborts, its puts may still land in the load's blocks.
+    A load dropped while still open is cancelled.
     """
 
     def __init__(self, core: _C.LoadStream, agent: Any) -> None:
@@ -211,11 +226,27 @@ class LoadStream(_Stream):
         """The final message's payload (empty until it arrived)."""
         return self._core.payload
 
-    def start_load(self) -> LoadStream:
-        """Starts receiving: from now on the sender's layer messages are matched to this load.
+    @property
+    def released(self) -> bool:
+        """True once no byte of this stream can land in its blocks any more: the sender ended
+        it (after its last put landed), the sender is gone, or it never began. Only then may
+        the blocks be reused; a load that failed or was cancelled may take a while longer."""
+        return self._core.released
 
-        Messages that arrived before (the sender may be faster than the control plane that
-        told us about the request) are kept for a while by the agent and applied here.
+    def wait_released(self, timeout: float = DEFAULT_TIMEOUT) -> bool:
+        """Returns True once ``released``, False if ``timeout`` seconds pass first."""
+        return self._core.wait_released(timeout)
+
+    def bad_blocks(self) -> list[int]:
+        """Blocks whose bytes did not match the sender's checksums (streams sent with
+        ``checksums=True``): their KV must not be used."""
+        return self._core.bad_blocks()
+
+    def start_load(self) -> LoadStream:
+        """Starts receiving (vLLM's ``start_load_kv``): the waits may be called from now on.
+
+        The lease exists from ``Agent.expect`` on, so a sender faster than this call loses
+        nothing: its layers are recorded as they land.
 
         Raises:
             ConfigError: called twice, or another load of the same request is running.
@@ -235,7 +266,16 @@ class LoadStream(_Stream):
         self._core.wait_for_layer(layer, timeout)
 
     def wait_all(self, timeout: float = DEFAULT_TIMEOUT) -> bytes:
-        """Returns the final message's payload once every layer and the final are in."""
+        """Returns the final message's payload once every layer (verified, when the sender sent
+        checksums) and the final are in.
+
+        Raises:
+            TimeoutError: not complete within ``timeout`` seconds.
+            ChecksumError: some blocks' bytes do not match the sender's checksums
+                (``bad_blocks()`` names them).
+            TransferError: the sender aborted, or the load was cancelled or its lease expired.
+            PeerError: the sender died or was removed.
+        """
         return self._core.wait_all(timeout)
 
     def layers_ready(self) -> list[bool]:
@@ -246,7 +286,9 @@ class LoadStream(_Stream):
         return [landed for _, landed in _timings(self._core)]
 
     def cancel(self) -> None:
-        """Stops expecting the request; waiters get TransferError. The sender is not told."""
+        """Cancels the lease: waiters get TransferError at once, and the sender is told to
+        stop. The blocks are released (``released``) once it answered, or, if it does not
+        within the agent's ``cancel_timeout``, once it has been disconnected."""
         self._core.cancel()
 
     def __repr__(self) -> str:

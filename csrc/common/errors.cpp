@@ -26,6 +26,8 @@ const char* error_class_name(ErrorKind kind) {
             return "CudaError";
         case ErrorKind::Store:
             return "StoreError";
+        case ErrorKind::Checksum:
+            return "ChecksumError";
     }
     return "KVMoveError";
 }

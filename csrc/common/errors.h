@@ -22,6 +22,7 @@ enum class ErrorKind {
     Ucx,
     Cuda,
     Store,  // a storage tier's files are unusable (I/O error, full disk)
+    Checksum,  // received bytes do not match the sender's checksums
 };
 
 // The name of the Python exception class in kvmove.errors for each kind.

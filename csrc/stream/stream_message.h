@@ -1,17 +1,25 @@
 // The messages of a layer stream, as the data of one UCX active message each.
 //
-// A sender tells its receiver, per request: "layer i is in your blocks" (Layer), "every layer
-// is in, here is the payload" (Final) or "stop, the request is cancelled" (Abort); the
-// receiver answers a Final with an Ack, which is how the sender knows it was delivered. The
-// active message's header is the sending agent's name; its data (little-endian):
+// A stream moves one request's KV into blocks its receiver leased (stream_protocol.h has the
+// protocol and its sequence diagram). The lease's epoch names the stream in every message:
 //
-//   u8 version | u8 kind | u16 request_id_nbytes | i32 layer | u64 ids_hash | u64 serial
-//   | request_id | payload (the rest; Final only)
+//   sender -> receiver   Begin   "may I write your lease <epoch>?" (with the ids' hash)
+//   receiver -> sender   Go      "yes: it is yours until you end it"
+//                        Refuse  "no" (unknown, cancelled or expired lease; other blocks)
+//   sender -> receiver   Layer   "layer i is in your blocks" (its per-block checksums)
+//                        Final   "every layer is in; here is the payload"  -> Ack
+//                        Abort   "I stopped, and nothing I posted is still in flight"
+//   receiver -> sender   Cancel  "stop": answered by an Abort once the sender's puts landed
+//                        Ack     the Final arrived
+//
+// The data (little-endian):
+//
+//   u8 version | u8 kind | u16 request_id_nbytes | u32 layer | u64 epoch | u64 ids_hash
+//   | u32 num_checksums | request_id | num_checksums x u64 | payload (the rest)
 //
 // ids_hash is XXH64 of the destination block ids, so a receiver can tell that the sender
-// wrote the blocks it reserved for the request and not others. serial tells streams of one
-// request id apart (a sender may reuse an id once its stream ended): a load takes the
-// messages of one serial only.
+// means the blocks it leased and not others. The payload is a Final's (the first token), or a
+// Refuse's reason; no other kind carries one.
 #pragma once
 
 #include <cstddef>
@@ -19,24 +27,38 @@
 #include <string>
 #include <vector>
 
-#include "memory/block_pool.h"
+#include "common/kv_geometry.h"
 
 namespace kvmove {
 
-enum class MessageKind : uint8_t { Layer = 1, Final = 2, Abort = 3, Ack = 4 };
+enum class MessageKind : uint8_t {
+    Begin = 1,
+    Go = 2,
+    Refuse = 3,
+    Layer = 4,
+    Final = 5,
+    Ack = 6,
+    Abort = 7,
+    Cancel = 8,
+};
+
+// The kind's name, for messages and logs ("Begin", "Layer"...).
+const char* message_kind_name(MessageKind kind);
 
 struct StreamMessage {
     MessageKind kind = MessageKind::Layer;
     std::string request_id;
-    int32_t layer = -1;  // Layer only
+    uint32_t layer = 0;  // Layer only
+    uint64_t epoch = 0;
     uint64_t ids_hash = 0;
-    uint64_t serial = 0;
-    std::string payload;  // Final only
+    std::vector<uint64_t> checksums;  // Layer only: one per block, or none
+    std::string payload;              // Final's payload, Refuse's reason
 };
 
-constexpr uint8_t kStreamMessageVersion = 1;
+constexpr uint8_t kStreamMessageVersion = 2;
 constexpr size_t kMaxRequestIdBytes = 256;
 constexpr size_t kMaxPayloadBytes = 64 * 1024;  // a Final's payload (e.g. the first token)
+constexpr size_t kMaxChecksums = 1 << 20;       // blocks per stream that carry checksums
 
 std::string encode(const StreamMessage& message);
 // Throws MetadataError naming what is wrong: a message from a peer is untrusted input.

@@ -2,13 +2,13 @@
 //
 // The Agent implements it over UCX (transport/agent.h); the protocol (stream_protocol.h) never
 // sees UCX. It asks the port to put one layer of a stream's blocks and then send a message, to
-// send a message, or to answer one, and learns how each ended from a callback.
+// send a message, or to cut a peer off, and learns how each ended from a callback.
 //
 // Serialization: the protocol's state is guarded by the port's lock. run_locked() is how a
 // caller (a user verb, the protocol's post thread) takes it; the port calls into the protocol
-// (StreamProtocol::on_message, ::peer_failed, ::drain, and every PortDone) with it held.
-// PortDone callbacks may run inside the transport's own callbacks, where nothing may be sent:
-// the protocol queues what they make due and sends it from drain().
+// (StreamProtocol::on_message, ::peer_failed, ::tick, ::drain, and every PortDone) with it
+// held. on_message and PortDone callbacks may run inside the transport's own callbacks, where
+// nothing may be sent: the protocol queues what they make due and sends it from drain().
 #pragma once
 
 #include <cstdint>
@@ -29,9 +29,6 @@ struct PortOutcome {
 };
 using PortDone = std::function<void(const PortOutcome&)>;
 
-// Where an incoming message may be answered; opaque to the protocol, null when it can't be.
-using ReplyHandle = void*;
-
 class StreamPort {
 public:
     virtual ~StreamPort() = default;
@@ -47,17 +44,20 @@ public:
     // Locked. Throws unless peer is a live peer of the same layout.
     virtual void check_sender(const std::string& peer) const = 0;
     virtual bool peer_alive(const std::string& peer) const = 0;  // locked
+    // Locked. The incarnation the peer's metadata announced (the high 32 bits of its epochs).
+    virtual uint32_t peer_incarnation(const std::string& peer) const = 0;
 
     // Locked. Puts layer `layer` of local_ids[i] -> remote_ids[i], flushes them, then sends
     // message; done(ok) once the message is out, done(failure) when anything failed.
     virtual void put_then_send(const std::string& peer, const std::vector<BlockId>& local_ids,
                                const std::vector<BlockId>& remote_ids, int64_t layer,
                                std::string message, PortDone done) = 0;
-    // Locked. Sends message to peer; want_reply lets the receiver answer it (reply()).
-    virtual void send(const std::string& peer, std::string message, bool want_reply,
-                      PortDone done) = 0;
-    // Locked. Answers an incoming message; best effort (a lost answer shows as a timeout).
-    virtual void reply(ReplyHandle to, std::string message) = 0;
+    // Locked. Sends message to peer, after what was sent to it before.
+    virtual void send(const std::string& peer, std::string message, PortDone done) = 0;
+    // Locked, outside the transport's callbacks. Closes the connection to peer at once (its
+    // operations cancelled): once this returns, nothing the peer posts reaches this process.
+    // Then calls StreamProtocol::peer_failed(peer, ...).
+    virtual void disconnect(const std::string& peer, const std::string& reason) = 0;
 };
 
 }  // namespace kvmove

@@ -1,17 +1,38 @@
-// StreamProtocol: the layer-stream protocol of layer_stream.h, over any StreamPort.
+// StreamProtocol: layer streams into leased blocks, over any StreamPort.
 //
-// Sender: stream_to() opens a SaveStream; each save_layer() queues the layer for the post
-// thread, which asks the port to put it and then send its Layer message; once every saved
-// layer landed and finish() or abort() was called, the Final (acknowledged by the receiver)
-// or the Abort goes out. Receiver: expect() makes a LoadStream; start_load() binds it to the
-// sender's stream (messages that came first wait in `unclaimed_` for a while) and each message
-// is applied to it. A cancelled load drops the rest of its stream, so that a later load of the
-// same request id only ever sees a new stream.
+// The receiver is the authority over its blocks. expect() grants a lease: an epoch (the
+// agent's incarnation in the high 32 bits, a counter below: never reused), the block ids and a
+// deadline. A sender writes nothing until the receiver said Go to its Begin, and the receiver
+// says Go at most once per lease, only while the lease stands:
+//
+//   sender                                   receiver
+//     |                                        | expect(): lease E granted (deadline T)
+//     |  <----- E and the ids, by the control plane (router, kv_transfer_params) ---
+//     | stream_to(E): Begin(E, ids hash) ----> | E granted, ids match: engaged
+//     | <------------------------------ Go(E)  |   (or Refuse(E, why): nothing is written)
+//     | save_layer(i): puts, flush, Layer(E,i) | layer i ready (verified, with checksums)
+//     | ...                                    |
+//     | finish(): Final(E, payload) ---------> | done; lease released: blocks reusable
+//     | <----------------------------- Ack(E)  |
+//
+//   cancel() or deadline T on the receiver, lease engaged:
+//     | <--------------------------- Cancel(E) | waiters fail now; blocks quarantined
+//     | drop queued layers, flush posted ones  |
+//     | Abort(E) ----------------------------> | released
+//     |                  no Abort within the cancel timeout: the sender is disconnected, and
+//     |                  the blocks are released once the disconnect is complete
+//
+// So a lease's blocks go back only when its sender ended it (Final or Abort, both sent after
+// its last put was flushed), when the sender is gone (its endpoint failed or was closed), or
+// when no sender ever engaged it. A timeout alone never frees a block. Messages for an epoch
+// that is not leased (or not to that sender, or not in a state that allows them) are refused
+// and counted. A sender whose Final is not acknowledged within the ack timeout fails.
 //
 // Locking: the protocol's state is guarded by the port's lock (stream_port.h): the user verbs
-// take it through run_locked(), the port holds it when it calls on_message(), peer_failed(),
-// drain() and the PortDone callbacks. Lock order: the port's lock, then a stream's own mutex.
-// The post queue has its own mutex, never held while taking the port's lock.
+// take it through run_locked(); the port holds it when it calls on_message(), peer_failed(),
+// tick(), drain() and the PortDone callbacks. Lock order: the port's lock, then a stream's own
+// mutex, then the post or verify queue's mutex; neither queue mutex is held while taking the
+// port's lock. Checksums are computed off the lock (the post thread, the verify thread).
 #pragma once
 
 #include <atomic>
@@ -32,9 +53,30 @@
 
 namespace kvmove {
 
+struct StreamConfig {
+    double cancel_timeout_seconds = 5;  // a Cancel's answer, before the sender is disconnected
+    double ack_timeout_seconds = 10;    // a Final's Ack, before the sender's stream fails
+};
+
+// Counters of one agent's streams (since it started, unless said otherwise).
+struct StreamStats {
+    uint64_t leases_granted = 0;
+    uint64_t leases_active = 0;       // now: granted and not yet released
+    uint64_t blocks_quarantined = 0;  // now: of cancelled leases whose sender has not answered
+    uint64_t leases_expired = 0;      // deadlines that passed
+    uint64_t cancels_sent = 0;
+    uint64_t senders_disconnected = 0;  // no answer to a Cancel in time
+    uint64_t messages_refused = 0;      // for no lease, another sender, or a state not allowing it
+    uint64_t begins_refused = 0;        // of those, Begins answered with Refuse
+    uint64_t checksum_mismatches = 0;   // blocks (per layer) whose bytes did not match
+    uint64_t acks_missed = 0;           // sender: Finals not acknowledged in time
+};
+
 class StreamProtocol {
 public:
-    StreamProtocol(StreamPort& port, const KVGeometry& local);
+    // incarnation: this agent's, the high 32 bits of every epoch it grants.
+    StreamProtocol(StreamPort& port, const KVGeometry& local, uint32_t incarnation,
+                   StreamConfig config);
     ~StreamProtocol();
     StreamProtocol(const StreamProtocol&) = delete;
     StreamProtocol& operator=(const StreamProtocol&) = delete;
@@ -43,9 +85,13 @@ public:
     std::shared_ptr<SaveStream> stream_to(const std::string& peer,
                                           const std::vector<BlockId>& local_ids,
                                           const std::vector<BlockId>& remote_ids,
-                                          const std::string& request_id);
+                                          const std::string& request_id, uint64_t epoch,
+                                          bool checksums);
+    // lease_seconds: the lease's deadline from now.
     std::shared_ptr<LoadStream> expect(const std::string& peer, const std::string& request_id,
-                                       const std::vector<BlockId>& local_ids);
+                                       const std::vector<BlockId>& local_ids,
+                                       double lease_seconds);
+    StreamStats stats() const;
 
     // From the streams (no lock held).
     void check_open() const;  // ConfigError once closed
@@ -54,20 +100,24 @@ public:
     void start_load(LoadStream& load);
     void cancel_load(LoadStream& load);
 
-    // From the port, its lock held.
-    void on_message(const std::string& sender, const void* data, size_t nbytes,
-                    ReplyHandle reply_to);
+    // From the port, its lock held. sender: the peer the message came from.
+    void on_message(const std::string& sender, const void* data, size_t nbytes);
+    // The peer's connection is gone (it died, or was removed or disconnected, its endpoint
+    // closed): its streams fail, its leases are released.
     void peer_failed(const std::string& peer, ErrorKind kind, const std::string& reason);
-    void drain();  // sends what callbacks made due
-    bool has_deferred() const { return !ending_.empty(); }
+    void tick(double now);          // deadlines
+    double next_deadline() const;   // the earliest, on the steady clock (infinity: none)
+    void drain();                   // sends what callbacks made due
+    bool has_deferred() const { return !ending_.empty() || !outbox_.empty(); }
 
-    // Shutdown: stop_posting() (no lock held) joins the post thread; close() (locked) fails
-    // every open stream with reason.
-    void stop_posting();
+    // Shutdown: stop_threads() (no lock held) joins the post and verify threads; close()
+    // (locked, once the port's connections are closed) fails every open stream with reason
+    // and releases every lease.
+    void stop_threads();
     void close(const std::string& reason);
 
 private:
-    using StreamKey = std::pair<std::string, std::string>;  // (peer, request id)
+    using SendKey = std::pair<std::string, uint64_t>;  // (receiver, epoch)
     // A saved layer (or the end of a stream) for the post thread, after its CUDA event.
     struct Pending {
         enum class Kind { Layer, End };
@@ -76,52 +126,66 @@ private:
         int64_t layer = 0;
         uintptr_t event = 0;
     };
-    // A started load and the sender stream it takes messages from.
-    struct Loading {
+    struct Sending {
+        std::shared_ptr<SaveStream> stream;
+        double ack_deadline;  // once its Final is out; infinity before
+    };
+    struct Lease {
+        enum class Phase { Granted, Engaged, Cancelling };
         std::shared_ptr<LoadStream> load;
-        bool bound = false;  // serial is known (the first message bound it)
-        uint64_t serial = 0;
+        Phase phase = Phase::Granted;
+        double deadline;         // of the lease
+        double cancel_deadline;  // of the Cancel's answer, while Cancelling
     };
-    // A message that came before its load's start_load().
-    struct Unclaimed {
-        double arrived;
-        std::string sender;
-        StreamMessage message;
-    };
-    // The rest of a stream whose load was cancelled or failed: dropped until it ends.
-    struct Dropped {
-        double since;
-        bool bound;  // serial is known (else: the next stream of the key to arrive)
-        uint64_t serial;
+    // A received layer whose checksums the verify thread checks.
+    struct Verify {
+        std::shared_ptr<LoadStream> load;
+        int64_t layer;
+        std::vector<uint64_t> checksums;
     };
 
+    // sender
     void queue(Pending pending);
     void post_loop();
-    void post(const Pending& pending, const std::string& cuda_error);
-    void post_layer(const std::shared_ptr<SaveStream>& s, int64_t layer);
+    void post_layer(const std::shared_ptr<SaveStream>& s, int64_t layer,
+                    std::vector<uint64_t> checksums);
     void layer_result(const std::shared_ptr<SaveStream>& s, int64_t layer,
                       const PortOutcome& outcome);
     void send_end(const std::shared_ptr<SaveStream>& s);
     void end_sent(const std::shared_ptr<SaveStream>& s, const PortOutcome& outcome);
     void forget(const SaveStream& s);
-    void deliver(Loading& loading, const StreamMessage& m);
-    void unregister(const LoadStream& load);
-    void drop_rest(const LoadStream& load, bool bound, uint64_t serial);
+    void on_go(const std::string& sender, const StreamMessage& m);
+    void on_refuse(const std::string& sender, const StreamMessage& m);
     void on_ack(const std::string& sender, const StreamMessage& m);
-    bool drop_if_cancelled(const StreamKey& key, const StreamMessage& m);
-    void keep_unclaimed(const std::string& sender, const StreamMessage& m);
+    void on_cancel(const std::string& sender, const StreamMessage& m);
+    // receiver
+    Lease* lease_of(const std::string& sender, const StreamMessage& m);
+    void on_begin(const std::string& sender, const StreamMessage& m);
+    void on_layer(Lease& lease, const StreamMessage& m);
+    void on_final(Lease& lease, const StreamMessage& m);
+    void end_lease(Lease& lease, StreamState state, ErrorKind kind, const std::string& error);
+    void release(uint64_t epoch);
+    void verify_loop();
+    // both
+    std::vector<uint64_t> checksums_of(const std::vector<BlockId>& ids, int64_t layer,
+                                       uint64_t epoch) const;
+    void post_message(const std::string& peer, StreamMessage message);
+    void refuse(const std::string& sender, const StreamMessage& m, const std::string& why);
 
     StreamPort& port_;
     const KVGeometry& local_;
+    const uint32_t incarnation_;
+    const StreamConfig config_;
     std::atomic<bool> closed_{false};
-    std::atomic<uint64_t> next_serial_;  // streams sent, from a random start
 
     // Guarded by the port's lock.
-    std::map<StreamKey, std::shared_ptr<SaveStream>> sending_;  // open streams by receiver
-    std::vector<std::shared_ptr<SaveStream>> ending_;           // Final/Abort due, sent by drain()
-    std::map<StreamKey, Loading> loading_;                      // started loads by sender
-    std::deque<Unclaimed> unclaimed_;
-    std::map<StreamKey, Dropped> dropped_;
+    uint64_t next_epoch_;
+    std::map<SendKey, Sending> sending_;               // open streams by (receiver, epoch)
+    std::vector<std::shared_ptr<SaveStream>> ending_;  // Final/Abort due, sent by drain()
+    std::map<uint64_t, Lease> leases_;                 // by epoch
+    std::vector<std::pair<std::string, StreamMessage>> outbox_;  // sent by drain()
+    StreamStats stats_;
+    std::atomic<uint64_t> checksum_mismatches_{0};  // counted by the verify thread
 
     // save_layer() only queues: the post thread posts each layer (after its CUDA event, if
     // any). Over tcp and shared memory a put copies its bytes inside ucp_put_nbx, which would
@@ -131,6 +195,12 @@ private:
     std::deque<Pending> to_post_;
     bool post_stop_ = false;  // guarded by post_mu_
     std::thread post_thread_;
+
+    std::mutex verify_mu_;
+    std::condition_variable verify_cv_;
+    std::deque<Verify> to_verify_;
+    bool verify_stop_ = false;  // guarded by verify_mu_
+    std::thread verify_thread_;
 };
 
 }  // namespace kvmove

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
+#include <random>
 
 #include "transport/agent_internal.h"
 
@@ -26,10 +28,21 @@ PortOutcome outcome_of(ucs_status_t status) {
 
 constexpr int kIdleSpins = 2000;       // progress calls with nothing done before sleeping
 constexpr int kSleepMs = 100;          // longest sleep; stop_ is checked at least this often
+constexpr double kTickSeconds = 1e-3;  // how often the streams' deadlines are checked
 constexpr double kCloseSeconds = 2.0;  // how long close() lets pending work finish
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// An agent's incarnation (transport/metadata.h): random, nonzero.
+uint32_t random_incarnation() {
+    std::random_device entropy;
+    uint32_t value = 0;
+    while (value == 0) {
+        value = entropy();
+    }
+    return value;
 }
 
 }  // namespace
@@ -39,7 +52,8 @@ Agent::Agent(std::string name, KVCache& cache, BlockShape shape, AgentConfig con
       cache_(cache),
       shape_(std::move(shape)),
       config_(std::move(config)),
-      streams_(*this, cache.geometry()) {
+      incarnation_(random_incarnation()),
+      streams_(*this, cache.geometry(), incarnation_, config_.streams) {
     KVMOVE_CHECK(!name_.empty() && name_.size() <= kMaxAgentNameBytes, Config,
                  "agent name must be 1.." << kMaxAgentNameBytes << " bytes, got " << name_.size());
     size_t bad = first_unprintable(name_);
@@ -50,9 +64,12 @@ Agent::Agent(std::string name, KVCache& cache, BlockShape shape, AgentConfig con
     KVMOVE_CHECK(shape_.nbytes() == cache.block_nbytes(), Config,
                  "a block of this shape is " << shape_.nbytes() << " B per layer, the cache's "
                                              << cache.block_nbytes());
-    KVMOVE_CHECK(std::isfinite(config_.peer_timeout_seconds) && config_.peer_timeout_seconds > 0,
-                 Config,
-                 "peer_timeout must be positive and finite, got " << config_.peer_timeout_seconds);
+    for (auto [what, value] : {std::pair{"peer_timeout", config_.peer_timeout_seconds},
+                               std::pair{"cancel_timeout", config_.streams.cancel_timeout_seconds},
+                               std::pair{"ack_timeout", config_.streams.ack_timeout_seconds}}) {
+        KVMOVE_CHECK(std::isfinite(value) && value > 0 && value <= kMaxTimeoutSeconds, Config,
+                     what << " must be in (0, " << kMaxTimeoutSeconds << "] s, got " << value);
+    }
     context_ = make_context(config_.transports, config_.peer_timeout_seconds);
     worker_ = make_worker(context_.get());
     registration_ = std::make_unique<MemoryRegistration>(
@@ -71,6 +88,7 @@ Agent::Agent(std::string name, KVCache& cache, BlockShape shape, AgentConfig con
     KVMOVE_UCX_CHECK(ucp_worker_set_am_recv_handler(worker_.get(), &am),
                      "cannot install the layer stream handler");
     AgentMetadata meta{name_,
+                       incarnation_,
                        worker_address(worker_.get()),
                        cache.region().addr(),
                        cache.region().nbytes(),
@@ -91,7 +109,7 @@ void Agent::close() {
     if (closed_.exchange(true)) {
         return;
     }
-    streams_.stop_posting();
+    streams_.stop_threads();
     stop_ = true;
     ucp_worker_signal(worker_.get());
     progress_thread_.join();
@@ -109,7 +127,6 @@ void Agent::close() {
     for (auto& [t, entry] : in_flight_) {
         t->fail(ErrorKind::Transfer, "agent '" + name_ + "' closed");
     }
-    streams_.close("agent '" + name_ + "' closed");
     for (auto& [name, peer] : peers_) {
         double left =
             std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count();
@@ -117,6 +134,8 @@ void Agent::close() {
         peer->endpoint->close(!peer->failure.empty(), std::max(left, 0.05));
         detach_transfers(peer.get());
     }
+    // Only now, with every connection closed, are the leases released.
+    streams_.close("agent '" + name_ + "' closed");
     peers_.clear();
     worker_.reset();  // may still complete requests: their callbacks need in_flight_ entries
     in_flight_.clear();
@@ -133,8 +152,19 @@ std::string Agent::add_peer(const std::vector<uint8_t>& metadata) {
     AgentMetadata meta = decode(metadata);
     WorkerLock lock(*this);
     check_open();
-    KVMOVE_CHECK(peers_.count(meta.name) == 0, Peer,
-                 "peer '" << meta.name << "' is already added to agent '" << name_ << "'");
+    auto old = peers_.find(meta.name);
+    if (old != peers_.end()) {
+        const AgentMetadata& known = old->second->meta;
+        KVMOVE_CHECK(!old->second->failure.empty() || known.incarnation != meta.incarnation ||
+                         known.worker_address != meta.worker_address,
+                     Peer, "peer '" << meta.name << "' is already added to agent '" << name_ << "'");
+        // It came back (a new incarnation), or reconnects after we cut it off: its old
+        // connection goes first, and everything of the old one fails.
+        drop_peer(old, true, ErrorKind::Peer,
+                  "peer '" + meta.name + "' restarted (incarnation " +
+                      std::to_string(known.incarnation) + " -> " +
+                      std::to_string(meta.incarnation) + ")");
+    }
     auto peer = std::make_unique<Peer>(this, meta);
     try {
         peer->endpoint =
@@ -159,12 +189,22 @@ void Agent::remove_peer(const std::string& name) {
     auto it = peers_.find(name);
     KVMOVE_CHECK(it != peers_.end(), Peer,
                  "unknown peer '" << name << "' for agent '" << name_ << "'");
+    drop_peer(it, !it->second->failure.empty(), ErrorKind::Peer,
+              "peer '" + name + "' was removed");
+}
+
+// Fails the peer's transfers, closes its endpoint (force: cancel what is posted; else flush it
+// first), then ends its streams and releases its leases (the connection is gone), and forgets
+// it. The key goes before its endpoint: no use of a gone peer's remote key.
+void Agent::drop_peer(std::map<std::string, std::unique_ptr<Peer>>::iterator it, bool force,
+                      ErrorKind kind, const std::string& reason) {
+    const std::string name = it->first;
     Peer& peer = *it->second;
-    fail_peer_transfers(&peer, "the peer was removed");
-    streams_.peer_failed(name, ErrorKind::Peer, "peer '" + name + "' was removed");
+    fail_peer_transfers(&peer, reason);
     peer.rkey.reset();
-    peer.endpoint->close(!peer.failure.empty(), kCloseSeconds);
+    peer.endpoint->close(force, kCloseSeconds);
     detach_transfers(&peer);
+    streams_.peer_failed(name, kind, reason);
     peers_.erase(it);
 }
 
@@ -355,7 +395,7 @@ void Agent::send_notification(InFlight* entry) {
     param.cb.send = &Agent::on_notify_sent;
     param.user_data = entry;
     // Eager: the receiver's handler sees the whole payload at once, never a rendezvous.
-    param.flags = UCP_AM_SEND_FLAG_EAGER | (entry->want_reply ? UCP_AM_SEND_FLAG_REPLY : 0);
+    param.flags = UCP_AM_SEND_FLAG_EAGER;
     const std::string& payload = *entry->notify;
     ucs_status_ptr_t request =
         ucp_am_send_nbx(entry->peer->endpoint->get(), entry->am_id, name_.data(), name_.size(),
@@ -435,13 +475,17 @@ std::pair<std::string, std::string> Agent::wait_notification(double timeout_seco
 std::shared_ptr<SaveStream> Agent::stream_to(const std::string& peer,
                                              const std::vector<BlockId>& local_ids,
                                              const std::vector<BlockId>& remote_ids,
-                                             const std::string& request_id) {
-    return streams_.stream_to(peer, local_ids, remote_ids, request_id);
+                                             const std::string& request_id, uint64_t epoch,
+                                             bool checksums) {
+    KVMOVE_CHECK(!checksums || !cache_.region().on_device(), Config,
+                 "checksums are computed on the host: this cache is on a device");
+    return streams_.stream_to(peer, local_ids, remote_ids, request_id, epoch, checksums);
 }
 
 std::shared_ptr<LoadStream> Agent::expect(const std::string& peer, const std::string& request_id,
-                                          const std::vector<BlockId>& local_ids) {
-    return streams_.expect(peer, request_id, local_ids);
+                                          const std::vector<BlockId>& local_ids,
+                                          double lease_seconds) {
+    return streams_.expect(peer, request_id, local_ids, lease_seconds);
 }
 
 // ---- StreamPort: the transport under layer streams -----------------------------------
@@ -473,6 +517,21 @@ bool Agent::peer_alive(const std::string& peer) const {
     return it != peers_.end() && it->second->failure.empty();
 }
 
+uint32_t Agent::peer_incarnation(const std::string& peer) const {
+    return live_peer(peer).meta.incarnation;
+}
+
+void Agent::disconnect(const std::string& peer, const std::string& reason) {
+    auto it = peers_.find(peer);
+    if (it != peers_.end()) {
+        drop_peer(it, true, ErrorKind::Peer, "peer '" + peer + "' was disconnected: " + reason);
+    }
+}
+
+StreamStats Agent::stream_stats() const {
+    return streams_.stats();
+}
+
 void Agent::put_then_send(const std::string& peer_name, const std::vector<BlockId>& local_ids,
                           const std::vector<BlockId>& remote_ids, int64_t layer,
                           std::string message, PortDone done) {
@@ -496,8 +555,7 @@ void Agent::put_then_send(const std::string& peer_name, const std::vector<BlockI
     post_flush(track(std::move(entry)));
 }
 
-void Agent::send(const std::string& peer_name, std::string message, bool want_reply,
-                 PortDone done) {
+void Agent::send(const std::string& peer_name, std::string message, PortDone done) {
     if (!peer_alive(peer_name)) {
         done({false, ErrorKind::Peer, "peer '" + peer_name + "' is gone"});
         return;
@@ -506,48 +564,28 @@ void Agent::send(const std::string& peer_name, std::string message, bool want_re
     auto entry =
         std::make_unique<InFlight>(this, transfer, peers_.at(peer_name).get(), std::move(message));
     entry->am_id = kStreamAmId;
-    entry->want_reply = want_reply;
     entry->on_done = std::move(done);
     send_notification(track(std::move(entry)));
-}
-
-namespace {
-
-void free_reply(void* request, ucs_status_t, void* user_data) {
-    delete static_cast<std::string*>(user_data);
-    ucp_request_free(request);
-}
-
-}  // namespace
-
-void Agent::reply(ReplyHandle to, std::string message) {
-    auto data = new std::string(std::move(message));
-    ucp_request_param_t param{};
-    param.op_attr_mask =
-        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-    param.cb.send = &free_reply;
-    param.user_data = data;
-    param.flags = UCP_AM_SEND_FLAG_EAGER;
-    ucs_status_ptr_t request = ucp_am_send_nbx(static_cast<ucp_ep_h>(to), kStreamAmId, name_.data(),
-                                               name_.size(), data->data(), data->size(), &param);
-    if (request == nullptr || UCS_PTR_IS_ERR(request)) {
-        delete data;  // sent at once, or not at all: the sender's wait then fails or times out
-    }
 }
 
 ucs_status_t Agent::on_stream_am(void* arg, const void* header, size_t header_nbytes, void* data,
                                  size_t nbytes, const ucp_am_recv_param_t* param) {
     auto agent = static_cast<Agent*>(arg);
     std::string sender(static_cast<const char*>(header), header_nbytes);
-    ReplyHandle reply_to =
-        (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : nullptr;
-    agent->streams_.on_message(sender, data, nbytes, reply_to);
+    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+        // A rendezvous AM's data is a descriptor, not the message: kvmove never sends one.
+        std::fprintf(stderr, "kvmove: agent '%s' dropped a rendezvous stream message\n",
+                     agent->name_.c_str());
+        return UCS_OK;
+    }
+    agent->streams_.on_message(sender, data, nbytes);
     return UCS_OK;  // the data was copied; UCX may release it
 }
 
 void Agent::progress_loop() {
     ucp_worker_h worker = worker_.get();
     int idle = 0;
+    double last_tick = 0;
     while (!stop_) {
         unsigned progressed = 0;
         // Other threads that want the worker go first: std::mutex is not fair, and this
@@ -559,6 +597,11 @@ void Agent::progress_loop() {
         {
             std::lock_guard<std::mutex> lock(worker_mu_);
             progressed = ucp_worker_progress(worker);
+            const double now = steady_seconds();
+            if (now - last_tick >= kTickSeconds) {  // the streams' deadlines
+                streams_.tick(now);
+                last_tick = now;
+            }
             drain_deferred();
         }
         if (progressed > 0 || ++idle < kIdleSpins) {
@@ -568,13 +611,17 @@ void Agent::progress_loop() {
         }
         idle = 0;
         ucs_status_t armed = UCS_OK;
+        double until_deadline = 0;
         {
             std::lock_guard<std::mutex> lock(worker_mu_);
             armed = ucp_worker_arm(worker);
+            until_deadline = streams_.next_deadline() - steady_seconds();
         }
         if (armed == UCS_OK) {
+            // Sleep until there is work, the next deadline, or kSleepMs (to see stop_).
+            const double ms = std::clamp(until_deadline * 1e3 + 1, 0.0, double(kSleepMs));
             pollfd fd{event_fd_, POLLIN, 0};
-            poll(&fd, 1, kSleepMs);
+            poll(&fd, 1, static_cast<int>(ms));
         }
     }
 }

@@ -36,6 +36,7 @@ struct AgentConfig {
     std::string transports;            // UCX_TLS syntax; "" lets UCX choose
     bool peer_errors = true;           // UCP_ERR_HANDLING_MODE_PEER (drops posix/sysv shm)
     double peer_timeout_seconds = 10;  // UCX keepalive: how long a silent peer lives
+    StreamConfig streams;              // the streams' cancel and ack timeouts
 };
 
 constexpr size_t kMaxNotifyBytes = 64 * 1024;
@@ -48,6 +49,7 @@ public:
     Agent& operator=(const Agent&) = delete;
 
     const std::string& name() const { return name_; }
+    uint32_t incarnation() const { return incarnation_; }
     bool closed() const { return closed_; }
     std::vector<uint8_t> metadata() const { return metadata_; }
     std::string add_peer(const std::vector<uint8_t>& metadata);
@@ -65,15 +67,20 @@ public:
                                    const std::optional<std::vector<int64_t>>& layers,
                                    const std::optional<std::string>& notify);
 
-    // Layer streaming (stream/layer_stream.h, stream/stream_protocol.h). stream_to() sends
-    // local_ids[i] -> remote_ids[i] of peer layer by layer; expect() prepares to receive
-    // request_id from peer into local_ids. Both validate everything up front.
+    // Layer streaming (stream/layer_stream.h, stream/stream_protocol.h). expect() leases
+    // local_ids for request_id from peer, for lease_seconds; stream_to() sends local_ids[i] ->
+    // remote_ids[i] of peer layer by layer, into the peer's lease `epoch`. Both validate
+    // everything up front.
     std::shared_ptr<SaveStream> stream_to(const std::string& peer,
                                           const std::vector<BlockId>& local_ids,
                                           const std::vector<BlockId>& remote_ids,
-                                          const std::string& request_id);
+                                          const std::string& request_id, uint64_t epoch,
+                                          bool checksums);
     std::shared_ptr<LoadStream> expect(const std::string& peer, const std::string& request_id,
-                                       const std::vector<BlockId>& local_ids);
+                                       const std::vector<BlockId>& local_ids,
+                                       double lease_seconds);
+
+    StreamStats stream_stats() const;
 
     // Received (peer name, payload) pairs, oldest first; drains the queue.
     std::vector<std::pair<std::string, std::string>> notifications();
@@ -104,6 +111,8 @@ private:
     void drain_deferred();
     void send_notification(InFlight* entry);
     void finish(InFlight* entry, ucs_status_t status);
+    void drop_peer(std::map<std::string, std::unique_ptr<Peer>>::iterator it, bool force,
+                   ErrorKind kind, const std::string& reason);
     void fail_peer_transfers(const Peer* peer, const std::string& reason);
     void detach_transfers(const Peer* peer);
     void progress_loop();
@@ -116,12 +125,12 @@ private:
                    const std::vector<BlockId>& remote_ids) const override;
     void check_sender(const std::string& peer) const override;
     bool peer_alive(const std::string& peer) const override;
+    uint32_t peer_incarnation(const std::string& peer) const override;
     void put_then_send(const std::string& peer, const std::vector<BlockId>& local_ids,
                        const std::vector<BlockId>& remote_ids, int64_t layer, std::string message,
                        PortDone done) override;
-    void send(const std::string& peer, std::string message, bool want_reply,
-              PortDone done) override;
-    void reply(ReplyHandle to, std::string message) override;
+    void send(const std::string& peer, std::string message, PortDone done) override;
+    void disconnect(const std::string& peer, const std::string& reason) override;
 
     static void on_flush(void* request, ucs_status_t status, void* user_data);
     static void on_notify_sent(void* request, ucs_status_t status, void* user_data);
@@ -136,6 +145,7 @@ private:
     KVCache& cache_;
     const BlockShape shape_;  // what each block of the cache holds
     const AgentConfig config_;
+    const uint32_t incarnation_;  // transport/metadata.h
     // UCX objects in dependency order: destroyed bottom-up.
     ContextPtr context_;
     WorkerPtr worker_;

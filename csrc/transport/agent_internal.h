@@ -45,8 +45,7 @@ struct Agent::InFlight {
     Peer* peer;
     std::optional<std::string> notify;  // sent once the flush completes
     unsigned am_id = kNotifyAmId;
-    bool want_reply = false;  // the receiver answers on the reply endpoint
-    PortDone on_done;         // a stream's transfer: told how it ended
+    PortDone on_done;  // a stream's transfer: told how it ended
 };
 
 }  // namespace kvmove

@@ -95,6 +95,7 @@ size_t first_unprintable(std::string_view text) {
 std::vector<uint8_t> encode(const AgentMetadata& meta) {
     Writer body;
     body.blob<uint8_t>(meta.name.data(), meta.name.size());
+    body.put<uint32_t>(meta.incarnation);
     body.blob<uint32_t>(meta.worker_address.data(), meta.worker_address.size());
     body.put<uint64_t>(meta.region_addr);
     body.put<uint64_t>(meta.region_nbytes);
@@ -137,6 +138,8 @@ AgentMetadata decode(const std::vector<uint8_t>& bytes) {
     Reader r(body.data(), body.size());
     AgentMetadata m;
     m.name = text(r.blob<uint8_t>("name", 1, kMaxAgentNameBytes), "name");
+    m.incarnation = r.get<uint32_t>("incarnation");
+    KVMOVE_CHECK(m.incarnation != 0, Metadata, "bad agent metadata: incarnation is 0");
     m.worker_address = r.blob<uint32_t>("worker_address", 1, kMaxBlobBytes);
     m.region_addr = r.get<uint64_t>("region_addr");
     m.region_nbytes = r.get<uint64_t>("region_nbytes");
