@@ -81,15 +81,16 @@ void register_agent(py::module_& m) {
     py::class_<Agent>(m, "Agent")
         .def(py::init([](std::string name, KVCache& cache, const BlockShape& shape,
                          std::string transports, bool peer_errors, double peer_timeout,
-                         double cancel_timeout, double ack_timeout) {
+                         double cancel_timeout, double ack_timeout, std::string faults) {
                  return std::make_unique<Agent>(
                      std::move(name), cache, shape,
                      AgentConfig{std::move(transports), peer_errors, peer_timeout,
-                                 StreamConfig{cancel_timeout, ack_timeout}});
+                                 StreamConfig{cancel_timeout, ack_timeout}, std::move(faults)});
              }),
              py::arg("name"), py::arg("cache"), py::arg("shape"), py::arg("transports"),
              py::arg("peer_errors"), py::arg("peer_timeout"), py::arg("cancel_timeout"),
-             py::arg("ack_timeout"), py::keep_alive<1, 3>(), release())
+             py::arg("ack_timeout"), py::arg("faults"), py::keep_alive<1, 3>(), release())
+        .def("fault_counts", &Agent::fault_counts)
         .def_property_readonly("incarnation", &Agent::incarnation)
         .def("stream_stats", &Agent::stream_stats, release())
         .def_property_readonly("name", &Agent::name)

@@ -8,6 +8,7 @@ its Python face: construction from a ``KVCache``, the metadata side channel (``l
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -151,6 +152,9 @@ class Agent:
             the stream fails.
         checksums: streams sent by this agent carry per-block checksums by default, which
             their receiver verifies before the KV is used (``stream_to(checksums=...)``).
+        faults: fault injection for tests, e.g. ``"fail_post=7,drop_message=0.01,seed=3"``
+            (``csrc/transport/faults.h`` lists them); default: ``$KVMOVE_FAULTS``, else none.
+            Off, it costs nothing.
 
     Layer streaming: ``stream_to`` and ``expect`` (docs/streaming.md).
     """
@@ -158,7 +162,7 @@ class Agent:
     def __init__(self, name: str, cache: KVCache, *, transports: str | Sequence[str] | None = None,
                  error_mode: str = "peer", peer_timeout: float = 10.0,
                  cancel_timeout: float = 5.0, ack_timeout: float = 10.0,
-                 checksums: bool = False) -> None:
+                 checksums: bool = False, faults: str | None = None) -> None:
         if error_mode not in ERROR_MODES:
             raise ConfigError(f"error_mode must be one of {ERROR_MODES}, got {error_mode!r}")
         if not isinstance(cache, KVCache):
@@ -168,9 +172,11 @@ class Agent:
         for what, value in (("peer_timeout", peer_timeout), ("cancel_timeout", cancel_timeout),
                             ("ack_timeout", ack_timeout)):
             require_positive_finite(what, value)
+        if faults is None:
+            faults = os.environ.get("KVMOVE_FAULTS", "")
         self._core = _C.Agent(name, cache._core, block_shape(cache.layout), transports or "",
                               error_mode == "peer", float(peer_timeout), float(cancel_timeout),
-                              float(ack_timeout))
+                              float(ack_timeout), faults)
         self.cache = cache
         self.checksums = bool(checksums)
         self._server: MetadataServer | None = None
@@ -188,6 +194,10 @@ class Agent:
         """This agent's run, a random nonzero number: the high 32 bits of its leases' epochs.
         A peer that comes back under the same name has another."""
         return self._core.incarnation
+
+    def faults_injected(self) -> dict[str, int]:
+        """What fault injection did so far, by kind (empty when it is off)."""
+        return dict(self._core.fault_counts())
 
     def stats(self) -> AgentStats:
         """Counters of this agent's streams and leases (``AgentStats``)."""

@@ -34,6 +34,9 @@ public:
     virtual ~StreamPort() = default;
 
     virtual const std::string& local_name() const = 0;
+    // Seconds the post thread waits (off the lock) before posting a layer: 0 but under fault
+    // injection (transport/faults.h).
+    virtual double post_delay_seconds() { return 0; }
     // Runs fn with the port's lock held (and sends what fn made due before releasing it).
     virtual void run_locked(const std::function<void()>& fn) = 0;
 

@@ -178,6 +178,9 @@ void StreamProtocol::post_loop() {
             port_.run_locked(
                 [&] { layer_result(s, pending.layer, {false, ErrorKind::Cuda, cuda_error}); });
         } else {
+            if (const double delay = port_.post_delay_seconds(); delay > 0) {
+                std::this_thread::sleep_for(std::chrono::duration<double>(delay));
+            }
             // Hashed here, off the port's lock, while the forward pass goes on.
             std::vector<uint64_t> sums;
             if (s->checksums() && !s->was_cancelled()) {

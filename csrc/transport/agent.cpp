@@ -45,6 +45,11 @@ uint32_t random_incarnation() {
     return value;
 }
 
+std::unique_ptr<FaultInjector> make_injector(const std::string& spec) {
+    FaultConfig config = parse_faults(spec);
+    return config.any() ? std::make_unique<FaultInjector>(config) : nullptr;
+}
+
 }  // namespace
 
 Agent::Agent(std::string name, KVCache& cache, BlockShape shape, AgentConfig config)
@@ -53,6 +58,7 @@ Agent::Agent(std::string name, KVCache& cache, BlockShape shape, AgentConfig con
       shape_(std::move(shape)),
       config_(std::move(config)),
       incarnation_(random_incarnation()),
+      faults_(make_injector(config_.faults)),
       streams_(*this, cache.geometry(), incarnation_, config_.streams) {
     KVMOVE_CHECK(!name_.empty() && name_.size() <= kMaxAgentNameBytes, Config,
                  "agent name must be 1.." << kMaxAgentNameBytes << " bytes, got " << name_.size());
@@ -140,6 +146,7 @@ void Agent::close() {
     worker_.reset();  // may still complete requests: their callbacks need in_flight_ entries
     in_flight_.clear();
     flushed_.clear();
+    delayed_.clear();
     registration_.reset();
     context_.reset();
 }
@@ -310,6 +317,10 @@ void Agent::validate(const Peer& peer, Direction direction, const std::vector<Bl
 // One put or get per range (here: local, there: remote).
 void Agent::post_ranges(Direction direction, Peer& peer, const std::vector<RangePair>& ranges,
                         Transfer& transfer) {
+    if (faults_ && faults_->fail_post()) {
+        transfer.fail(ErrorKind::Transfer, "posting failed (injected fault)");
+        return;
+    }
     ucp_request_param_t param{};  // no callback: the flush that follows reports completion
     for (const RangePair& op : ranges) {
         void* local = reinterpret_cast<void*>(op.here);
@@ -382,6 +393,7 @@ void Agent::drain_deferred() {
         }
         streams_.drain();
     }
+    send_delayed(false);
 }
 
 void Agent::send_notification(InFlight* entry) {
@@ -389,6 +401,34 @@ void Agent::send_notification(InFlight* entry) {
         finish(entry, UCS_ERR_CANCELED);  // the peer was removed after the flush
         return;
     }
+    if (faults_) {
+        if (faults_->drop_message()) {
+            finish(entry, UCS_OK);  // lost on the way, as far as the sender can tell
+            return;
+        }
+        if (const double delay = faults_->message_delay_seconds(); delay > 0) {
+            delayed_.emplace_back(steady_seconds() + delay, entry);  // in order: same delay
+            return;
+        }
+    }
+    post_notification(entry);
+}
+
+// Sends the notifications a fault held back, those due (or all).
+void Agent::send_delayed(bool all) {
+    const double now = steady_seconds();
+    while (!delayed_.empty() && (all || delayed_.front().first <= now)) {
+        InFlight* entry = delayed_.front().second;
+        delayed_.pop_front();
+        if (entry->peer == nullptr) {
+            finish(entry, UCS_ERR_CANCELED);
+        } else {
+            post_notification(entry);
+        }
+    }
+}
+
+void Agent::post_notification(InFlight* entry) {
     ucp_request_param_t param{};
     param.op_attr_mask =
         UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
@@ -552,7 +592,29 @@ void Agent::put_then_send(const std::string& peer_name, const std::vector<BlockI
     auto entry = std::make_unique<InFlight>(this, transfer, &peer, std::move(message));
     entry->am_id = kStreamAmId;
     entry->on_done = std::move(done);
+    if (faults_ && !ranges.empty() && !cache_.region().on_device() && faults_->corrupt_layer()) {
+        // One byte of the layer lands flipped: fenced behind the layer's own puts, flushed with
+        // them, before its Layer message.
+        const RangePair& first = ranges.front();
+        entry->corrupt_byte =
+            std::make_unique<uint8_t>(*reinterpret_cast<const uint8_t*>(first.here) ^ 0xFF);
+        ucp_worker_fence(worker_.get());
+        ucp_request_param_t param{};
+        ucs_status_ptr_t request = ucp_put_nbx(peer.endpoint->get(), entry->corrupt_byte.get(),
+                                               1, first.there, peer.rkey.get(), &param);
+        if (request != nullptr && !UCS_PTR_IS_ERR(request)) {
+            ucp_request_free(request);
+        }
+    }
     post_flush(track(std::move(entry)));
+}
+
+double Agent::post_delay_seconds() {
+    return faults_ ? faults_->post_delay_seconds() : 0;
+}
+
+std::map<std::string, uint64_t> Agent::fault_counts() const {
+    return faults_ ? faults_->counts() : std::map<std::string, uint64_t>{};
 }
 
 void Agent::send(const std::string& peer_name, std::string message, PortDone done) {
@@ -615,7 +677,11 @@ void Agent::progress_loop() {
         {
             std::lock_guard<std::mutex> lock(worker_mu_);
             armed = ucp_worker_arm(worker);
-            until_deadline = streams_.next_deadline() - steady_seconds();
+            double next = streams_.next_deadline();
+            if (!delayed_.empty()) {
+                next = std::min(next, delayed_.front().first);
+            }
+            until_deadline = next - steady_seconds();
         }
         if (armed == UCS_OK) {
             // Sleep until there is work, the next deadline, or kSleepMs (to see stop_).

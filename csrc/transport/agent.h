@@ -26,6 +26,7 @@
 
 #include "memory/kv_cache.h"
 #include "stream/stream_protocol.h"
+#include "transport/faults.h"
 #include "transport/metadata.h"
 #include "transport/transfer.h"
 #include "transport/ucx.h"
@@ -37,6 +38,7 @@ struct AgentConfig {
     bool peer_errors = true;           // UCP_ERR_HANDLING_MODE_PEER (drops posix/sysv shm)
     double peer_timeout_seconds = 10;  // UCX keepalive: how long a silent peer lives
     StreamConfig streams;              // the streams' cancel and ack timeouts
+    std::string faults;                // fault injection (transport/faults.h); "" for none
 };
 
 constexpr size_t kMaxNotifyBytes = 64 * 1024;
@@ -81,6 +83,8 @@ public:
                                        double lease_seconds);
 
     StreamStats stream_stats() const;
+    // What fault injection did so far (empty when it is off).
+    std::map<std::string, uint64_t> fault_counts() const;
 
     // Received (peer name, payload) pairs, oldest first; drains the queue.
     std::vector<std::pair<std::string, std::string>> notifications();
@@ -109,7 +113,9 @@ private:
     void post_flush(InFlight* entry);
     void complete_flush(InFlight* entry, ucs_status_t status);
     void drain_deferred();
+    void send_delayed(bool all);
     void send_notification(InFlight* entry);
+    void post_notification(InFlight* entry);
     void finish(InFlight* entry, ucs_status_t status);
     void drop_peer(std::map<std::string, std::unique_ptr<Peer>>::iterator it, bool force,
                    ErrorKind kind, const std::string& reason);
@@ -120,6 +126,7 @@ private:
 
     // StreamPort (stream/stream_port.h), for streams_.
     const std::string& local_name() const override { return name_; }
+    double post_delay_seconds() override;
     void run_locked(const std::function<void()>& fn) override;
     void check_put(const std::string& peer, const std::vector<BlockId>& local_ids,
                    const std::vector<BlockId>& remote_ids) const override;
@@ -146,6 +153,7 @@ private:
     const BlockShape shape_;  // what each block of the cache holds
     const AgentConfig config_;
     const uint32_t incarnation_;  // transport/metadata.h
+    const std::unique_ptr<FaultInjector> faults_;  // null unless faults are asked for
     // UCX objects in dependency order: destroyed bottom-up.
     ContextPtr context_;
     WorkerPtr worker_;
@@ -174,6 +182,7 @@ private:
     std::map<std::string, std::unique_ptr<Peer>> peers_;
     std::unordered_map<Transfer*, std::unique_ptr<InFlight>> in_flight_;
     std::vector<InFlight*> flushed_;  // flushes done, notification still to send
+    std::deque<std::pair<double, InFlight*>> delayed_;  // notifications held back by a fault
     StreamProtocol streams_;          // layer streams over this agent (guarded by worker_mu_)
 
     std::mutex notify_mu_;

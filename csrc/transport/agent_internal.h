@@ -46,6 +46,7 @@ struct Agent::InFlight {
     std::optional<std::string> notify;  // sent once the flush completes
     unsigned am_id = kNotifyAmId;
     PortDone on_done;  // a stream's transfer: told how it ended
+    std::unique_ptr<uint8_t> corrupt_byte;  // fault injection: the flipped byte being put
 };
 
 }  // namespace kvmove
