@@ -21,11 +21,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from kvmove import bench_serve
-from kvmove.bench_report import BenchError
-from kvmove.bench_serve import (ModeResult, QueueSample, RequestResult, ServeConfig,
+from kvmove.bench import serve as bench_serve
+from kvmove.bench.transfer_report import BenchError
+from kvmove.bench.serve import (ModeResult, QueueSample, RequestResult, ServeConfig,
                                 ServeReport, make_trace, parse_metrics, percentile)
-from kvmove.cli.report_serve import format_serve, plot_serve
+from kvmove.bench.serve_report import format_serve, plot_serve
 from kvmove.errors import ConfigError
 
 # --- the trace ------------------------------------------------------------------------------

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvmove import perftest
-from kvmove.bench_transfer import BenchConfig, BenchError, Peer, Side
+from kvmove.bench import perftest
+from kvmove.bench.transfer import BenchConfig, BenchError, Peer, Side
 from kvmove.errors import ConfigError
 from kvmove.layout import KVLayout
 
@@ -41,7 +41,7 @@ def _commands() -> list[list[str]]:
     """The installed ``kvmove-bench`` script when there is one, and ``python -m``."""
     search = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
     script = shutil.which("kvmove-bench", path=search)
-    return [[script]] * bool(script) + [[sys.executable, "-m", "kvmove.cli.bench"]]
+    return [[script]] * bool(script) + [[sys.executable, "-m", "kvmove.bench.cli"]]
 
 
 COMMANDS = _commands()

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from kvmove.bench_store import StoreReport, TierRow, TtftRow
-from kvmove.cli.report import _aligned, _human_bytes, _ms
+from kvmove.bench.store import StoreReport, TierRow, TtftRow
+from kvmove.bench.report import _aligned, _human_bytes, _ms
 
 __all__ = ["format_store"]
 

@@ -27,15 +27,15 @@ import os
 import sys
 from collections.abc import Callable
 
-from kvmove import bench_stream, bench_transfer
-from kvmove.bench_stream import StreamConfig
-from kvmove.bench_transfer import BenchConfig, BenchReport
+from kvmove.bench import stream as bench_stream, transfer as bench_transfer
+from kvmove.bench.stream import StreamConfig
+from kvmove.bench.transfer import BenchConfig, BenchReport
 from kvmove.errors import ConfigError, KVMoveError
 from kvmove.layout import DTYPE_BYTES, PRESETS, KVLayout
 from kvmove.agent import ERROR_MODES
-from kvmove.cli.report import (format_plan, format_stream, format_transfer, plot_stream,
+from kvmove.bench.report import (format_plan, format_stream, format_transfer, plot_stream,
                                plot_transfer)
-from kvmove.plan import DEFAULT_LINKS, Link, merge_links, parse_link, plan
+from kvmove.bench.plan import DEFAULT_LINKS, Link, merge_links, parse_link, plan
 
 # The subcommand that runs when none is given.
 DEFAULT_COMMAND = "transfer"
@@ -261,8 +261,8 @@ def _add_engine(commands: argparse._SubParsersAction) -> None:
 
 def _run_engine(args: argparse.Namespace) -> int:
     try:  # torch is the engine's, not the core's
-        from kvmove import bench_engine
-        from kvmove.cli.report_engine import format_engine
+        from kvmove.bench import engine as bench_engine
+        from kvmove.bench.engine_report import format_engine
     except ImportError as error:
         raise ConfigError(f"kvmove-bench engine needs the engine's dependencies: pip install "
                           f"kvmove[engine] ({error})") from None
@@ -303,8 +303,8 @@ def _add_store(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_store(args: argparse.Namespace) -> int:
-    from kvmove import bench_store
-    from kvmove.cli.report_store import format_store
+    from kvmove.bench import store as bench_store
+    from kvmove.bench.store_report import format_store
 
     if args.dir is not None and not os.path.isdir(args.dir):
         raise ConfigError(f"--dir {args.dir!r} is not a directory")
@@ -369,8 +369,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from kvmove import bench_serve
-    from kvmove.cli.report_serve import format_serve, plot_serve
+    from kvmove.bench import serve as bench_serve
+    from kvmove.bench.serve_report import format_serve, plot_serve
 
     config = bench_serve.ServeConfig(
         modes=tuple(args.modes), workers=args.workers, prefill=args.prefill,

@@ -1,4 +1,4 @@
-"""Text and plotted forms of the serving benchmark's results (``kvmove.bench_serve``; the CLI
+"""Text and plotted forms of the serving benchmark's results (``kvmove.bench.serve``; the CLI
 prints them, ``--json`` is ``ServeReport.to_dict()``)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvmove.bench_serve import ModeResult, ServeReport
-from kvmove.cli.report import _aligned, _ms
+from kvmove.bench.serve import ModeResult, ServeReport
+from kvmove.bench.report import _aligned, _ms
 
 __all__ = ["format_serve", "plot_serve"]
 

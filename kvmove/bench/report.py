@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvmove.bench_report import BenchReport
-from kvmove.bench_stream import MATMUL_N, StreamReport
-from kvmove.plan import Plan
+from kvmove.bench.transfer_report import BenchReport
+from kvmove.bench.stream import MATMUL_N, StreamReport
+from kvmove.bench.plan import Plan
 
 __all__ = ["format_plan", "format_stream", "format_transfer", "plot_stream", "plot_transfer"]
 

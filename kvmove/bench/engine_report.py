@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from kvmove.bench_engine import EngineReport, PrefillRow
-from kvmove.cli.report import _aligned, _ms
+from kvmove.bench.engine import EngineReport, PrefillRow
+from kvmove.bench.report import _aligned, _ms
 
 __all__ = ["format_engine"]
 

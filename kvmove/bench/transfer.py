@@ -38,9 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from kvmove import perftest
-from kvmove.bench_peer import FAR, NEAR, Peer, Side, connect_pair, ping, stop_echo
-from kvmove.bench_report import (PERFTEST_TEST, PLACEMENTS, SWEEP_BLOCK_SIZES, BenchConfig,
+from kvmove.bench import perftest
+from kvmove.bench.peer import FAR, NEAR, Peer, Side, connect_pair, ping, stop_echo
+from kvmove.bench.transfer_report import (PERFTEST_TEST, PLACEMENTS, SWEEP_BLOCK_SIZES, BenchConfig,
                                  BenchError, BenchReport, RoundTrip, TransferRow)
 from kvmove.layout import KVLayout
 

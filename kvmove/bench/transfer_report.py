@@ -7,11 +7,11 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvmove import perftest
+from kvmove.bench import perftest
 from kvmove.agent import ERROR_MODES
 from kvmove.errors import ConfigError, KVMoveError
 from kvmove.layout import KVLayout
-from kvmove.plan import DEFAULT_LINKS, transfer_ms
+from kvmove.bench.plan import DEFAULT_LINKS, transfer_ms
 
 __all__ = ["BenchConfig", "BenchError", "BenchReport", "PERFTEST_TEST", "PLACEMENTS",
            "RoundTrip", "SWEEP_BLOCK_SIZES", "TransferRow"]

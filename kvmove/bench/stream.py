@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 
 from kvmove.agent import ERROR_MODES
-from kvmove.bench_peer import FAR, Peer, connect_pair
-from kvmove.bench_report import BenchError
+from kvmove.bench.peer import FAR, Peer, connect_pair
+from kvmove.bench.transfer_report import BenchError
 from kvmove.errors import ConfigError
 from kvmove.layout import KVLayout
 

@@ -1,6 +1,6 @@
 """Serving benchmark: one seeded request trace replayed against ``kvmove-serve`` in each mode
 (colocated, chunked prefill, disaggregated prefill/decode). No printing: the CLI formats
-(``kvmove.cli.report_serve``).
+(``kvmove.bench.serve_report``).
 
 The trace mixes two kinds of request, in exact proportion and shuffled:
 
@@ -66,7 +66,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from kvmove.bench_report import BenchError
+from kvmove.bench.transfer_report import BenchError
 from kvmove.errors import ConfigError
 from kvmove.validation import require_positive_finite, require_positive_int
 
