@@ -29,7 +29,8 @@ from typing import Any
 import pytest
 
 from kvmove.bench.peer import FAR
-from kvmove.bench.stream import StreamConfig, StreamPair
+from kvmove.bench.stream import StreamPair
+from kvmove.bench.stream_report import StreamConfig
 
 ROUNDS = 5
 TARGET_HIDDEN = 0.9

@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 
 from kvmove.bench import perftest
-from kvmove.bench.transfer import FAR, Peer, Side, connect_pair, ping, stop_echo
+from kvmove.bench.peer import FAR, Peer, Side, connect_pair, ping, stop_echo
 from kvmove.layout import KVLayout
 
 LAYOUT = KVLayout.preset("llama-3.1-8b")

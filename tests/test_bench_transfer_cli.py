@@ -1,5 +1,5 @@
-"""``kvmove-bench transfer`` (``kvmove/cli/bench.py``, ``kvmove/bench_transfer.py``) and the
-``ucx_perftest`` baseline (``kvmove/perftest.py``).
+"""``kvmove-bench transfer`` (``kvmove/bench/transfer.py``, ``kvmove/bench/peer.py``) and the
+``ucx_perftest`` baseline (``kvmove/bench/perftest.py``).
 
 The CLI runs as a real process from a scratch directory, with tiny settings so each run takes
 seconds: Llama-3.2-1B (16 layers, 8 KV heads, head_dim 64, float16: 2,048 B per token per
@@ -24,7 +24,9 @@ import numpy as np
 import pytest
 
 from kvmove.bench import perftest
-from kvmove.bench.transfer import BenchConfig, BenchError, Peer, Side
+from kvmove.bench.peer import Peer, Side
+from kvmove.bench.report import BenchError
+from kvmove.bench.transfer_report import BenchConfig
 from kvmove.errors import ConfigError
 from kvmove.layout import KVLayout
 

@@ -1,4 +1,4 @@
-"""Tests of the disaggregation planner (``kvmove/plan.py``) and ``kvmove-bench plan``.
+"""Tests of the disaggregation planner (``kvmove/bench/plan.py``) and ``kvmove-bench plan``.
 
 Expected numbers are computed by hand from DESIGN.md §1: Llama-3.1-8B keeps
 2 * 8 KV heads * 128 * 2 B = 4,096 B per token per layer, * 32 layers = 131,072 B per token,

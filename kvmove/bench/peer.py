@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvmove.agent import Agent
-from kvmove.bench.transfer_report import BenchError
+from kvmove.bench.report import BenchError
 from kvmove.errors import ConfigError, KVMoveError
 from kvmove.kv_cache import KVCache
 from kvmove.layout import KVLayout

@@ -1,15 +1,220 @@
-"""Text and plotted forms of the serving benchmark's results (``kvmove.bench.serve``; the CLI
-prints them, ``--json`` is ``ServeReport.to_dict()``)."""
+"""The serving benchmark's results (``serve``), and their text and plots (``to_dict`` is
+``--json``).
+
+TTFT is sent -> first token chunk; ITLs are the gaps between token chunks. Goodput counts
+requests that finished with every token, TTFT <= ``ttft_slo`` and mean ITL (time per output
+token after the first) <= ``itl_slo``: the mean, as DistServe and vLLM's benchmark define it,
+because one stall of this shared CPU would otherwise disqualify a request; the stalls
+themselves show in ITL p99 and max.
+
+The KV hand-off share (disagg) is the server's ``kvmove_kv_exposed_seconds`` mean over the
+client's mean TTFT: per request, from the prefill's last layer posted to that layer landed in
+the decode worker's blocks, the part of the transfer that layer-wise streaming leaves on the
+critical path. ``kvmove_kv_transfer_seconds`` (first layer posted to last landed) is the whole
+transfer, mostly hidden behind the prefill's compute.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from kvmove.bench.serve import ModeResult, ServeReport
-from kvmove.bench.report import _aligned, _ms
+from kvmove.bench.report import aligned, ms, pyplot, save_figure
 
-__all__ = ["format_serve", "plot_serve"]
+if TYPE_CHECKING:
+    from kvmove.bench.serve import ServeConfig
+    from kvmove.bench.serve_load import TraceRequest
+
+__all__ = ["ModeResult", "QueueSample", "RequestResult", "ServeReport", "format_serve",
+           "percentile", "plot_serve"]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) with linear interpolation between the closest ranks
+    (numpy's default); NaN when ``values`` is empty."""
+    if not values:
+        return math.nan
+    ranked = sorted(values)
+    position = (len(ranked) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(ranked) - 1)
+    return ranked[low] + (ranked[high] - ranked[low]) * (position - low)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestResult:
+    """What the client saw of one request: ``token_times`` in seconds after ``sent`` (itself
+    seconds after the replay started), ``end`` when its response closed or failed."""
+
+    index: int
+    kind: str
+    max_tokens: int
+    sent: float
+    token_times: tuple[float, ...]
+    end: float
+    error: str | None = None
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_times)
+
+    @property
+    def completed(self) -> bool:
+        return self.error is None and self.tokens == self.max_tokens
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def itls(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean ITL: (last token - first) / (tokens - 1); None below two tokens."""
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+
+    def meets(self, ttft_slo: float, itl_slo: float) -> bool:
+        tpot = self.tpot
+        return (self.completed and self.ttft is not None and self.ttft <= ttft_slo
+                and (tpot is None or tpot <= itl_slo))
+
+
+@dataclass(frozen=True, slots=True)
+class QueueSample:
+    """``/metrics`` at ``time`` seconds after the replay started: per pool, requests queued
+    and running."""
+
+    time: float
+    queued: dict[str, float]
+    running: dict[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class ModeResult:
+    """One mode's replay of the trace; ``kv_*`` are deltas of the server's counters over it."""
+
+    mode: str
+    instances: dict[str, int]
+    requests: tuple[RequestResult, ...]
+    samples: tuple[QueueSample, ...]
+    kv_bytes: float = 0.0
+    kv_transfer_seconds: float = 0.0
+    kv_transfers: int = 0
+    kv_exposed_seconds: float = 0.0
+    startup_seconds: float | None = None
+    exit_code: int | None = None
+
+    @property
+    def wall_seconds(self) -> float:
+        """First request sent to last response closed."""
+        if not self.requests:
+            return 0.0
+        return (max(r.sent + r.end for r in self.requests) -
+                min(r.sent for r in self.requests))
+
+    @property
+    def ttfts(self) -> list[float]:
+        return [r.ttft for r in self.requests if r.ttft is not None]
+
+    @property
+    def itls(self) -> list[float]:
+        return [gap for r in self.requests for gap in r.itls]
+
+    def ttft(self, q: float) -> float:
+        return percentile(self.ttfts, q)
+
+    def itl(self, q: float) -> float:
+        return percentile(self.itls, q)
+
+    @property
+    def itl_spread(self) -> float:
+        """ITL p99 / p50: how far the tail stands off the typical gap."""
+        return self.itl(99) / self.itl(50)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.tokens for r in self.requests)
+
+    @property
+    def tokens_per_s(self) -> float:
+        wall = self.wall_seconds
+        return self.output_tokens / wall if wall > 0 else math.nan
+
+    @property
+    def failures(self) -> int:
+        return sum(not r.completed for r in self.requests)
+
+    def good(self, ttft_slo: float, itl_slo: float) -> int:
+        return sum(r.meets(ttft_slo, itl_slo) for r in self.requests)
+
+    def goodput(self, ttft_slo: float, itl_slo: float) -> float:
+        """Requests within both SLOs per second of wall time."""
+        wall = self.wall_seconds
+        return self.good(ttft_slo, itl_slo) / wall if wall > 0 else math.nan
+
+    @property
+    def kv_share(self) -> float | None:
+        """Mean exposed KV transfer seconds over mean TTFT; None without hand-offs."""
+        if not self.kv_transfers or not self.ttfts:
+            return None
+        return (self.kv_exposed_seconds / self.kv_transfers) / (sum(self.ttfts) /
+                                                                 len(self.ttfts))
+
+    def to_dict(self, ttft_slo: float, itl_slo: float) -> dict[str, Any]:
+        qs = (50, 90, 99)
+        return {
+            "mode": self.mode, "instances": self.instances,
+            "requests": len(self.requests), "failures": self.failures,
+            "wall_seconds": self.wall_seconds, "output_tokens": self.output_tokens,
+            "tokens_per_s": self.tokens_per_s,
+            **{f"ttft_p{q}_ms": self.ttft(q) * 1e3 for q in qs},
+            **{f"itl_p{q}_ms": self.itl(q) * 1e3 for q in qs},
+            "itl_max_ms": max(self.itls, default=math.nan) * 1e3,
+            "itl_p99_over_p50": self.itl_spread,
+            "good_requests": self.good(ttft_slo, itl_slo),
+            "goodput_per_s": self.goodput(ttft_slo, itl_slo),
+            "kv_bytes": self.kv_bytes, "kv_transfers": self.kv_transfers,
+            "kv_transfer_seconds": self.kv_transfer_seconds,
+            "kv_exposed_seconds": self.kv_exposed_seconds, "kv_share_of_ttft": self.kv_share,
+            "startup_seconds": self.startup_seconds, "exit_code": self.exit_code,
+            "per_request": [{**asdict(r), "ttft": r.ttft, "tpot": r.tpot,
+                             "completed": r.completed} for r in self.requests],
+            "queue_samples": [asdict(s) for s in self.samples],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ServeReport:
+    """Everything one ``run`` measured; ``to_dict`` is the ``--json`` form."""
+
+    config: ServeConfig
+    trace: tuple[TraceRequest, ...] = field(repr=False)
+    modes: tuple[ModeResult, ...]
+    wall_seconds: float
+
+    @property
+    def baseline(self) -> ModeResult:
+        return self.modes[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "config": asdict(c),
+            "trace": [{"index": t.index, "arrival": t.arrival, "kind": t.kind,
+                       "prompt_bytes": len(t.prompt), "max_tokens": t.max_tokens}
+                      for t in self.trace],
+            "modes": [m.to_dict(c.ttft_slo, c.itl_slo) for m in self.modes],
+            "wall_seconds": self.wall_seconds,
+        }
+
+
+# --- text and plots -------------------------------------------------------------------------
 
 _QS = (50, 90, 99)
 
@@ -47,7 +252,7 @@ def _latency_table(report: ServeReport) -> list[str]:
              *(_ms_or_na(m.itl(q)) for q in _QS),
              _ms_or_na(max(m.itls, default=math.nan)), _ratio(m.itl_spread)]
             for m in report.modes]
-    return _aligned(head, rows, left={0, 1})
+    return aligned(head, rows, left={0, 1})
 
 
 def _throughput_table(report: ServeReport) -> list[str]:
@@ -59,7 +264,7 @@ def _throughput_table(report: ServeReport) -> list[str]:
              f"{m.good(c.ttft_slo, c.itl_slo)}/{len(m.requests)}",
              f"{m.goodput(c.ttft_slo, c.itl_slo):.3f}", _kv_cell(m)]
             for m in report.modes]
-    return _aligned(head, rows, left={0})
+    return aligned(head, rows, left={0})
 
 
 def _kv_cell(result: ModeResult) -> str:
@@ -68,7 +273,7 @@ def _kv_cell(result: ModeResult) -> str:
         return "-"
     mean_ms = result.kv_transfer_seconds / result.kv_transfers * 1e3
     exposed_ms = result.kv_exposed_seconds / result.kv_transfers * 1e3
-    return (f"{share * 100:.2f}% ({_ms(exposed_ms)} of {_ms(mean_ms)} ms, "
+    return (f"{share * 100:.2f}% ({ms(exposed_ms)} of {ms(mean_ms)} ms, "
             f"{result.kv_bytes / 1e6:,.1f} MB)")
 
 
@@ -105,24 +310,16 @@ def _ratio(value: float) -> str:
 
 
 def _ms_or_na(seconds: float) -> str:
-    return "n/a" if math.isnan(seconds) else _ms(seconds * 1e3)
+    return "n/a" if math.isnan(seconds) else ms(seconds * 1e3)
 
 
 def plot_serve(report: ServeReport, prefix: str) -> tuple[str, str]:
     """Writes ``PREFIX-itl.png`` (ITL CDF per mode) and ``PREFIX-queues.png`` (per-pool
     queue length over time, one panel per mode, with the running requests dotted); returns
     their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     paths = (f"{prefix}-itl.png", f"{prefix}-queues.png")
     for path, draw in zip(paths, (_plot_itl, _plot_queues)):
-        fig = draw(plt, report)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        save_figure(draw(pyplot(), report), path)
     return paths
 
 
@@ -132,7 +329,7 @@ def _plot_itl(plt: Any, report: ServeReport) -> Any:
         gaps = sorted(g * 1e3 for g in m.itls)
         if gaps:
             ax.step(gaps, [(i + 1) / len(gaps) for i in range(len(gaps))], where="post",
-                    label=f"{m.mode} (p99 {_ms(m.itl(99) * 1e3)} ms)")
+                    label=f"{m.mode} (p99 {ms(m.itl(99) * 1e3)} ms)")
     ax.axvline(report.config.itl_slo * 1e3, color="gray", linestyle=":",
                label="ITL SLO (applies to the mean)")
     ax.set_xscale("log")
