@@ -8,7 +8,7 @@ should).
 
 Most tests use two agents in this process, peers of each other through ``metadata()`` /
 ``add_peer()`` over UCX's tcp transport: validation happens before anything is posted, so one
-process is enough and fast. Peer death needs a real process to kill: ``error_peers.py`` holds
+process is enough and fast. Peer death needs a real process to kill: ``helpers/error_far.py`` holds
 the spawn targets.
 
 No test may hang: every wait has a deadline, and calls that could block without one run in a
@@ -23,12 +23,10 @@ import os
 import signal
 import socket
 import struct
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,14 +35,9 @@ import zmq
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # spawn children re-import `error_peers` with the parent's sys.path
-    sys.path.insert(0, _HERE)
-from error_peers import listen_then_sleep  # noqa: E402
-
-import kvmove  # noqa: E402
-from kvmove import _C  # noqa: E402
-from kvmove.errors import (  # noqa: E402
+import kvmove
+from kvmove import _C
+from kvmove.errors import (
     BlockError,
     ConfigError,
     KVMoveError,
@@ -53,6 +46,8 @@ from kvmove.errors import (  # noqa: E402
     TimeoutError,
     UCXError,
 )
+
+from helpers.error_far import listen_then_sleep
 
 # 4 layers, 2 KV heads x 16 dims, float16, 4 tokens per block: 512 B per block per layer.
 LAYOUT = dict(num_layers=4, num_kv_heads=2, head_dim=16, dtype="float16", block_size=4)

@@ -1,4 +1,4 @@
-"""``kvmove.convert`` on host memory against the torch references of ``kv_reference.py``:
+"""``kvmove.convert`` on host memory against the torch references of ``helpers/convert.py``:
 pack/unpack of scattered blocks and layer subsets, and conversions of block size, head order
 and dtype (float8 e4m3 with per-block scales), bit for bit, on odd block counts and lengths.
 The CUDA kernels are checked against the same references in ``test_gpu.py``.
@@ -6,22 +6,15 @@ The CUDA kernels are checked against the same references in ``test_gpu.py``.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)
-from kv_reference import (  # noqa: E402
-    TORCH_DTYPES, cache_bits, expected_convert, expected_pack)
+from kvmove import KVCache, KVLayout
+from kvmove.convert import convert, pack, pack_nbytes, unpack
+from kvmove.errors import BlockError, ConfigError
 
-from kvmove import KVCache, KVLayout  # noqa: E402
-from kvmove.convert import convert, pack, pack_nbytes, unpack  # noqa: E402
-from kvmove.errors import BlockError, ConfigError  # noqa: E402
+from helpers.convert import TORCH_DTYPES, cache_bits, expected_convert, expected_pack
 
 HEADS, DIM, LAYERS, NUM_BLOCKS = 3, 8, 3, 64
 

@@ -9,7 +9,7 @@ not waited for may or may not be complete yet).
 Two set-ups:
 
 * two real processes (most tests): this process holds the near agent "near", a spawned child
-  (``stream_peers.StreamPeer``) the far one "far", connected with ``listen()``/``connect()``
+  (``helpers.stream_far.StreamPeer``) the far one "far", connected with ``listen()``/``connect()``
   so each is the other's peer. Usually far sends and near receives; the streaming layout is
   48 layers of 16 KiB per block. The pair lives for the whole module; tests that kill a
   process spawn their own.
@@ -18,7 +18,7 @@ Two set-ups:
   class, that the message names the offending value, and that nothing changed: the same
   stream (or a new one) still completes, and lands exactly.
 
-A stream's data is ``stream_peers.layer_data(seed, layer)``, computed the same way in both
+A stream's data is ``helpers.stream_far.layer_data(seed, layer)``, computed the same way in both
 processes. Every request's blocks come from the caches' ``BlockPool`` and go back to it once
 the stream ended, whatever the outcome; the ``link`` fixture checks after every test that both
 pools are all free again.
@@ -32,26 +32,18 @@ import gc
 import os
 import random
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # spawn children re-import `stream_peers` with the parent's sys.path
-    sys.path.insert(0, _HERE)
-from peers import FarError, pattern, raw_view  # noqa: E402
-from stream_peers import StreamPeer, layer_data, write_layer  # noqa: E402
-
-import kvmove  # noqa: E402
-from kvmove import StreamState  # noqa: E402
-from kvmove.errors import (  # noqa: E402
+import kvmove
+from kvmove import StreamState
+from kvmove.errors import (
     BlockError,
     ConfigError,
     CudaError,
@@ -60,6 +52,9 @@ from kvmove.errors import (  # noqa: E402
     TimeoutError,
     TransferError,
 )
+
+from helpers.far import FarError, pattern, raw_view
+from helpers.stream_far import StreamPeer, layer_data, write_layer
 
 # Two processes: 48 layers, 4 KV heads x 64 dims, float16, 16 tokens per block:
 # 16 * 4 * 64 * 2 (K, V) * 2 B = 16 KiB per block per layer; 40 blocks = 30 MiB a cache.

@@ -1,6 +1,6 @@
 """``kvmove.Agent`` (docs/transfer.md): one-sided block transfers between two real processes.
 
-The test process holds the near agent; a spawned child (``peers.serve``) holds the far one.
+The test process holds the near agent; a spawned child (``helpers.far.serve``) holds the far one.
 Every transfer moves real bytes through UCX, and every check compares the *whole* far (or
 near) cache against a numpy reference: the blocks that should have changed, and everything
 that should not have.
@@ -20,21 +20,16 @@ here, a peer that goes silent or away mid-transfer.
 from __future__ import annotations
 
 import builtins
-import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # spawn children re-import `peers` with the parent's sys.path
-    sys.path.insert(0, _HERE)
-from peers import FarPeer, fill, pattern, raw_view  # noqa: E402
+import kvmove
+from kvmove.errors import KVMoveError, PeerError, TimeoutError
 
-import kvmove  # noqa: E402
-from kvmove.errors import KVMoveError, PeerError, TimeoutError  # noqa: E402
+from helpers.far import FarPeer, fill, pattern, raw_view
 
 # 4 layers, 2 KV heads x 16 dims, float16, 4 tokens per block:
 # 2 * 2 * 16 * 2 = 128 B per token per layer, 512 B per block per layer.

@@ -1,8 +1,8 @@
 """Two "hosts": one agent per network namespace, joined only by a veth pair.
 
-Namespace A holds the sender (``peers.py send``), namespace B the receiver (``peers.py
-receive``), each started with ``ip netns exec``. UCX is confined to tcp on the veth
-(``UCX_TLS=tcp``, ``UCX_NET_DEVICES=<veth>``) so nothing can go over shared memory or
+Namespace A holds the sender (``helpers/far.py send``), namespace B the receiver
+(``helpers/far.py receive``), each started with ``ip netns exec``. UCX is confined to tcp on
+the veth (``UCX_TLS=tcp``, ``UCX_NET_DEVICES=<veth>``) so nothing can go over shared memory or
 loopback; the metadata side channel listens on B's veth address. The receiver reports the
 sha256 of its whole cache, which must equal the reference computed here, and B's veth must
 have received at least the bytes moved.
@@ -26,13 +26,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-_HERE = Path(__file__).resolve().parent
-if str(_HERE) not in sys.path:
-    sys.path.insert(0, str(_HERE))
-from peers import pattern  # noqa: E402
+from helpers.far import pattern
 
-PEERS_SCRIPT = _HERE / "peers.py"
-# Same geometry as peers.py's script defaults: 4 layers x 64 blocks x 512 B.
+PEERS_SCRIPT = Path(__file__).resolve().parent / "helpers" / "far.py"
+# Same geometry as helpers/far.py's script defaults: 4 layers x 64 blocks x 512 B.
 NUM_LAYERS, NUM_BLOCKS, BLOCK = 4, 64, 512
 DEADLINE = 25.0  # the whole exchange, seconds
 
@@ -97,7 +94,7 @@ def namespaces():
 
 
 class NsProcess:
-    """``peers.py ROLE ...`` inside a namespace, tcp on its veth only."""
+    """``helpers/far.py ROLE ...`` inside a namespace, tcp on its veth only."""
 
     def __init__(self, ns: str, dev: str, role: str, *args: str) -> None:
         env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": dev,

@@ -2,9 +2,9 @@
 sends (``SaveStream``) or receives (``LoadStream``) layer streams on command.
 
 The child is :func:`serve_streams`, wrapped by :class:`StreamPeer` in the test process; both
-reuse ``peers.py`` (``FarPeer``'s pipe protocol and deadlines, ``raw_view``). Spawn re-imports
-this module (and ``peers``) by name in the child, so ``tests/`` must be on ``sys.path`` when
-the child starts: the test module puts it there, and spawn copies the parent's ``sys.path``.
+reuse ``far.py`` (``FarPeer``'s pipe protocol and deadlines, ``raw_view``). Spawn re-imports
+this module (and ``far``) by name in the child, so ``tests/`` must be on ``sys.path`` when
+the child starts: ``tests/conftest.py`` puts it there, and spawn copies the parent's ``sys.path``.
 
 A stream's data is :func:`layer_data`: bytes determined by ``(seed, layer)``, computed the same
 way in both processes, so the receiver knows what each layer must hold without asking.
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from peers import FarPeer, _Far, raw_view, serve_far
+from helpers.far import FarPeer, _Far, raw_view, serve_far
 
 
 def layer_data(seed: int, layer: int, num_blocks: int, block_nbytes: int) -> np.ndarray:

@@ -3,7 +3,7 @@ real decode worker, each with its own model copy, KV cache and kvmove agent, dri
 ``multiprocessing`` Pipe by the test process, which plays the router.
 
 Spawn re-imports this module by name in the child, so ``tests/`` must be on ``sys.path``
-(the test module puts it there). Nothing on the data path is mocked: the KV moves through
+(``tests/conftest.py`` puts it there). Nothing on the data path is mocked: the KV moves through
 kvmove's layer streams between the two processes.
 """
 

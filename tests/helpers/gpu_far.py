@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from peers import FarPeer, _Far, pattern, serve_far
+from helpers.far import FarPeer, _Far, pattern, serve_far
 
 
 class _GpuFar(_Far):

@@ -1,8 +1,8 @@
 """Spawn targets for ``test_agent_errors.py``: far agents that exist only to be killed.
 
 Spawn re-imports this module by name in the child, so ``tests/`` must be on ``sys.path`` when
-the child starts; spawn copies the parent's ``sys.path``, and the test module puts ``tests/``
-there before importing this one. Nothing is mocked: the child is a real ``kvmove.Agent``.
+the child starts; spawn copies the parent's ``sys.path``, and ``tests/conftest.py`` puts
+``tests/`` there. Nothing is mocked: the child is a real ``kvmove.Agent``.
 """
 
 from __future__ import annotations

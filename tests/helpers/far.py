@@ -5,8 +5,8 @@ Two ways to run it:
 * ``multiprocessing`` (spawn) target :func:`serve`, wrapped by :class:`FarPeer` in the test
   process. Spawn re-imports this module by name in the child, so ``tests/`` must be on
   ``sys.path`` when the child starts; spawn copies the parent's ``sys.path`` into the child,
-  and the test modules put ``tests/`` there before importing ``peers``.
-* a script (``python tests/peers.py send|receive ...``), for ``test_two_hosts.py``, which runs
+  and ``tests/conftest.py`` puts ``tests/`` there.
+* a script (``python tests/helpers/far.py send|receive ...``), for ``test_two_hosts.py``, which runs
   one agent per network namespace under ``ip netns exec``.
 
 Nothing here mocks the data path: every byte moves through ``kvmove.Agent`` and UCX.
