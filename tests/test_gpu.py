@@ -16,10 +16,10 @@ from kvmove import Agent, DiskTier, HostTier, KVCache, KVLayout, KVStore
 from kvmove.convert import pack, pack_nbytes, unpack
 from kvmove.errors import ConfigError
 
-from helpers.convert import expected_pack
-from helpers.far import FarPeer, pattern
+from helpers.convert import CASES, case_id, expected_pack, random_cache, run_convert
+from helpers.far import FarPeer
 from helpers.gpu_far import gpu_peer
-from test_convert import CASES, case_id, random_cache, run_convert
+from helpers.kv import pattern
 
 
 def _why_not() -> str:
