@@ -19,18 +19,16 @@ Run: ``python bench/gpu_bench.py [--iters 5]``. Prints one table; ``--json`` for
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
-import multiprocessing
 import statistics
 import time
-from collections.abc import Iterator
 
 import torch
 
 import kvmove
 from kvmove import Agent, KVCache, KVLayout
+from kvmove.bench.harness import Child
 from kvmove.convert import pack, pack_nbytes, unpack
 
 LAYOUT = KVLayout.preset("llama-3.1-8b")
@@ -76,30 +74,49 @@ def bench_pack(iters: int) -> dict:
             "unpack_gbps": staging.numel() / unpack_s / 1e9}
 
 
-def _receiver(conn, num_blocks: int) -> None:
-    """The far process: a device cache and agent; answers metadata, then checksums."""
-    cache = KVCache(LAYOUT, num_blocks, device=DEVICE)
-    with Agent("receiver", cache) as agent:
-        conn.send(agent.metadata())
-        agent.add_peer(conn.recv())
-        while (ids := conn.recv()) is not None:
-            torch.cuda.synchronize()
-            conn.send(hashlib.sha256(raw(cache)[:, ids].cpu().numpy().tobytes()).hexdigest())
+def checksum(cache: KVCache, ids: list[int]) -> str:
+    """sha256 of blocks ``ids`` in every layer."""
+    return hashlib.sha256(raw(cache)[:, ids].cpu().numpy().tobytes()).hexdigest()
 
 
-@contextlib.contextmanager
-def _child(target) -> Iterator:
-    """A spawned ``target(conn, CACHE_BLOCKS)``; yields our end of its pipe, joins it after."""
-    ctx = multiprocessing.get_context("spawn")
-    conn, child = ctx.Pipe()
-    process = ctx.Process(target=target, args=(child, CACHE_BLOCKS), daemon=True)
-    process.start()
-    try:
-        yield conn
-    finally:
-        process.join(TIMEOUT)
-        if process.is_alive():
-            process.kill()
+class Receiver:
+    """The far process (``harness.Child``): a device cache and an agent named "receiver"."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.cache = KVCache(LAYOUT, num_blocks, device=DEVICE)
+        self.agent = Agent("receiver", self.cache)
+        self.loads: dict[str, kvmove.LoadStream] = {}
+
+    def metadata(self) -> bytes:
+        return self.agent.metadata()
+
+    def add_peer(self, metadata: bytes) -> str:
+        return self.agent.add_peer(metadata)
+
+    def checksum(self, ids: list[int]) -> str:
+        torch.cuda.synchronize()
+        return checksum(self.cache, ids)
+
+    def expect(self, request_id: str, ids: list[int]) -> None:
+        self.loads[request_id] = self.agent.expect("sender", request_id, ids).start_load()
+
+    def wait_all(self, request_id: str) -> None:
+        self.loads.pop(request_id).wait_all(TIMEOUT)
+
+    def close(self) -> None:
+        self.agent.close()
+
+
+def receiver() -> Child:
+    """A ``Receiver`` of ``CACHE_BLOCKS`` blocks in a spawned process; every reply has a
+    deadline of ``TIMEOUT`` (a dead or wedged receiver is an error, never a hang)."""
+    return Child(Receiver, CACHE_BLOCKS, name="gpu-bench-receiver", timeout=TIMEOUT)
+
+
+def connected(far: Child, agent: Agent) -> None:
+    """``agent`` ("sender") and the receiver, peers of each other."""
+    agent.add_peer(far.call("metadata"))
+    far.call("add_peer", agent.metadata())
 
 
 def bench_transfer(iters: int) -> dict:
@@ -107,16 +124,11 @@ def bench_transfer(iters: int) -> dict:
     cache = KVCache(LAYOUT, CACHE_BLOCKS, device=DEVICE)
     raw(cache).copy_(torch.randint(0, 256, raw(cache).shape, dtype=torch.uint8, device=DEVICE))
     torch.cuda.synchronize()
-    with _child(_receiver) as conn:
-        with Agent("sender", cache) as agent:
-            agent.add_peer(_recv(conn))
-            conn.send(agent.metadata())
-            ids = cache.pool.allocate(n)
-            seconds = timed(lambda: agent.write("receiver", ids, ids).wait(TIMEOUT), iters)
-            conn.send(ids)
-            expected = hashlib.sha256(raw(cache)[:, ids].cpu().numpy().tobytes()).hexdigest()
-            verified = _recv(conn) == expected
-            conn.send(None)
+    with receiver() as far, Agent("sender", cache) as agent:
+        connected(far, agent)
+        ids = cache.pool.allocate(n)
+        seconds = timed(lambda: agent.write("receiver", ids, ids).wait(TIMEOUT), iters)
+        verified = far.call("checksum", ids) == checksum(cache, ids)
     nbytes = n * LAYOUT.bytes_per_block
     return {"nbytes": nbytes, "gbps": nbytes / seconds / 1e9, "verified": verified}
 
@@ -138,59 +150,35 @@ def _calibrate(per_layer: float) -> tuple[int, int, float]:
     raise AssertionError("unreachable")
 
 
-def _recv(conn):
-    """The child's next message, or an error after TIMEOUT (a dead child never hangs us)."""
-    if not conn.poll(TIMEOUT):
-        raise TimeoutError(f"no answer from the receiver process in {TIMEOUT:g} s")
-    return conn.recv()
-
-
 def bench_stream(iters: int) -> dict:
     """Bulk vs streamed hand-off behind a GPU prefill, between two processes on one GPU."""
     n = LAYOUT.blocks_for(TOKENS)
     cache = KVCache(LAYOUT, CACHE_BLOCKS, device=DEVICE)
     ids = cache.pool.allocate(n)
     kv = torch.randint(0, 256, raw(cache)[0, ids].shape, dtype=torch.uint8, device=DEVICE)
-    with _child(_stream_receiver) as conn:
-        with Agent("sender", cache) as agent:
-            agent.add_peer(_recv(conn))
-            conn.send((agent.metadata(), ids))
-            bulk = timed(lambda: agent.write("receiver", ids, ids).wait(TIMEOUT), iters)
-            size, repeats, compute = _calibrate(bulk / LAYOUT.num_layers)
-            hidden = []
-            for i in range(iters):
-                conn.send(f"r{i}")
-                _recv(conn)  # the receiver expects it
-                stream = agent.stream_to("receiver", ids, ids, f"r{i}")
-                for layer in range(LAYOUT.num_layers):
-                    _layer_compute(size, repeats)
-                    raw(cache)[layer, ids] = kv
-                    event = torch.cuda.Event()
-                    event.record()
-                    stream.save_layer(layer, event)  # the stream keeps the event
-                torch.cuda.synchronize()
-                computed = time.perf_counter()
-                stream.wait_for_save(TIMEOUT)
-                exposed = time.perf_counter() - computed
-                _recv(conn)  # the receiver has every layer
-                hidden.append(1 - exposed / bulk)
-            conn.send(None)
+    with receiver() as far, Agent("sender", cache) as agent:
+        connected(far, agent)
+        bulk = timed(lambda: agent.write("receiver", ids, ids).wait(TIMEOUT), iters)
+        size, repeats, compute = _calibrate(bulk / LAYOUT.num_layers)
+        hidden = []
+        for i in range(iters):
+            far.call("expect", f"r{i}", ids)
+            stream = agent.stream_to("receiver", ids, ids, f"r{i}")
+            for layer in range(LAYOUT.num_layers):
+                _layer_compute(size, repeats)
+                raw(cache)[layer, ids] = kv
+                event = torch.cuda.Event()
+                event.record()
+                stream.save_layer(layer, event)  # the stream keeps the event
+            torch.cuda.synchronize()
+            computed = time.perf_counter()
+            stream.wait_for_save(TIMEOUT)
+            exposed = time.perf_counter() - computed
+            far.call("wait_all", f"r{i}")  # the receiver has every layer
+            hidden.append(1 - exposed / bulk)
     return {"bulk_seconds": bulk, "compute_per_layer_seconds": compute,
             "transfer_per_layer_seconds": bulk / LAYOUT.num_layers,
             "hidden_fraction": statistics.median(hidden)}
-
-
-def _stream_receiver(conn, num_blocks: int) -> None:
-    cache = KVCache(LAYOUT, num_blocks, device=DEVICE)
-    with Agent("receiver", cache) as agent:
-        conn.send(agent.metadata())
-        metadata, ids = conn.recv()
-        agent.add_peer(metadata)
-        while (rid := conn.recv()) is not None:
-            load = agent.expect("sender", rid, ids).start_load()
-            conn.send("ready")
-            load.wait_all(TIMEOUT)
-            conn.send("done")
 
 
 def main() -> int:

@@ -3,7 +3,7 @@ at batch 1, 4 and 16, each sequence with 512 tokens of context in the cache.
 
 Run: ``pytest bench/test_bench_engine.py`` (add ``--benchmark-json out.json`` for a file);
 ``kvmove-bench engine`` measures the same rows as one report. ``LlamaForCausalLM.forward``
-runs directly against a ``KVCache`` (``kvmove.bench_engine.EngineRig``), random weights,
+runs directly against a ``KVCache`` (``kvmove.bench.engine_rig.EngineRig``), random weights,
 torch's default thread count. One group per kind of row:
 
 * ``test_prefill``: one forward of one 2,000-token prompt. ``extra_info``: tokens/s and
@@ -25,7 +25,8 @@ from typing import Any
 
 import pytest
 
-from kvmove.bench_engine import EngineConfig, EngineRig, time_calls
+from kvmove.bench.engine import EngineConfig
+from kvmove.bench.engine_rig import EngineRig, time_calls
 
 CONFIG = EngineConfig()
 PREFILL_ROUNDS = 5

@@ -2,7 +2,7 @@
 against the bulk hand-off measured in the same run.
 
 Run: ``pytest bench/test_bench_stream.py`` (add ``--benchmark-json out.json`` for a file).
-The prefill is ``kvmove.bench_stream``'s: per layer, float32 matmuls calibrated to take
+The prefill is ``kvmove.bench.stream``'s: per layer, float32 matmuls calibrated to take
 ``ratio`` times the layer's measured bulk transfer time. One group per (transport mode,
 ratio), timing only the hand-off (blocks wiped before, every byte verified after, untimed):
 
@@ -28,8 +28,9 @@ from typing import Any
 
 import pytest
 
-from kvmove.bench_peer import FAR
-from kvmove.bench_stream import StreamConfig, StreamPair
+from kvmove.bench.peer import FAR
+from kvmove.bench.stream import StreamPair
+from kvmove.bench.stream_report import StreamConfig
 
 ROUNDS = 5
 TARGET_HIDDEN = 0.9

@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvmove import perftest
-from kvmove.bench_transfer import FAR, Peer, Side, connect_pair, ping, stop_echo
+from kvmove.bench import perftest
+from kvmove.bench.peer import FAR, Peer, Side, connect_pair, ping, stop_echo
 from kvmove.layout import KVLayout
 
 LAYOUT = KVLayout.preset("llama-3.1-8b")

@@ -8,8 +8,8 @@ should).
 
 Most tests use two agents in this process, peers of each other through ``metadata()`` /
 ``add_peer()`` over UCX's tcp transport: validation happens before anything is posted, so one
-process is enough and fast. Peer death needs a real process to kill: ``error_peers.py`` holds
-the spawn targets.
+process is enough and fast. Peer death needs a real process to kill: ``helpers.far.FarPeer``
+spawns it.
 
 No test may hang: every wait has a deadline, and calls that could block without one run in a
 daemon thread through :func:`within`.
@@ -18,17 +18,14 @@ daemon thread through :func:`within`.
 from __future__ import annotations
 
 import builtins
-import multiprocessing
 import os
 import signal
 import socket
 import struct
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,14 +34,9 @@ import zmq
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # spawn children re-import `error_peers` with the parent's sys.path
-    sys.path.insert(0, _HERE)
-from error_peers import listen_then_sleep  # noqa: E402
-
-import kvmove  # noqa: E402
-from kvmove import _C  # noqa: E402
-from kvmove.errors import (  # noqa: E402
+import kvmove
+from kvmove import _C
+from kvmove.errors import (
     BlockError,
     ConfigError,
     KVMoveError,
@@ -54,6 +46,10 @@ from kvmove.errors import (  # noqa: E402
     UCXError,
 )
 
+from helpers.checks import names, within
+from helpers.far import FarPeer
+from helpers.kv import make_cache, raw_view
+
 # 4 layers, 2 KV heads x 16 dims, float16, 4 tokens per block: 512 B per block per layer.
 LAYOUT = dict(num_layers=4, num_kv_heads=2, head_dim=16, dtype="float16", block_size=4)
 NUM_LAYERS = 4
@@ -61,43 +57,6 @@ A_BLOCKS = 16  # the near agent's cache
 B_BLOCKS = 12  # the far agent's: smaller, so remote ids are checked against the peer's size
 WAIT = 10.0    # deadline of every wait that should succeed, seconds
 TCP = {"transports": "tcp", "error_mode": "peer"}
-
-
-def make_cache(num_blocks: int = A_BLOCKS, **overrides: Any) -> kvmove.KVCache:
-    return kvmove.KVCache(kvmove.KVLayout(**{**LAYOUT, **overrides}), num_blocks)
-
-
-def raw(cache: kvmove.KVCache) -> np.ndarray:
-    """The cache's bytes, zero-copy: ``[num_layers, num_blocks, block_nbytes]`` uint8."""
-    view = cache.numpy()
-    return view.view(np.uint8).reshape(view.shape[0], view.shape[1], -1)
-
-
-def within(seconds: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` in a daemon thread: its result or exception, or a test failure
-    (instead of a hung test) if it has not returned after ``seconds``."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn(*args, **kwargs)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            box["error"] = e
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)} still blocked after {seconds} s"
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
-
-
-def names(excinfo: pytest.ExceptionInfo, *values: object) -> None:
-    """The exception's message contains each of ``values`` (as ``str``)."""
-    message = str(excinfo.value)
-    for v in values:
-        assert str(v) in message, f"{v!r} not named in {message!r}"
 
 
 def free_port() -> int:
@@ -115,14 +74,14 @@ class Pair:
     other over tcp; ``a_ref`` / ``b_ref`` are copies of what their caches must still hold."""
 
     def __init__(self) -> None:
-        self.a_cache, self.b_cache = make_cache(A_BLOCKS), make_cache(B_BLOCKS)
-        raw(self.a_cache)[...] = np.random.default_rng(7).integers(
-            0, 256, size=raw(self.a_cache).shape, dtype=np.uint8)
+        self.a_cache, self.b_cache = make_cache(LAYOUT, A_BLOCKS), make_cache(LAYOUT, B_BLOCKS)
+        raw_view(self.a_cache)[...] = np.random.default_rng(7).integers(
+            0, 256, size=raw_view(self.a_cache).shape, dtype=np.uint8)
         self.a = kvmove.Agent("a", self.a_cache, **TCP)
         self.b = kvmove.Agent("b", self.b_cache, **TCP)
         assert self.a.add_peer(self.b.metadata()) == "b"
         assert self.b.add_peer(self.a.metadata()) == "a"
-        self.a_ref, self.b_ref = raw(self.a_cache).copy(), raw(self.b_cache).copy()
+        self.a_ref, self.b_ref = raw_view(self.a_cache).copy(), raw_view(self.b_cache).copy()
         self.a_free, self.b_free = self.a_cache.pool.num_free, self.b_cache.pool.num_free
 
     def assert_untouched(self) -> None:
@@ -137,8 +96,8 @@ class Pair:
         assert self.a.notifications() == []
         expected = self.b_ref.copy()
         expected[:, 5] = self.a_ref[:, 3]
-        np.testing.assert_array_equal(raw(self.b_cache), expected)
-        np.testing.assert_array_equal(raw(self.a_cache), self.a_ref)
+        np.testing.assert_array_equal(raw_view(self.b_cache), expected)
+        np.testing.assert_array_equal(raw_view(self.a_cache), self.a_ref)
         assert self.a_cache.pool.num_free == self.a_free
         assert self.b_cache.pool.num_free == self.b_free
 
@@ -159,14 +118,14 @@ def pair() -> Iterator[Pair]:
 @pytest.fixture(scope="module")
 def lone() -> Iterator[kvmove.Agent]:
     """A peerless agent that only decodes metadata (module-scoped for hypothesis)."""
-    with kvmove.Agent("lone", make_cache(), **TCP) as agent:
+    with kvmove.Agent("lone", make_cache(LAYOUT, A_BLOCKS), **TCP) as agent:
         yield agent
 
 
 @pytest.fixture(scope="module")
 def valid_metadata() -> Iterator[bytes]:
     """Metadata of a live agent named "meta-src" (a cache of 8 blocks)."""
-    with kvmove.Agent("meta-src", make_cache(8), **TCP) as agent:
+    with kvmove.Agent("meta-src", make_cache(LAYOUT, 8), **TCP) as agent:
         yield agent.metadata()
 
 
@@ -175,7 +134,7 @@ def valid_metadata() -> Iterator[bytes]:
 
 def test_reject_unknown_error_mode():
     with pytest.raises(ConfigError, match="error_mode") as excinfo:
-        kvmove.Agent("x", make_cache(), error_mode="loud")
+        kvmove.Agent("x", make_cache(LAYOUT, A_BLOCKS), error_mode="loud")
     names(excinfo, "'loud'", "'peer'", "'none'")
 
 
@@ -188,7 +147,7 @@ def test_reject_a_cache_that_is_not_a_kvcache(cache):
 
 
 def test_reject_empty_name():
-    cache = make_cache()
+    cache = make_cache(LAYOUT, A_BLOCKS)
     with pytest.raises(ConfigError, match="name") as excinfo:
         kvmove.Agent("", cache, **TCP)
     names(excinfo, "got 0", "255")
@@ -198,7 +157,7 @@ def test_reject_empty_name():
 @pytest.mark.parametrize("name", ["a" * 256, "é" * 128], ids=["256-ascii", "128-chars-256-bytes"])
 def test_reject_name_over_255_bytes(name):
     """The limit is in bytes (the metadata's length prefix is one byte), not characters."""
-    cache = make_cache()
+    cache = make_cache(LAYOUT, A_BLOCKS)
     with pytest.raises(ConfigError, match="name") as excinfo:
         kvmove.Agent(name, cache, **TCP)
     names(excinfo, "got 256", "255")
@@ -206,8 +165,8 @@ def test_reject_name_over_255_bytes(name):
 
 
 def test_name_of_exactly_255_bytes_is_accepted_by_a_peer():
-    with kvmove.Agent("n" * 255, make_cache(), **TCP) as a, \
-            kvmove.Agent("other", make_cache(), **TCP) as b:
+    with kvmove.Agent("n" * 255, make_cache(LAYOUT, A_BLOCKS), **TCP) as a, \
+            kvmove.Agent("other", make_cache(LAYOUT, A_BLOCKS), **TCP) as b:
         assert b.add_peer(a.metadata()) == "n" * 255
 
 
@@ -217,11 +176,11 @@ def test_reject_name_no_peer_would_accept(name):
     agent with such a name is unreachable: every peer's add_peer raises MetadataError. The
     constructor must reject the name (ConfigError naming it) instead of building that agent."""
     try:
-        agent = kvmove.Agent(name, make_cache(), **TCP)
+        agent = kvmove.Agent(name, make_cache(LAYOUT, A_BLOCKS), **TCP)
     except ConfigError as e:
         assert "name" in str(e) and "printable" in str(e), str(e)
         return
-    with agent, kvmove.Agent("other", make_cache(), **TCP) as other:
+    with agent, kvmove.Agent("other", make_cache(LAYOUT, A_BLOCKS), **TCP) as other:
         with pytest.raises(MetadataError):
             other.add_peer(agent.metadata())
     pytest.fail(f"Agent({name!r}) was created, but no peer can add it (MetadataError)")
@@ -229,7 +188,7 @@ def test_reject_name_no_peer_would_accept(name):
 
 @pytest.mark.parametrize("timeout", [0.0, -1.0, float("nan")], ids=["zero", "negative", "nan"])
 def test_reject_non_positive_peer_timeout(timeout):
-    cache = make_cache()
+    cache = make_cache(LAYOUT, A_BLOCKS)
     with pytest.raises(ConfigError, match="peer_timeout must be positive") as excinfo:
         kvmove.Agent("x", cache, peer_timeout=timeout, **TCP)
     names(excinfo, f"got {timeout:g}")
@@ -241,7 +200,7 @@ def test_reject_infinite_peer_timeout():
     "Invalid parameter": the error must be a ConfigError that names peer_timeout and its
     value, not a UCXError about "transports ''"."""
     with pytest.raises(ConfigError, match="peer_timeout") as excinfo:
-        kvmove.Agent("x", make_cache(), peer_timeout=float("inf"), **TCP)
+        kvmove.Agent("x", make_cache(LAYOUT, A_BLOCKS), peer_timeout=float("inf"), **TCP)
     names(excinfo, "inf")
 
 
@@ -249,7 +208,7 @@ def test_reject_infinite_peer_timeout():
 def test_reject_transports_ucx_does_not_have(transports):
     """UCX has no transport of that name: ucp_init fails ("No such device") and the message
     names what was asked for."""
-    cache = make_cache()
+    cache = make_cache(LAYOUT, A_BLOCKS)
     with pytest.raises(UCXError, match="nonexistent_tl") as excinfo:
         kvmove.Agent("x", cache, transports=transports, error_mode="peer")
     assert isinstance(excinfo.value, KVMoveError)
@@ -260,7 +219,7 @@ def _assert_cache_still_usable(cache: kvmove.KVCache) -> None:
     """A failed construction left nothing behind: the cache registers again and moves bytes."""
     free = cache.pool.num_free
     with kvmove.Agent("retry", cache, **TCP) as a, \
-            kvmove.Agent("retry-peer", make_cache(cache.num_blocks), **TCP) as b:
+            kvmove.Agent("retry-peer", make_cache(LAYOUT, cache.num_blocks), **TCP) as b:
         a.add_peer(b.metadata())
         a.write("retry-peer", [0], [1]).wait(WAIT)
     assert cache.pool.num_free == free
@@ -516,7 +475,7 @@ def test_reject_adding_a_peer_twice(pair):
 
 
 def test_reject_a_different_agent_with_a_taken_name(pair):
-    with kvmove.Agent("b", make_cache(), **TCP) as impostor:
+    with kvmove.Agent("b", make_cache(LAYOUT, A_BLOCKS), **TCP) as impostor:
         with pytest.raises(PeerError, match="peer 'b' is already added"):
             pair.a.add_peer(impostor.metadata())
     assert pair.a.peers == ["b"]
@@ -527,14 +486,14 @@ def test_an_agent_can_add_itself():
     """Decided from the implementation: nothing forbids it. add_peer(own metadata) makes a UCX
     loopback endpoint to the agent's own worker; transfers to "itself" are local copies, and
     notifications arrive in its own queue."""
-    cache = make_cache()
-    raw(cache)[:, 0] = 42
+    cache = make_cache(LAYOUT, A_BLOCKS)
+    raw_view(cache)[:, 0] = 42
     with kvmove.Agent("self", cache, **TCP) as agent:
         assert agent.add_peer(agent.metadata()) == "self"
         assert agent.peers == ["self"]
         agent.write("self", [0], [1], notify=b"me").wait(WAIT)
         assert agent.wait_notification(WAIT) == ("self", b"me")
-        assert (raw(cache)[:, 1] == 42).all()
+        assert (raw_view(cache)[:, 1] == 42).all()
         with pytest.raises(BlockError, match="destination block 2 appears twice"):
             agent.write("self", [0, 1], [2, 2])  # still validated like any peer
 
@@ -544,8 +503,8 @@ def test_add_peer_of_a_closed_agent_is_a_peer_error():
     ucp_ep_create fails with "Destination is unreachable". errors.py: PeerError is for a peer
     that is "unknown, unreachable, dead", so that is the class, and the message names the
     peer; nothing is added."""
-    with kvmove.Agent("a", make_cache(), **TCP) as a:
-        gone = kvmove.Agent("gone", make_cache(), **TCP)
+    with kvmove.Agent("a", make_cache(LAYOUT, A_BLOCKS), **TCP) as a:
+        gone = kvmove.Agent("gone", make_cache(LAYOUT, A_BLOCKS), **TCP)
         stale = gone.metadata()
         gone.close()
         with pytest.raises(PeerError) as excinfo:
@@ -614,14 +573,14 @@ def test_write_with_duplicate_sources_is_allowed(pair):
     pair.a.write("b", [2, 2, 9], [0, 1, 11]).wait(WAIT)
     expected = pair.b_ref.copy()
     expected[:, [0, 1, 11]] = pair.a_ref[:, [2, 2, 9]]
-    np.testing.assert_array_equal(raw(pair.b_cache), expected)
+    np.testing.assert_array_equal(raw_view(pair.b_cache), expected)
 
 
 def test_read_with_duplicate_sources_is_allowed(pair):
-    raw(pair.b_cache)[:, 4] = 0x5A
+    raw_view(pair.b_cache)[:, 4] = 0x5A
     pair.a.read("b", [0, 1], [4, 4]).wait(WAIT)
-    assert (raw(pair.a_cache)[:, [0, 1]] == 0x5A).all()
-    np.testing.assert_array_equal(raw(pair.a_cache)[:, 2:], pair.a_ref[:, 2:])
+    assert (raw_view(pair.a_cache)[:, [0, 1]] == 0x5A).all()
+    np.testing.assert_array_equal(raw_view(pair.a_cache)[:, 2:], pair.a_ref[:, 2:])
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -649,17 +608,17 @@ LAYOUT_FIELDS = {
 @pytest.mark.parametrize("field", LAYOUT_FIELDS)
 def test_reject_layout_mismatch(op, field):
     here, there = LAYOUT_FIELDS[field]
-    a_cache, c_cache = make_cache(), make_cache(**{field: there})
-    before = raw(c_cache).copy()
+    a_cache, c_cache = make_cache(LAYOUT, A_BLOCKS), make_cache({**LAYOUT, field: there}, A_BLOCKS)
+    before = raw_view(c_cache).copy()
     with kvmove.Agent("a", a_cache, **TCP) as a, kvmove.Agent("c", c_cache, **TCP) as c:
-        raw(a_cache)[...] = 0x33
+        raw_view(a_cache)[...] = 0x33
         assert a.add_peer(c.metadata()) == "c"  # layouts are compared per transfer
         with pytest.raises(ConfigError, match="KV layouts differ") as excinfo:
             getattr(a, op)("c", [0], [0], notify=b"no")
         names(excinfo, f"{field}: {here} here, {there} at 'c'")
         time.sleep(0.2)  # nothing was posted, so nothing can arrive late either
-        np.testing.assert_array_equal(raw(c_cache), before)
-        assert (raw(a_cache) == 0x33).all()
+        np.testing.assert_array_equal(raw_view(c_cache), before)
+        assert (raw_view(a_cache) == 0x33).all()
         assert c.notifications() == []
 
 
@@ -713,7 +672,7 @@ def test_close_wakes_a_waiting_wait_notification():
     """The wait's predicate checks `closed_` and the timeout message says "(agent closed)",
     but close() never notifies the condition variable: a thread in wait_notification(3)
     sleeps its full 3 s after close(). It should wake at once with TimeoutError."""
-    agent = kvmove.Agent("sleepy", make_cache(), **TCP)
+    agent = kvmove.Agent("sleepy", make_cache(LAYOUT, A_BLOCKS), **TCP)
     start = time.monotonic()
     closer = threading.Timer(0.2, agent.close)
     closer.start()
@@ -735,8 +694,8 @@ def test_reject_transfer_after_close(pair, op):
     with pytest.raises(ConfigError, match="closed") as excinfo:
         getattr(pair.a, op)("b", [0], [0])
     names(excinfo, "'a'")
-    np.testing.assert_array_equal(raw(pair.b_cache), pair.b_ref)
-    np.testing.assert_array_equal(raw(pair.a_cache), pair.a_ref)
+    np.testing.assert_array_equal(raw_view(pair.b_cache), pair.b_ref)
+    np.testing.assert_array_equal(raw_view(pair.a_cache), pair.a_ref)
 
 
 def test_reject_add_peer_after_close(pair):
@@ -778,7 +737,7 @@ def test_reject_transfer_to_a_removed_peer(pair, op):
         getattr(pair.a, op)("b", [0], [0])
     with pytest.raises(PeerError, match="unknown peer 'b'"):
         pair.a.remove_peer("b")
-    np.testing.assert_array_equal(raw(pair.b_cache), pair.b_ref)
+    np.testing.assert_array_equal(raw_view(pair.b_cache), pair.b_ref)
     assert pair.a.add_peer(pair.b.metadata()) == "b"  # it can come back
     pair.assert_untouched()
 
@@ -788,7 +747,8 @@ def test_reject_listening_twice(pair):
     with pytest.raises(ConfigError, match="already listens") as excinfo:
         pair.a.listen()
     names(excinfo, "'a'", port)
-    with kvmove.Agent("c", make_cache(), **TCP) as c:  # the first listener still serves
+    # the first listener still serves
+    with kvmove.Agent("c", make_cache(LAYOUT, A_BLOCKS), **TCP) as c:
         assert c.connect(host, port, timeout=WAIT) == "a"
 
 
@@ -824,7 +784,7 @@ def test_reject_bad_connect_timeout(pair, timeout):
     if stuck:
         # Answer it so the thread ends before the fixture closes the agent under it: zmq
         # reconnects to this listener by itself.
-        with kvmove.Agent("unstick", make_cache(), **TCP) as rescuer:
+        with kvmove.Agent("unstick", make_cache(LAYOUT, A_BLOCKS), **TCP) as rescuer:
             rescuer.listen(port=port)
             thread.join(5)
     assert not stuck, f"connect(timeout={timeout}) to a port nobody listens on never returned"
@@ -838,7 +798,7 @@ def test_listener_rejecting_our_metadata_is_a_peer_error(pair):
     connecting agent (also named "b") raises PeerError with that message. Neither side
     changed."""
     host, port = pair.a.listen()
-    with kvmove.Agent("b", make_cache(), **TCP) as impostor:
+    with kvmove.Agent("b", make_cache(LAYOUT, A_BLOCKS), **TCP) as impostor:
         with pytest.raises(PeerError, match="rejected our metadata") as excinfo:
             impostor.connect(host, port, timeout=WAIT)
         names(excinfo, f"{host}:{port}", "peer 'b' is already added")
@@ -865,7 +825,7 @@ def test_listener_survives_junk_requests(pair):
     finally:
         ctx.term()
     assert pair.a.peers == ["b"]
-    with kvmove.Agent("c", make_cache(), **TCP) as c:
+    with kvmove.Agent("c", make_cache(LAYOUT, A_BLOCKS), **TCP) as c:
         assert c.connect(host, port, timeout=WAIT) == "a"
     pair.assert_untouched()
 
@@ -886,23 +846,12 @@ DEATH_DEADLINE = 10.0  # a dead peer's transfers must fail well before their 30 
 def doomed_peer(name: str, error_mode: str) -> Iterator[tuple[int, str, int]]:
     """A far agent in a spawned process, listening: yields ``(pid, host, port)``. The process
     is always dead and joined afterwards."""
-    ctx = multiprocessing.get_context("spawn")
-    conn, child_conn = ctx.Pipe()
-    kwargs = {"transports": "tcp", "error_mode": error_mode}
-    process = ctx.Process(target=listen_then_sleep, name=f"doomed-{name}", daemon=True,
-                          args=(child_conn, name, BIG_LAYOUT, BIG_BLOCKS, kwargs))
-    process.start()
-    child_conn.close()
+    far = FarPeer(name, BIG_LAYOUT, BIG_BLOCKS, {"transports": "tcp", "error_mode": error_mode})
     try:
-        assert conn.poll(30), f"far process {name!r} did not start within 30 s"
-        status, *rest = conn.recv()
-        assert status == "ok", f"far process {name!r} failed to start: {rest}"
-        yield tuple(rest)
+        yield (far.pid, *far.call("listen"))
     finally:
-        if process.is_alive():
-            process.kill()
-        process.join(10)
-        conn.close()
+        far.kill()
+        far.stop()
 
 
 def post_and_kill(near: kvmove.Agent, op: str, peer: str, pid: int) -> list[kvmove.Transfer]:

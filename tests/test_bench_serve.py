@@ -1,4 +1,4 @@
-"""The serving benchmark (``kvmove/bench_serve.py``, ``kvmove/cli/report_serve.py``).
+"""The serving benchmark (``kvmove/bench/serve.py`` and its ``serve_*.py`` parts).
 
 Without a server: the trace (seeded, the same for every mode, Poisson arrivals, the mix), every
 config rejection, the statistics on hand-made requests against numpy, the ``/metrics`` parser,
@@ -21,11 +21,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from kvmove import bench_serve
-from kvmove.bench_report import BenchError
-from kvmove.bench_serve import (ModeResult, QueueSample, RequestResult, ServeConfig,
-                                ServeReport, make_trace, parse_metrics, percentile)
-from kvmove.cli.report_serve import format_serve, plot_serve
+from kvmove.bench import serve, serve_load
+from kvmove.bench.report import BenchError
+from kvmove.bench.serve import ServeConfig
+from kvmove.bench.serve_load import make_trace, parse_metrics
+from kvmove.bench.serve_report import (ModeResult, QueueSample, RequestResult, ServeReport,
+                                       format_serve, percentile, plot_serve)
+from kvmove.bench.serve_server import ServerProcess
 from kvmove.errors import ConfigError
 
 # --- the trace ------------------------------------------------------------------------------
@@ -187,12 +189,12 @@ kvmove_kv_transfer_seconds_bucket{le="+Inf"} 4.0
 kvmove_kv_transfer_seconds_sum 0.25
 """
     metrics = parse_metrics(text)
-    assert bench_serve.by_pool(metrics, "kvmove_pool_queue_length") == {"prefill": 3.0,
+    assert serve_load.by_pool(metrics, "kvmove_pool_queue_length") == {"prefill": 3.0,
                                                                          "decode": 1.0}
-    assert bench_serve.by_pool(metrics, "kvmove_pool_running") == {"decode": 7.0}
-    assert bench_serve.metric_total(metrics, "kvmove_kv_bytes_total") == 1048576.0
+    assert serve_load.by_pool(metrics, "kvmove_pool_running") == {"decode": 7.0}
+    assert serve_load.metric_total(metrics, "kvmove_kv_bytes_total") == 1048576.0
     assert metrics["kvmove_kv_transfer_seconds_bucket"] == [({"le": "+Inf"}, 4.0)]
-    assert bench_serve.metric_total(metrics, "kvmove_kv_transfer_seconds_count") == 0.0
+    assert serve_load.metric_total(metrics, "kvmove_kv_transfer_seconds_count") == 0.0
 
 
 # --- the report -----------------------------------------------------------------------------
@@ -253,7 +255,7 @@ def test_a_server_that_cannot_start_ends_the_run_with_its_error() -> None:
     config = ServeConfig(modes=("colocated",), model="/nonexistent/model", timeout=60)
     with pytest.raises(BenchError, match=r"exited with status 2 before it was ready: .*"
                        "neither a preset nor a directory"):
-        bench_serve.run(config)
+        serve.run(config)
 
 
 @needs_server
@@ -263,8 +265,8 @@ def test_end_to_end_every_request_completes() -> None:
                          short_prompt_bytes=20, short_output_tokens=12, chunk_size=64,
                          timeout=60, sample_interval=0.05)
     labels: list[str] = []
-    report = bench_serve.run(config, labels.append)
-    assert len(labels) == bench_serve.count_steps(config)
+    report = serve.run(config, labels.append)
+    assert len(labels) == serve.count_steps(config)
     trace = {t.index: t for t in report.trace}
     for mode in report.modes:
         # Stopped by our SIGTERM, not killed after the deadline: 0, or -SIGTERM where uvicorn
@@ -288,9 +290,9 @@ def test_a_running_server_by_url_and_nothing_left_after_an_error() -> None:
                          long_prompt_bytes=100, long_output_tokens=3, short_prompt_bytes=10,
                          short_output_tokens=5, chunk_size=32, timeout=60)
     with pytest.raises(RuntimeError, match="stop here"):
-        with bench_serve.ServerProcess(config, "chunked") as server:
+        with ServerProcess(config, "chunked") as server:
             pid = server.proc.pid
-            report = bench_serve.run(replace(config, url=server.url + "/"))
+            report = serve.run(replace(config, url=server.url + "/"))
             (mode,) = report.modes
             assert mode.failures == 0 and mode.output_tokens == sum(
                 t.max_tokens for t in report.trace)

@@ -1,5 +1,5 @@
-"""``kvmove-bench transfer`` (``kvmove/cli/bench.py``, ``kvmove/bench_transfer.py``) and the
-``ucx_perftest`` baseline (``kvmove/perftest.py``).
+"""``kvmove-bench transfer`` (``kvmove/bench/transfer.py``, ``kvmove/bench/peer.py``) and the
+``ucx_perftest`` baseline (``kvmove/bench/perftest.py``).
 
 The CLI runs as a real process from a scratch directory, with tiny settings so each run takes
 seconds: Llama-3.2-1B (16 layers, 8 KV heads, head_dim 64, float16: 2,048 B per token per
@@ -23,8 +23,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvmove import perftest
-from kvmove.bench_transfer import BenchConfig, BenchError, Peer, Side
+from kvmove.bench import perftest
+from kvmove.bench.peer import Peer, Side
+from kvmove.bench.report import BenchError
+from kvmove.bench.transfer_report import BenchConfig
 from kvmove.errors import ConfigError
 from kvmove.layout import KVLayout
 
@@ -41,7 +43,7 @@ def _commands() -> list[list[str]]:
     """The installed ``kvmove-bench`` script when there is one, and ``python -m``."""
     search = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
     script = shutil.which("kvmove-bench", path=search)
-    return [[script]] * bool(script) + [[sys.executable, "-m", "kvmove.cli.bench"]]
+    return [[script]] * bool(script) + [[sys.executable, "-m", "kvmove.bench.cli"]]
 
 
 COMMANDS = _commands()

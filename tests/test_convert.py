@@ -1,4 +1,4 @@
-"""``kvmove.convert`` on host memory against the torch references of ``kv_reference.py``:
+"""``kvmove.convert`` on host memory against the torch references of ``helpers/convert.py``:
 pack/unpack of scattered blocks and layer subsets, and conversions of block size, head order
 and dtype (float8 e4m3 with per-block scales), bit for bit, on odd block counts and lengths.
 The CUDA kernels are checked against the same references in ``test_gpu.py``.
@@ -6,44 +6,15 @@ The CUDA kernels are checked against the same references in ``test_gpu.py``.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)
-from kv_reference import (  # noqa: E402
-    TORCH_DTYPES, cache_bits, expected_convert, expected_pack)
-
-from kvmove import KVCache, KVLayout  # noqa: E402
-from kvmove.convert import convert, pack, pack_nbytes, unpack  # noqa: E402
-from kvmove.errors import BlockError, ConfigError  # noqa: E402
-
-HEADS, DIM, LAYERS, NUM_BLOCKS = 3, 8, 3, 64
-
-
-def layout(dtype: str, block_size: int) -> KVLayout:
-    return KVLayout(LAYERS, HEADS, DIM, dtype=dtype, block_size=block_size)
-
-
-def random_cache(dtype: str, block_size: int, seed: int, device: str | None = None) -> KVCache:
-    """Values spread over six orders of magnitude (float8 subnormals after scaling too)."""
-    cache = KVCache(layout(dtype, block_size), NUM_BLOCKS, device=device)
-    g = torch.Generator().manual_seed(seed)
-    values = torch.randn(cache.shape, generator=g) * 10.0 ** torch.randint(-4, 2, cache.shape,
-                                                                           generator=g)
-    if dtype == "float8":
-        values = values.clamp(-448, 448)
-    cache.torch().copy_(values.to(TORCH_DTYPES[dtype]))
-    return cache
-
-
-def scattered(n: int, seed: int) -> list[int]:
-    return [int(i) for i in np.random.default_rng(seed).permutation(NUM_BLOCKS)[:n]]
+from helpers.convert import (CASES, DIM, HEADS, LAYERS, NUM_BLOCKS, case_id, expected_pack,
+                             layout, random_cache, run_convert, scattered)
+from kvmove import KVCache, KVLayout
+from kvmove.convert import convert, pack, pack_nbytes, unpack
+from kvmove.errors import BlockError, ConfigError
 
 
 # --- pack / unpack -----------------------------------------------------------------------------
@@ -92,48 +63,6 @@ def test_pack_needs_a_contiguous_writable_buffer():
 
 
 # --- convert -----------------------------------------------------------------------------------
-
-CASES = [  # (src dtype, src block, src order, dst dtype, dst block, dst order)
-    ("float16", 16, "NHD", "float16", 64, "NHD"),
-    ("float16", 64, "NHD", "float16", 16, "NHD"),
-    ("bfloat16", 16, "NHD", "bfloat16", 16, "HND"),
-    ("float16", 16, "HND", "float16", 4, "NHD"),
-    ("float16", 16, "NHD", "float8", 16, "NHD"),
-    ("bfloat16", 16, "NHD", "float8", 64, "HND"),
-    ("float32", 4, "NHD", "float8", 16, "NHD"),
-    ("float8", 16, "NHD", "float16", 16, "NHD"),
-    ("float8", 16, "HND", "bfloat16", 64, "NHD"),
-    ("float32", 16, "NHD", "bfloat16", 16, "NHD"),
-    ("float16", 16, "NHD", "float32", 8, "HND"),
-]
-
-
-def run_convert(case, num_tokens: int, layers=None, device: str | None = None, seed: int = 0):
-    """Converts a random sequence; returns (dst bits, expected bits, scales, expected scales)."""
-    sd, sb, so, dd, db, do = case
-    src, dst = random_cache(sd, sb, seed, device), random_cache(dd, db, seed + 1, device)
-    src_ids = scattered(-(-num_tokens // sb), seed + 2)
-    dst_ids = scattered(-(-num_tokens // db), seed + 3)
-    selected = layers or list(range(LAYERS))
-    dev = src.torch().device
-    src_scales = None
-    if sd == "float8":
-        g = torch.Generator().manual_seed(seed + 4)
-        src_scales = (torch.rand(len(selected), len(src_ids), 2, generator=g) + 0.01).to(dev)
-    expected, expected_scales = expected_convert(src, src_ids, dst, dst_ids, num_tokens, so, do,
-                                                 src_scales, selected)
-    scales = src_scales
-    if dd == "float8":
-        scales = torch.zeros(len(selected), len(dst_ids), 2, device=dev)
-    convert(src, src_ids, dst, dst_ids, num_tokens, layers=layers, src_order=so, dst_order=do,
-            scales=scales)
-    return cache_bits(dst), expected, scales if dd == "float8" else None, expected_scales
-
-
-def case_id(case) -> str:
-    sd, sb, so, dd, db, do = case
-    return f"{sd}.{sb}.{so}-{dd}.{db}.{do}"
-
 
 @pytest.mark.parametrize("num_tokens", [1, 37, 128, 201])
 @pytest.mark.parametrize("case", CASES, ids=case_id)

@@ -10,21 +10,15 @@ no token, reuse skips the cached blocks, a cache too small for the load finishes
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # spawn children re-import `engine_peers` with the parent's sys.path
-    sys.path.insert(0, _HERE)
-from engine_peers import WorkerProcess  # noqa: E402
+from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
+from kvmove.engine.request import FinishReason, Request, SamplingParams
+from kvmove.engine.scheduler import SchedulerConfig
+from kvmove.engine.worker import Worker
+from kvmove.errors import ConfigError
 
-from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM  # noqa: E402
-from kvmove.engine.request import FinishReason, Request, SamplingParams  # noqa: E402
-from kvmove.engine.scheduler import SchedulerConfig  # noqa: E402
-from kvmove.engine.worker import Worker  # noqa: E402
-from kvmove.errors import ConfigError  # noqa: E402
+from helpers.engine_far import WorkerProcess
 
 SEED = 0
 BLOCK = 4

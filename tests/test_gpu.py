@@ -7,25 +7,19 @@ CUDA event before posting. ``bench/gpu_check.sh`` runs these, then the GPU bench
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)
-from gpu_peers import gpu_peer  # noqa: E402
-from kv_reference import expected_pack  # noqa: E402
-from peers import FarPeer, pattern  # noqa: E402
-from test_convert import CASES, case_id, random_cache, run_convert  # noqa: E402
+import kvmove
+from kvmove import Agent, DiskTier, HostTier, KVCache, KVLayout, KVStore
+from kvmove.convert import pack, pack_nbytes, unpack
+from kvmove.errors import ConfigError
 
-import kvmove  # noqa: E402
-from kvmove import Agent, DiskTier, HostTier, KVCache, KVLayout, KVStore  # noqa: E402
-from kvmove.convert import pack, pack_nbytes, unpack  # noqa: E402
-from kvmove.errors import ConfigError  # noqa: E402
+from helpers.convert import CASES, case_id, expected_pack, random_cache, run_convert
+from helpers.far import FarPeer
+from helpers.gpu_far import gpu_peer
+from helpers.kv import pattern
 
 
 def _why_not() -> str:

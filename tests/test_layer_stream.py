@@ -9,7 +9,7 @@ not waited for may or may not be complete yet).
 Two set-ups:
 
 * two real processes (most tests): this process holds the near agent "near", a spawned child
-  (``stream_peers.StreamPeer``) the far one "far", connected with ``listen()``/``connect()``
+  (``helpers.stream_far.StreamFar``) the far one "far", connected with ``listen()``/``connect()``
   so each is the other's peer. Usually far sends and near receives; the streaming layout is
   48 layers of 16 KiB per block. The pair lives for the whole module; tests that kill a
   process spawn their own.
@@ -18,7 +18,7 @@ Two set-ups:
   class, that the message names the offending value, and that nothing changed: the same
   stream (or a new one) still completes, and lands exactly.
 
-A stream's data is ``stream_peers.layer_data(seed, layer)``, computed the same way in both
+A stream's data is ``helpers.kv.layer_data(seed, layer)``, computed the same way in both
 processes. Every request's blocks come from the caches' ``BlockPool`` and go back to it once
 the stream ended, whatever the outcome; the ``link`` fixture checks after every test that both
 pools are all free again.
@@ -32,26 +32,18 @@ import gc
 import os
 import random
 import signal
-import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # spawn children re-import `stream_peers` with the parent's sys.path
-    sys.path.insert(0, _HERE)
-from peers import FarError, pattern, raw_view  # noqa: E402
-from stream_peers import StreamPeer, layer_data, write_layer  # noqa: E402
-
-import kvmove  # noqa: E402
-from kvmove import StreamState  # noqa: E402
-from kvmove.errors import (  # noqa: E402
+import kvmove
+from kvmove import StreamState
+from kvmove.bench.harness import ChildError
+from kvmove.errors import (
     BlockError,
     ConfigError,
     CudaError,
@@ -60,6 +52,11 @@ from kvmove.errors import (  # noqa: E402
     TimeoutError,
     TransferError,
 )
+
+from helpers.checks import Background, names, within
+from helpers.far import FarPeer
+from helpers.kv import layer_data, make_cache, pattern, raw_view, write_layer
+from helpers.stream_far import StreamFar
 
 # Two processes: 48 layers, 4 KV heads x 64 dims, float16, 16 tokens per block:
 # 16 * 4 * 64 * 2 (K, V) * 2 B = 16 KiB per block per layer; 40 blocks = 30 MiB a cache.
@@ -83,56 +80,6 @@ LONG = 30.0            # deadline of waits that must be ended early by something
 PROMPT = 5.0           # "promptly": an abort or a death must end such a wait within this
 
 
-def make_cache(layout: dict, num_blocks: int) -> kvmove.KVCache:
-    return kvmove.KVCache(kvmove.KVLayout(**layout), num_blocks)
-
-
-def names(excinfo: pytest.ExceptionInfo, *values: object) -> None:
-    """The exception's message contains each of ``values`` (as ``str``)."""
-    message = str(excinfo.value)
-    for v in values:
-        assert str(v) in message, f"{v!r} not named in {message!r}"
-
-
-def within(seconds: float, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` in a daemon thread: its result or exception, or a test failure (instead of
-    a hung test) if it has not returned after ``seconds``."""
-    return Background(fn, *args).join(seconds).get()
-
-
-class Background:
-    """A blocking call running in a daemon thread; records its outcome and when it ended."""
-
-    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.ended_at: float | None = None
-        self._name = getattr(fn, "__name__", repr(fn))
-        self.thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
-        self.thread.start()
-
-    def _run(self, fn: Callable[..., Any], args: tuple) -> None:
-        try:
-            self.value = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - reported by get()
-            self.error = e
-        finally:
-            self.ended_at = time.monotonic()
-
-    def pending(self) -> bool:
-        return self.thread.is_alive()
-
-    def join(self, seconds: float) -> Background:
-        self.thread.join(seconds)
-        assert not self.thread.is_alive(), f"{self._name} still blocked after {seconds} s"
-        return self
-
-    def get(self) -> Any:
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-
 def expected(seed: int, n: int, layers: range | list[int] = range(L)) -> dict[int, np.ndarray]:
     return {layer: layer_data(seed, layer, n, BLOCK) for layer in layers}
 
@@ -151,7 +98,7 @@ class Link:
 
     def __init__(self, near_name: str, far_name: str) -> None:
         self.near_name, self.far_name = near_name, far_name
-        self.far = StreamPeer(far_name, STREAM_LAYOUT, NUM_BLOCKS, TCP)
+        self.far = FarPeer(far_name, STREAM_LAYOUT, NUM_BLOCKS, TCP, host=StreamFar)
         try:
             self.cache = make_cache(STREAM_LAYOUT, NUM_BLOCKS)
             self.near = kvmove.Agent(near_name, self.cache, **TCP)
@@ -355,13 +302,13 @@ def _abort_after(link: Link, k: int) -> None:
         assert waiter.ended_at - start < PROMPT
 
         assert link.far.call("state", rid) == "ABORTED"
-        with pytest.raises(FarError, match="after abort") as excinfo:
+        with pytest.raises(ChildError, match="after abort") as excinfo:
             link.far.call("save_layers", rid, [min(k, L - 1)])
         assert excinfo.value.kind == "ConfigError"
-        with pytest.raises(FarError, match="already aborted") as excinfo:
+        with pytest.raises(ChildError, match="already aborted") as excinfo:
             link.far.call("finish", rid, b"late")
         assert excinfo.value.kind == "ConfigError"
-        with pytest.raises(FarError, match="was aborted") as excinfo:
+        with pytest.raises(ChildError, match="was aborted") as excinfo:
             link.far.call("wait_for_save", rid, WAIT)
         assert excinfo.value.kind == "TransferError"
 

@@ -1,4 +1,4 @@
-"""Tests of the disaggregation planner (``kvmove/plan.py``) and ``kvmove-bench plan``.
+"""Tests of the disaggregation planner (``kvmove/bench/plan.py``) and ``kvmove-bench plan``.
 
 Expected numbers are computed by hand from DESIGN.md §1: Llama-3.1-8B keeps
 2 * 8 KV heads * 128 * 2 B = 4,096 B per token per layer, * 32 layers = 131,072 B per token,
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from kvmove.cli.bench import main
+from kvmove.bench.cli import main
 from kvmove.errors import ConfigError
 from kvmove.layout import KVLayout
-from kvmove.plan import (
+from kvmove.bench.plan import (
     CHEAP_SHARE_PCT,
     DEFAULT_LINKS,
     TOO_SLOW_SHARE_PCT,
@@ -269,8 +269,8 @@ def test_main_rejects_bad_tokens(capsys: pytest.CaptureFixture[str]) -> None:
 # --- CLI as a real process ------------------------------------------------------------------
 
 def bench_commands() -> list[list[str]]:
-    """``python -m kvmove.cli.bench``, and the installed script when there is one."""
-    commands = [[sys.executable, "-m", "kvmove.cli.bench"]]
+    """``python -m kvmove.bench.cli``, and the installed script when there is one."""
+    commands = [[sys.executable, "-m", "kvmove.bench.cli"]]
     # The venv's bin/ may not be on PATH when pytest runs as .venv/bin/python -m pytest.
     search = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
     if script := shutil.which("kvmove-bench", path=search):

@@ -38,18 +38,15 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)
-from serve_helpers import (  # noqa: E402
+from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
+from kvmove.engine.request import Request, SamplingParams
+from kvmove.engine.scheduler import SchedulerConfig
+from kvmove.engine.tokenizer import ByteTokenizer
+from kvmove.engine.worker import Worker
+
+from helpers.serve import (
     GONE_SECONDS, START_SECONDS, TAG_VARIABLE, WORKDIR, Server, ServerPool, process_alive,
     tagged_pids, wait_until)
-
-from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM  # noqa: E402
-from kvmove.engine.request import Request, SamplingParams  # noqa: E402
-from kvmove.engine.scheduler import SchedulerConfig  # noqa: E402
-from kvmove.engine.tokenizer import ByteTokenizer  # noqa: E402
-from kvmove.engine.worker import Worker  # noqa: E402
 
 MODEL = "tiny"
 TINY = MODEL_PRESETS[MODEL]

@@ -1,7 +1,7 @@
 """``kvmove.Agent`` (docs/transfer.md): one-sided block transfers between two real processes.
 
-The test process holds the near agent; a spawned child (``peers.serve``) holds the far one.
-Every transfer moves real bytes through UCX, and every check compares the *whole* far (or
+The test process holds the near agent; a spawned child (``helpers.far.FarPeer``) holds the far
+one. Every transfer moves real bytes through UCX, and every check compares the *whole* far (or
 near) cache against a numpy reference: the blocks that should have changed, and everything
 that should not have.
 
@@ -20,21 +20,17 @@ here, a peer that goes silent or away mid-transfer.
 from __future__ import annotations
 
 import builtins
-import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # spawn children re-import `peers` with the parent's sys.path
-    sys.path.insert(0, _HERE)
-from peers import FarPeer, fill, pattern, raw_view  # noqa: E402
+import kvmove
+from kvmove.errors import KVMoveError, TimeoutError
 
-import kvmove  # noqa: E402
-from kvmove.errors import KVMoveError, PeerError, TimeoutError  # noqa: E402
+from helpers.far import FarPeer
+from helpers.kv import fill, make_cache, pattern, raw_view
 
 # 4 layers, 2 KV heads x 16 dims, float16, 4 tokens per block:
 # 2 * 2 * 16 * 2 = 128 B per token per layer, 512 B per block per layer.
@@ -53,10 +49,6 @@ TRANSPORTS = [
 ]
 
 WAIT = 10.0  # every wait's deadline, seconds: generous, never reached when things work
-
-
-def make_cache(layout: dict = LAYOUT, num_blocks: int = NUM_BLOCKS) -> kvmove.KVCache:
-    return kvmove.KVCache(kvmove.KVLayout(**layout), num_blocks)
 
 
 class Link:
@@ -157,7 +149,7 @@ def test_raw_metadata_exchange_through_a_pipe(agent_kwargs):
     tag = f"raw-{agent_kwargs['transports']}"
     far = FarPeer(f"far-{tag}", LAYOUT, NUM_BLOCKS, agent_kwargs)
     try:
-        cache = make_cache()
+        cache = make_cache(LAYOUT, NUM_BLOCKS)
         with kvmove.Agent(f"near-{tag}", cache, **agent_kwargs) as near:
             far_md = far.call("metadata")
             assert isinstance(far_md, bytes)
@@ -485,7 +477,7 @@ def doomed():
     kwargs = {"transports": "tcp", "error_mode": "peer", "peer_timeout": PEER_TIMEOUT}
     far = FarPeer("far-doomed", LAYOUT, NUM_BLOCKS, kwargs)
     try:
-        with kvmove.Agent("near-doomed", make_cache(), **kwargs) as near:
+        with kvmove.Agent("near-doomed", make_cache(LAYOUT, NUM_BLOCKS), **kwargs) as near:
             assert near.connect(*far.call("listen"), timeout=WAIT) == "far-doomed"
             far.pause()
             t = near.write("far-doomed", list(range(32)), list(range(32)))
@@ -540,7 +532,7 @@ def test_target_survives_initiators_that_go_away_mid_transfer():
         address = far.call("listen")
         for rnd in range(5):
             name = f"near-quitter-{rnd}"
-            agent = kvmove.Agent(name, make_cache(), **kwargs)
+            agent = kvmove.Agent(name, make_cache(LAYOUT, NUM_BLOCKS), **kwargs)
             try:
                 assert agent.connect(*address, timeout=WAIT) == "far-target"
                 posted = [agent.write("far-target", [i], [i], notify=b"w") for i in range(16)]

@@ -1,8 +1,8 @@
 """Two "hosts": one agent per network namespace, joined only by a veth pair.
 
-Namespace A holds the sender (``peers.py send``), namespace B the receiver (``peers.py
-receive``), each started with ``ip netns exec``. UCX is confined to tcp on the veth
-(``UCX_TLS=tcp``, ``UCX_NET_DEVICES=<veth>``) so nothing can go over shared memory or
+Namespace A holds the sender (``helpers/two_hosts.py send``), namespace B the receiver
+(``helpers/two_hosts.py receive``), each started with ``ip netns exec``. UCX is confined to tcp
+on the veth (``UCX_TLS=tcp``, ``UCX_NET_DEVICES=<veth>``) so nothing can go over shared memory or
 loopback; the metadata side channel listens on B's veth address. The receiver reports the
 sha256 of its whole cache, which must equal the reference computed here, and B's veth must
 have received at least the bytes moved.
@@ -26,13 +26,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-_HERE = Path(__file__).resolve().parent
-if str(_HERE) not in sys.path:
-    sys.path.insert(0, str(_HERE))
-from peers import pattern  # noqa: E402
+from helpers.kv import pattern
 
-PEERS_SCRIPT = _HERE / "peers.py"
-# Same geometry as peers.py's script defaults: 4 layers x 64 blocks x 512 B.
+# The script runs as ``python -m helpers.two_hosts`` from here, as the tests import it (and
+# not from the repository root, where the source tree's kvmove, uncompiled, would come first).
+TESTS = Path(__file__).resolve().parent
+# Same geometry as helpers/two_hosts.py's defaults: 4 layers x 64 blocks x 512 B.
 NUM_LAYERS, NUM_BLOCKS, BLOCK = 4, 64, 512
 DEADLINE = 25.0  # the whole exchange, seconds
 
@@ -97,14 +96,14 @@ def namespaces():
 
 
 class NsProcess:
-    """``peers.py ROLE ...`` inside a namespace, tcp on its veth only."""
+    """``helpers/two_hosts.py ROLE ...`` inside a namespace, tcp on its veth only."""
 
     def __init__(self, ns: str, dev: str, role: str, *args: str) -> None:
         env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": dev,
                "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, str(PEERS_SCRIPT), role, *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            ["ip", "netns", "exec", ns, sys.executable, "-m", "helpers.two_hosts", role, *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=TESTS)
         self.lines: list[str] = []
 
     def read_line(self, prefix: str, deadline: float) -> str:

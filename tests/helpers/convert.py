@@ -1,14 +1,17 @@
-"""Torch references for ``kvmove.convert`` (pack, unpack, convert), shared by the CPU tests
-(``test_convert.py``) and the GPU tests (``test_gpu.py``): the same expected bits whichever
-memory the cache is in.
+"""What ``test_convert.py`` (host memory) and ``test_gpu.py`` (the CUDA kernels) both check
+``kvmove.convert`` with: random caches, the conversion cases, and the torch references for
+pack, unpack and convert, so both get the same expected bits whichever memory the cache is in.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from kvmove import KVCache
+from kvmove import KVCache, KVLayout
+from kvmove.convert import convert
 
+HEADS, DIM, LAYERS, NUM_BLOCKS = 3, 8, 3, 64
 FLOAT8_MAX = 448.0
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16,
                 "bfloat16": torch.bfloat16, "float8": torch.float8_e4m3fn}
@@ -78,3 +81,67 @@ def expected_pack(cache: KVCache, ids: list[int], layers: list[int]) -> torch.Te
     """[L, n, block_nbytes] bytes: each selected layer's blocks in order."""
     raw = cache.torch().view(torch.uint8).view(cache.num_layers, cache.num_blocks, -1)
     return raw[layers][:, ids].contiguous().flatten()
+
+
+# --- the cases --------------------------------------------------------------------------------
+
+def layout(dtype: str, block_size: int) -> KVLayout:
+    return KVLayout(LAYERS, HEADS, DIM, dtype=dtype, block_size=block_size)
+
+
+def random_cache(dtype: str, block_size: int, seed: int, device: str | None = None) -> KVCache:
+    """Values spread over six orders of magnitude (float8 subnormals after scaling too)."""
+    cache = KVCache(layout(dtype, block_size), NUM_BLOCKS, device=device)
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(cache.shape, generator=g) * 10.0 ** torch.randint(-4, 2, cache.shape,
+                                                                           generator=g)
+    if dtype == "float8":
+        values = values.clamp(-448, 448)
+    cache.torch().copy_(values.to(TORCH_DTYPES[dtype]))
+    return cache
+
+
+def scattered(n: int, seed: int) -> list[int]:
+    return [int(i) for i in np.random.default_rng(seed).permutation(NUM_BLOCKS)[:n]]
+
+
+CASES = [  # (src dtype, src block, src order, dst dtype, dst block, dst order)
+    ("float16", 16, "NHD", "float16", 64, "NHD"),
+    ("float16", 64, "NHD", "float16", 16, "NHD"),
+    ("bfloat16", 16, "NHD", "bfloat16", 16, "HND"),
+    ("float16", 16, "HND", "float16", 4, "NHD"),
+    ("float16", 16, "NHD", "float8", 16, "NHD"),
+    ("bfloat16", 16, "NHD", "float8", 64, "HND"),
+    ("float32", 4, "NHD", "float8", 16, "NHD"),
+    ("float8", 16, "NHD", "float16", 16, "NHD"),
+    ("float8", 16, "HND", "bfloat16", 64, "NHD"),
+    ("float32", 16, "NHD", "bfloat16", 16, "NHD"),
+    ("float16", 16, "NHD", "float32", 8, "HND"),
+]
+
+
+def run_convert(case, num_tokens: int, layers=None, device: str | None = None, seed: int = 0):
+    """Converts a random sequence; returns (dst bits, expected bits, scales, expected scales)."""
+    sd, sb, so, dd, db, do = case
+    src, dst = random_cache(sd, sb, seed, device), random_cache(dd, db, seed + 1, device)
+    src_ids = scattered(-(-num_tokens // sb), seed + 2)
+    dst_ids = scattered(-(-num_tokens // db), seed + 3)
+    selected = layers or list(range(LAYERS))
+    dev = src.torch().device
+    src_scales = None
+    if sd == "float8":
+        g = torch.Generator().manual_seed(seed + 4)
+        src_scales = (torch.rand(len(selected), len(src_ids), 2, generator=g) + 0.01).to(dev)
+    expected, expected_scales = expected_convert(src, src_ids, dst, dst_ids, num_tokens, so, do,
+                                                 src_scales, selected)
+    scales = src_scales
+    if dd == "float8":
+        scales = torch.zeros(len(selected), len(dst_ids), 2, device=dev)
+    convert(src, src_ids, dst, dst_ids, num_tokens, layers=layers, src_order=so, dst_order=do,
+            scales=scales)
+    return cache_bits(dst), expected, scales if dd == "float8" else None, expected_scales
+
+
+def case_id(case) -> str:
+    sd, sb, so, dd, db, do = case
+    return f"{sd}.{sb}.{so}-{dd}.{db}.{do}"

@@ -1,5 +1,6 @@
-"""``kvmove-bench transfer``'s measurements: real transfers between two processes, and the
-baselines they are compared against, all from the same run. No printing: the CLI formats.
+"""``kvmove-bench transfer``: real transfers between two processes, and the baselines they are
+compared against, all from the same run; the subcommand prints ``transfer_report``'s text of
+them, or its JSON.
 
 The far side is a spawned process with its own ``KVCache`` and ``Agent``, driven over a
 ``multiprocessing`` Pipe: every reply has a deadline, and a dead peer is noticed within 50 ms.
@@ -32,21 +33,24 @@ size for the one-block write + notification round trip.
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from kvmove import perftest
-from kvmove.bench_peer import FAR, NEAR, Peer, Side, connect_pair, ping, stop_echo
-from kvmove.bench_report import (PERFTEST_TEST, PLACEMENTS, SWEEP_BLOCK_SIZES, BenchConfig,
-                                 BenchError, BenchReport, RoundTrip, TransferRow)
+from kvmove.bench import perftest
+from kvmove.bench.options import add_agent_args, add_output_args, add_prompt_args, check_plot
+from kvmove.bench.peer import FAR, Peer, Side, connect_pair, ping, stop_echo
+from kvmove.bench.transfer_report import (PERFTEST_TEST, SWEEP_BLOCK_SIZES, BenchConfig,
+                                          BenchReport, RoundTrip, TransferRow,
+                                          format_transfer, plot_transfer)
 from kvmove.layout import KVLayout
 
-__all__ = ["FAR", "NEAR", "PLACEMENTS", "SWEEP_BLOCK_SIZES", "BenchConfig", "BenchError",
-           "BenchReport", "Peer", "RoundTrip", "Side", "TransferRow", "connect_pair",
-           "count_steps", "memcpy_gbytes_per_s", "run"]
+__all__ = ["add_parser", "count_steps", "memcpy_gbytes_per_s", "run", "run_command"]
 
 _ROUND_TRIP_WARMUP = 20
 
@@ -247,3 +251,76 @@ def _best_bandwidth(config: BenchConfig, test: str, size: int,
             for _ in range(config.iters)]
     available = [r for r in runs if r.available]
     return max(available, key=lambda r: r.gbytes_per_s) if available else runs[-1]
+
+
+# --- the subcommand -------------------------------------------------------------------------
+
+# --sweep also runs ucx_perftest at these message sizes, so the plot has a baseline curve.
+SWEEP_MESSAGE_SIZES = (4096, 65536, 1 << 20, 16 << 20)
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    sub = commands.add_parser(
+        "transfer", help="move one prompt's KV cache between two processes and measure it",
+        description="Moves one prompt's KV cache between two local processes with kvmove "
+        "(WRITE and READ), verifies every byte, and compares with memcpy and ucx_perftest "
+        "measured in the same run.")
+    add_prompt_args(sub)
+    add_agent_args(sub, "kvmove and ucx_perftest")
+    sub.add_argument("--scatter", action="store_true",
+                     help="add rows with blocks scattered at random over both caches")
+    sweep_sizes = "/".join(map(str, SWEEP_BLOCK_SIZES))
+    sub.add_argument("--sweep", action="store_true",
+                     help=f"rows for block sizes {sweep_sizes}, and ucx_perftest at more "
+                     "message sizes")
+    add_output_args(sub, "timed iterations per row, after one warm-up; the best is shown",
+                    "also draw bandwidth vs bytes per operation (needs matplotlib)")
+    sub.set_defaults(run=run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    config = _transfer_config(args)
+    if args.plot:
+        check_plot(args.plot)
+    report = _run_with_progress(config, show=args.sweep)
+    if args.plot:
+        plot_transfer(report, args.plot)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_transfer(report))
+    if not report.verified:
+        bad = [f"{r.op} {r.placement} block {r.block_size}: {r.mismatched_blocks}"
+               for r in report.rows if not r.verified]
+        print(f"kvmove-bench transfer: error: bytes arrived wrong ((layer, block) pairs per "
+              f"row, all iterations): {'; '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _transfer_config(args: argparse.Namespace) -> BenchConfig:
+    sizes = (args.block_size,)
+    if args.sweep:
+        sizes += tuple(s for s in SWEEP_BLOCK_SIZES if s != args.block_size)
+    return BenchConfig(
+        model=args.model, num_tokens=args.tokens, block_sizes=sizes,
+        placements=("allocator", "scatter") if args.scatter else ("allocator",),
+        transports=args.transports, error_mode=args.error_mode, iters=args.iters,
+        perftest_sizes=SWEEP_MESSAGE_SIZES if args.sweep else (), timeout=args.timeout)
+
+
+def _run_with_progress(config: BenchConfig, show: bool) -> BenchReport:
+    """``run`` with a tqdm bar on stderr when ``show`` and tqdm is installed."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        show = False
+    if not show:
+        return run(config)
+    with tqdm(total=count_steps(config), file=sys.stderr, unit="step",
+              desc="kvmove-bench transfer") as bar:
+        return run(config, _bar_progress(bar))
+
+
+def _bar_progress(bar: object) -> Callable[[str], None]:
+    def progress(label: str) -> None:
+        bar.set_postfix_str(label)  # type: ignore[attr-defined]
+        bar.update()  # type: ignore[attr-defined]
+    return progress

@@ -1,5 +1,6 @@
 """``kvmove-bench engine``: what the engine's Llama costs on this machine, prefill against
-decode (the asymmetry that makes disaggregation worth it). No printing: the CLI formats.
+decode (the asymmetry that makes disaggregation worth it); the subcommand prints the text of
+it below, or ``EngineReport.to_dict()`` as JSON.
 
 ``LlamaForCausalLM.forward`` runs directly against a ``KVCache`` (no scheduler), with random
 weights of a ``MODEL_PRESETS`` model. Each row is the median of ``iters`` timed iterations
@@ -20,34 +21,27 @@ sequence's own blocks: the values do not change a step's cost, and copying spare
 of ``batch x context_tokens`` tokens. Torch keeps its default thread count; the report
 records it.
 
-Cache regions (block ids), so that no row overwrites another's context::
-
-    [0, prefill_blocks)                      prefill rows (each run overwrites the last)
-    [prefill_blocks, + batch * seq_blocks)   decode sequences, seq_blocks each
+This module needs no torch (``kvmove-bench``'s other subcommands import it); the measuring
+half, which does, is ``engine_rig``.
 """
 
 from __future__ import annotations
 
-import itertools
-import logging
-import random
+import argparse
+import json
 import statistics
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM, ModelConfig, SeqChunk
+from kvmove.bench.report import aligned, ms
 from kvmove.errors import ConfigError
-from kvmove.kv_cache import KVCache
 from kvmove.validation import require_positive_int
 
-__all__ = ["DecodeRow", "EngineConfig", "EngineReport", "EngineRig", "PrefillRow", "run",
-           "time_calls"]
+if TYPE_CHECKING:
+    from kvmove.engine.model import ModelConfig
 
-logger = logging.getLogger(__name__)
+__all__ = ["DecodeRow", "EngineConfig", "EngineReport", "PrefillRow", "add_parser",
+           "format_engine", "run_command"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +74,10 @@ class EngineConfig:
     block_size: int = 16
 
     def __post_init__(self) -> None:
-        if self.model not in MODEL_PRESETS:
+        presets = _model_presets()
+        if self.model not in presets:
             raise ConfigError(f"unknown model preset {self.model!r}; known: "
-                              f"{', '.join(MODEL_PRESETS)}")
+                              f"{', '.join(presets)}")
         for name in ("prompt_tokens", "decode_steps", "context_tokens", "batch_prompt_tokens",
                      "iters"):
             require_positive_int(name, getattr(self, name))
@@ -105,7 +100,14 @@ class EngineConfig:
 
     @property
     def model_config(self) -> ModelConfig:
-        return MODEL_PRESETS[self.model]
+        return _model_presets()[self.model]
+
+
+def _model_presets() -> dict[str, ModelConfig]:
+    """``kvmove.engine.model.MODEL_PRESETS``, imported on first use: it needs torch."""
+    from kvmove.engine.model import MODEL_PRESETS
+
+    return MODEL_PRESETS
 
 
 def _check_batch_sizes(name: str, sizes: tuple[int, ...]) -> None:
@@ -227,96 +229,96 @@ class EngineReport:
         }
 
 
-class EngineRig:
-    """The model, one ``KVCache`` for every row, and forward calls ready to time.
+# --- text -----------------------------------------------------------------------------------
 
-    ``prefill(b, n)`` and ``decode(b)`` return zero-argument callables; the benchmark file
-    times them with pytest-benchmark, ``run`` with ``perf_counter``.
-    """
-
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        model_config = config.model_config
-        self.model = LlamaForCausalLM.random(model_config, config.seed)
-        layout = model_config.kv_layout(config.block_size)
-        longest = max(config.prompt_tokens,
-                      max(config.prefill_batch_sizes) * config.batch_prompt_tokens)
-        self.prefill_blocks = layout.blocks_for(longest)
-        self.seq_blocks = layout.blocks_for(config.context_tokens + config.decode_steps)
-        num_decode = max(config.decode_batch_sizes) * self.seq_blocks
-        self.cache = KVCache(layout, self.prefill_blocks + num_decode)
-        self.kv = self.cache.torch()
-        self._rng = random.Random(config.seed)
-        self._context_ready = False
-
-    def tokens(self, n: int) -> list[int]:
-        return [self._rng.randrange(self.config.model_config.vocab_size) for _ in range(n)]
-
-    def prefill(self, batch_size: int, prompt_tokens: int) -> Callable[[], torch.Tensor]:
-        """One forward of ``batch_size`` fresh prompts in the prefill region."""
-        per_prompt = -(-prompt_tokens // self.config.block_size)
-        seqs = [SeqChunk(self.tokens(prompt_tokens), 0,
-                         list(range(i * per_prompt, (i + 1) * per_prompt)))
-                for i in range(batch_size)]
-        return lambda: self.model(seqs, self.kv)
-
-    def decode(self, batch_size: int) -> Callable[[], torch.Tensor]:
-        """One decode step of ``batch_size`` sequences per call; calls cycle through
-        positions ``context_tokens .. context_tokens + decode_steps - 1``."""
-        self._fill_context()
-        steps, context = self.config.decode_steps, self.config.context_tokens
-        tables = [self._decode_table(i) for i in range(batch_size)]
-        tokens = [self.tokens(batch_size) for _ in range(steps)]
-        chunks = [[SeqChunk([tok], context + s, table) for tok, table in zip(tokens[s], tables)]
-                  for s in range(steps)]
-        counter = itertools.count()
-        return lambda: self.model(chunks[next(counter) % steps], self.kv)
-
-    def _decode_table(self, seq: int) -> list[int]:
-        first = self.prefill_blocks + seq * self.seq_blocks
-        return list(range(first, first + self.seq_blocks))
-
-    def _fill_context(self) -> None:
-        """Prefills sequence 0's context once and copies its blocks to every other sequence."""
-        if self._context_ready:
-            return
-        context = self.config.context_tokens
-        source = self._decode_table(0)
-        self.model([SeqChunk(self.tokens(context), 0, source)], self.kv)
-        for seq in range(1, max(self.config.decode_batch_sizes)):
-            self.kv[:, self._decode_table(seq)] = self.kv[:, source]
-        self._context_ready = True
+def format_engine(report: EngineReport) -> str:
+    """Header, the prefill table, the decode table, and the asymmetry in two lines."""
+    return "\n".join([_header(report), "", *_prefill_table(report), "", *_decode_table(report),
+                      "", *_asymmetry_lines(report), "",
+                      f"measured in {report.wall_seconds:.1f} s"])
 
 
-def time_calls(fn: Callable[[], Any], iters: int, calls: int = 1) -> tuple[float, ...]:
-    """One untimed warm-up of ``calls`` calls, then ``iters`` timed ones: seconds per call."""
-    for _ in range(calls):
-        fn()
-    out = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - start) / calls)
-    return tuple(out)
+def _header(report: EngineReport) -> str:
+    config, model = report.config, report.config.model_config
+    return (f"{config.model} Llama ({model.num_layers} layers, hidden {model.hidden_size}, "
+            f"{model.num_heads} heads / {model.num_kv_heads} KV heads, head_dim "
+            f"{model.head_dim}, {model.dtype}, {report.num_params / 1e6:.1f} M parameters, "
+            f"random weights), KV {report.kv_bytes_per_token:,} B per token in blocks of "
+            f"{config.block_size}; LlamaForCausalLM.forward on the CPU, torch "
+            f"{report.torch_version} with {report.num_threads} threads; median of "
+            f"{config.iters} iterations after a warm-up")
 
 
-def run(config: EngineConfig) -> EngineReport:
-    """Measures every row of ``config`` (see the module docstring); about 35 s by default on
-    two CPU cores."""
-    start = time.perf_counter()
-    rig = EngineRig(config)
-    prefill = PrefillRow(1, config.prompt_tokens,
-                         time_calls(rig.prefill(1, config.prompt_tokens), config.iters))
-    logger.info("prefill of %d tokens: %.0f tokens/s", prefill.num_tokens, prefill.tokens_per_s)
-    batches = tuple(PrefillRow(b, config.batch_prompt_tokens,
-                               time_calls(rig.prefill(b, config.batch_prompt_tokens), config.iters))
-                    for b in config.prefill_batch_sizes)
-    decode = tuple(DecodeRow(b, config.context_tokens, config.decode_steps,
-                             time_calls(rig.decode(b), config.iters, config.decode_steps))
-                   for b in config.decode_batch_sizes)
-    return EngineReport(
-        config=config, num_params=sum(p.numel() for p in rig.model.parameters()),
-        num_threads=torch.get_num_threads(), torch_version=torch.__version__,
-        prefill=prefill, prefill_batches=batches, decode=decode,
-        wall_seconds=time.perf_counter() - start)
+def _prefill_table(report: EngineReport) -> list[str]:
+    head = ["prefill", "prompts", "tokens each", "ms", "ms/token", "tokens/s", "vs 1 prompt"]
+    rows = [_prefill_cells("one prompt", report.prefill, "")]
+    rows += [_prefill_cells("batched" if row.batch_size > 1 else "baseline", row,
+                            f"{report.prefill_ratio(row):.2f}x")
+             for row in report.prefill_batches]
+    return aligned(head, rows, left={0})
+
+
+def _prefill_cells(label: str, row: PrefillRow, ratio: str) -> list[str]:
+    return [label, str(row.batch_size), f"{row.prompt_tokens:,}", ms(row.median_seconds * 1e3),
+            f"{row.ms_per_token:.3f}", f"{row.tokens_per_s:,.0f}", ratio]
+
+
+def _decode_table(report: EngineReport) -> list[str]:
+    config = report.config
+    head = [f"decode ({config.context_tokens:,} tokens of context, {config.decode_steps} steps)",
+            "batch", "step ms", "tokens/s", "tokens/s vs batch 1", "step time vs batch 1"]
+    rows = [["", str(row.batch_size), ms(row.step_seconds * 1e3), f"{row.tokens_per_s:,.1f}",
+             f"{report.decode_ratio(row):.2f}x", f"{report.step_time_ratio(row):.2f}x"]
+            for row in report.decode]
+    return aligned(head, rows, left={0})
+
+
+def _asymmetry_lines(report: EngineReport) -> list[str]:
+    decode = max(report.decode, key=lambda row: row.batch_size)
+    prefill = max(report.prefill_batches, key=lambda row: row.batch_size)
+    return [
+        f"asymmetry: batching {decode.batch_size} sequences multiplies decode throughput by "
+        f"{report.decode_ratio(decode):.2f} (each step takes {report.step_time_ratio(decode):.2f}x"
+        f" as long); batching {prefill.batch_size} prompts multiplies prefill's by "
+        f"{report.prefill_ratio(prefill):.2f}",
+        f"a {report.prefill.prompt_tokens:,}-token prefill runs {report.prefill.tokens_per_s:,.0f}"
+        f" tokens/s, {report.prefill_over_decode:.0f}x decode's at batch 1",
+    ]
+
+
+# --- the subcommand -------------------------------------------------------------------------
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    sub = commands.add_parser(
+        "engine", help="the reference engine's prefill and decode throughput here",
+        description="Times LlamaForCausalLM.forward (random weights) on this machine: a long "
+        "prefill, prefills of several prompts at once, and decode steps at several batch "
+        "sizes, each against batch 1 in the same run. Needs torch (kvmove[engine]).")
+    sub.add_argument("--model", default="small", metavar="PRESET",
+                     help="engine model preset: tiny or small (default small)")
+    sub.add_argument("--prompt-tokens", type=int, default=2000,
+                     help="the long prefill's prompt length (default 2000)")
+    sub.add_argument("--decode-batch-sizes", type=int, nargs="+", default=[1, 4, 16],
+                     metavar="N", help="decode batch sizes (default 1 4 16)")
+    sub.add_argument("--context-tokens", type=int, default=512,
+                     help="tokens already in the cache of each decoding sequence (default 512)")
+    sub.add_argument("--iters", type=int, default=5,
+                     help="timed iterations, after one warm-up; the median is shown (default 5)")
+    sub.add_argument("--json", action="store_true", help="print the report as JSON only")
+    sub.set_defaults(run=run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    try:  # torch is the engine's, not the core's
+        from kvmove.bench import engine_rig
+    except ImportError as error:
+        raise ConfigError(f"kvmove-bench engine needs the engine's dependencies: pip install "
+                          f"kvmove[engine] ({error})") from None
+    config = EngineConfig(
+        model=args.model, prompt_tokens=args.prompt_tokens,
+        decode_batch_sizes=tuple(args.decode_batch_sizes), context_tokens=args.context_tokens,
+        iters=args.iters)
+    report = engine_rig.run(config)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_engine(report))
+    return 0

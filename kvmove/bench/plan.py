@@ -1,9 +1,10 @@
 """Disaggregation planner: what moving one prompt's KV cache costs on each link, and the advice.
 
-Pure arithmetic, no I/O. For a model layout, a prompt length and a prefill time, ``plan`` gives
-per link the transfer time, its share of the prefill, the part still exposed when layers are
-streamed as they are computed, a ``Verdict``, and advice lines that follow DESIGN.md §1's
-"when to disaggregate" table. Llama-3.1-8B, 4,000 tokens, 200 ms prefill::
+Pure arithmetic, no I/O (the ``kvmove-bench plan`` subcommand at the end prints it). For a
+model layout, a prompt length and a prefill time, ``plan`` gives per link the transfer time,
+its share of the prefill, the part still exposed when layers are streamed as they are
+computed, a ``Verdict``, and advice lines that follow DESIGN.md §1's "when to disaggregate"
+table. Llama-3.1-8B, 4,000 tokens, 200 ms prefill::
 
     link             GB/s  transfer ms  % of prefill  exposed ms (streamed)  verdict
     NVLink            900        0.583          0.3%                  0.018  cheap
@@ -13,17 +14,22 @@ streamed as they are computed, a ``Verdict``, and advice lines that follow DESIG
 
 from __future__ import annotations
 
+import argparse
 import enum
+import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvmove.bench.options import add_prompt_args
+from kvmove.bench.report import aligned, human_bytes, ms
 from kvmove.errors import ConfigError
-from kvmove.layout import KVLayout
+from kvmove.layout import DTYPE_BYTES, KVLayout
 from kvmove.validation import require_positive_finite, require_positive_int
 
 __all__ = [
     "CHEAP_SHARE_PCT", "DEFAULT_LINKS", "TOO_SLOW_SHARE_PCT", "Link", "LinkRow", "Plan",
-    "Verdict", "exposed_ms", "merge_links", "parse_link", "plan", "transfer_ms", "verdict_for",
+    "Verdict", "add_parser", "exposed_ms", "format_plan", "merge_links", "parse_link", "plan",
+    "run_command", "transfer_ms", "verdict_for",
 ]
 
 # Verdicts judge the share of the prefill that the *whole* transfer takes, not the part left
@@ -290,3 +296,59 @@ def _require_links(links: tuple[Link, ...] | list[Link]) -> None:
         if link.name in names:
             raise ConfigError(f"link names must be unique, got {link.name!r} twice")
         names.add(link.name)
+
+
+# --- text -----------------------------------------------------------------------------------
+
+def format_plan(result: Plan) -> str:
+    """The plan as a header line, one table row per link, and the advice."""
+    layout = result.layout
+    header = (
+        f"{result.model or 'custom layout'} ({layout.num_layers} layers, {layout.num_kv_heads} "
+        f"KV heads, head_dim {layout.head_dim}, {layout.dtype}), {result.num_tokens:,} tokens: "
+        f"KV {result.kv_bytes:,} B ({human_bytes(result.kv_bytes)}), "
+        f"{result.bytes_per_token:,} B/token, {result.num_blocks:,} blocks of "
+        f"{layout.block_size}; prefill {result.prefill_ms:g} ms"
+    )
+    advice = [f"  - {line}" for line in result.advice]
+    return "\n".join([header, "", *_table(result), "", "advice:", *advice])
+
+
+def _table(result: Plan) -> list[str]:
+    head = ["link", "GB/s", "transfer ms", "% of prefill", "exposed ms (streamed)", "verdict"]
+    rows = [[row.link.name, f"{row.link.gbytes_per_s:g}", ms(row.transfer_ms),
+             f"{row.prefill_share_pct:.1f}%", ms(row.exposed_ms), row.verdict.value]
+            for row in result.rows]
+    return aligned(head, rows, left={0, len(head) - 1})
+
+
+# --- the subcommand -------------------------------------------------------------------------
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    sub = commands.add_parser("plan", help="cost of one prompt's KV hand-off on each link")
+    add_prompt_args(sub)
+    sub.add_argument("--prefill-ms", type=float, default=200.0,
+                     help="prefill time of that prompt in ms (default 200)")
+    sub.add_argument("--link", type=_link_arg, action="append", default=[], metavar="NAME=GBps",
+                     help="add a link (repeatable); a default's name replaces that default")
+    sub.add_argument("--dtype", choices=list(DTYPE_BYTES), default="float16",
+                     help="KV element type (default float16)")
+    sub.add_argument("--json", action="store_true", help="print the plan as JSON only")
+    sub.set_defaults(run=run_command)
+
+
+def _link_arg(text: str) -> Link:
+    # argparse would turn a ValueError into "invalid _link_arg value"; keep our message.
+    try:
+        return parse_link(text)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def run_command(args: argparse.Namespace) -> int:
+    layout = KVLayout.preset(args.model, dtype=args.dtype, block_size=args.block_size)
+    links = merge_links(DEFAULT_LINKS, args.link)
+    result = plan(layout, args.tokens, args.prefill_ms, links, model=args.model)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))
+    return 0

@@ -1,5 +1,5 @@
 """``kvmove-bench stream``: how much of the KV hand-off layer-wise streaming hides behind the
-prefill that produces it. No printing: the CLI formats.
+prefill that produces it; the subcommand prints ``stream_report``'s text of it, or its JSON.
 
 A simulated prefill runs here, on the CPU: per layer, a real float32 matmul repeated to take
 ``compute_ms`` (by default the measured per-layer transfer time times ``compute_ratio``), then
@@ -22,183 +22,29 @@ both ends), so this understates what a GPU prefill, which leaves the CPU free, w
 
 from __future__ import annotations
 
-import math
+import argparse
+import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kvmove.agent import ERROR_MODES
-from kvmove.bench_peer import FAR, Peer, connect_pair
-from kvmove.bench_report import BenchError
-from kvmove.errors import ConfigError
-from kvmove.layout import KVLayout
+from kvmove.bench.options import add_agent_args, add_output_args, add_prompt_args, check_plot
+from kvmove.bench.peer import FAR, Peer, connect_pair
+from kvmove.bench.report import BenchError
+from kvmove.bench.stream_report import (MATMUL_N, Iteration, StreamConfig, StreamReport,
+                                        format_stream, plot_stream)
 
-__all__ = ["Bulk", "Iteration", "StreamConfig", "StreamPair", "StreamReport", "Streamed",
-           "count_steps", "run"]
+__all__ = ["Bulk", "StreamPair", "Streamed", "add_parser", "count_steps", "run", "run_command"]
 
-# One unit of simulated compute: a 96x96 float32 matmul, below OpenBLAS's threading threshold,
-# so the "prefill" keeps to one core as a thread driving a GPU would, and leaves the others to
-# the transport (a 256x256 one spreads over every core and starves UCX's threads).
-MATMUL_N = 96
 _CALIBRATION_BATCHES = 7
 _CALIBRATION_BATCH = 100
 
 Progress = Callable[[str], None]
-
-
-@dataclass(frozen=True, slots=True)
-class StreamConfig:
-    """What ``run`` measures.
-
-    Args:
-        model: a ``KVLayout`` preset.
-        num_tokens: prompt length; ``blocks_for(num_tokens)`` blocks move.
-        block_size: tokens per block.
-        transports / error_mode: as ``kvmove.Agent``.
-        compute_ratio: per-layer compute time as a multiple of the measured per-layer transfer
-            time (bulk transfer / layers), when ``compute_ms`` is None.
-        compute_ms: per-layer compute time, fixed; overrides ``compute_ratio``.
-        iters: timed iterations (after one warm-up); the report shows the median one.
-        timeout: deadline in seconds of every wait.
-        seed: for the data pattern.
-    """
-
-    model: str = "llama-3.1-8b"
-    num_tokens: int = 4000
-    block_size: int = 16
-    transports: str | None = None
-    error_mode: str = "peer"
-    compute_ratio: float = 1.0
-    compute_ms: float | None = None
-    iters: int = 3
-    timeout: float = 60.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("num_tokens", "iters"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{name} must be a positive int, got {value!r}")
-        self.layout()  # validates model and block_size
-        if self.error_mode not in ERROR_MODES:
-            raise ConfigError(f"error_mode must be one of {ERROR_MODES}, got {self.error_mode!r}")
-        for name in ("compute_ratio", "compute_ms", "timeout"):
-            value = getattr(self, name)
-            if value is None and name == "compute_ms":
-                continue
-            if not (isinstance(value, (int, float)) and 0 < value < math.inf):
-                raise ConfigError(f"{name} must be positive and finite, got {value!r}")
-
-    def layout(self) -> KVLayout:
-        return KVLayout.preset(self.model, block_size=self.block_size)
-
-    @property
-    def agent_kwargs(self) -> dict[str, Any]:
-        return {"transports": self.transports, "error_mode": self.error_mode}
-
-
-@dataclass(frozen=True, slots=True)
-class Iteration:
-    """One bulk and one streamed hand-off, on the ``time.monotonic()`` clock.
-
-    ``compute`` holds each layer's (start, end); ``transfer`` each layer's (posted, landed)
-    as the sender saw it; ``arrived`` when the receiver got each layer's ready message.
-    """
-
-    bulk_compute_seconds: float
-    bulk_transfer_seconds: float
-    stream_compute_seconds: float
-    stream_exposed_seconds: float
-    receiver_exposed_seconds: float  # last layer's arrival at the receiver - last compute end
-    save_layer_seconds: tuple[float, ...]
-    compute: tuple[tuple[float, float], ...]
-    transfer: tuple[tuple[float, float], ...]
-    arrived: tuple[float, ...]
-    mismatched_blocks: int
-
-    @property
-    def hidden_fraction(self) -> float:
-        return 1.0 - self.stream_exposed_seconds / self.bulk_transfer_seconds
-
-    @property
-    def layer_latency_seconds(self) -> float:
-        """Median over layers of landed - posted: how long after its post a layer was in
-        place (while the compute and other layers shared the machine)."""
-        return layer_latency(self.transfer)
-
-    @property
-    def compute_slowdown(self) -> float:
-        """Streamed prefill compute over bulk's: what sharing the machine with the transfer
-        cost the compute (1.0 = nothing)."""
-        return self.stream_compute_seconds / self.bulk_compute_seconds
-
-    @property
-    def speedup(self) -> float:
-        """(bulk compute + transfer) over (streamed compute + exposed): the hand-off's end."""
-        return ((self.bulk_compute_seconds + self.bulk_transfer_seconds) /
-                (self.stream_compute_seconds + self.stream_exposed_seconds))
-
-
-@dataclass(frozen=True, slots=True)
-class StreamReport:
-    """Everything one ``run`` measured; ``to_dict`` is ``kvmove-bench stream --json``."""
-
-    config: StreamConfig
-    num_layers: int
-    num_blocks: int
-    nbytes: int
-    compute_ms_per_layer: float
-    matmuls_per_layer: int
-    iterations: tuple[Iteration, ...]
-    wall_seconds: float
-    warmup: Iteration = field(repr=False)
-
-    @property
-    def median(self) -> Iteration:
-        """The iteration with the median hidden fraction (the lower one of an even count)."""
-        ranked = sorted(self.iterations, key=lambda it: it.hidden_fraction)
-        return ranked[(len(ranked) - 1) // 2]
-
-    @property
-    def verified(self) -> bool:
-        return all(it.mismatched_blocks == 0 for it in (self.warmup, *self.iterations))
-
-    @property
-    def transfer_ms_per_layer(self) -> float:
-        return self.median.bulk_transfer_seconds / self.num_layers * 1e3
-
-    def to_dict(self) -> dict[str, Any]:
-        m = self.median
-        return {
-            "config": asdict(self.config), "statistic": f"median of {self.config.iters} "
-            "iterations (by hidden fraction) after 1 warm-up",
-            "num_layers": self.num_layers, "num_blocks": self.num_blocks, "nbytes": self.nbytes,
-            "bytes_per_layer": self.nbytes // self.num_layers,
-            "compute_ms_per_layer": self.compute_ms_per_layer,
-            "matmuls_per_layer": self.matmuls_per_layer,
-            "transfer_ms_per_layer": self.transfer_ms_per_layer,
-            "compute_over_transfer": self.compute_ms_per_layer / self.transfer_ms_per_layer,
-            "layer_latency_ms": m.layer_latency_seconds * 1e3,
-            "prefill_compute_ms": m.stream_compute_seconds * 1e3,
-            "bulk_transfer_ms": m.bulk_transfer_seconds * 1e3,
-            "exposed_ms": m.stream_exposed_seconds * 1e3,
-            "receiver_exposed_ms": m.receiver_exposed_seconds * 1e3,
-            "hidden_fraction": m.hidden_fraction,
-            "bulk_compute_ms": m.bulk_compute_seconds * 1e3,
-            "compute_slowdown": m.compute_slowdown, "speedup": m.speedup,
-            "save_layer_us_mean": statistics.fmean(m.save_layer_seconds) * 1e6,
-            "save_layer_us_max": max(m.save_layer_seconds) * 1e6,
-            "verified": self.verified,
-            "iterations": [{**asdict(it), "hidden_fraction": it.hidden_fraction,
-                            "layer_latency_ms": it.layer_latency_seconds * 1e3,
-                            "compute_slowdown": it.compute_slowdown, "speedup": it.speedup}
-                           for it in self.iterations],
-            "wall_seconds": self.wall_seconds,
-        }
 
 
 class _Compute:
@@ -250,11 +96,6 @@ class Streamed:
     @property
     def compute_seconds(self) -> float:
         return self.compute[-1][1] - self.compute[0][0]
-
-
-def layer_latency(transfer: tuple[tuple[float, float], ...]) -> float:
-    """Median over layers of landed - posted."""
-    return statistics.median(landed - posted for posted, landed in transfer)
 
 
 class StreamPair:
@@ -418,3 +259,46 @@ def run(config: StreamConfig, progress: Progress | None = None) -> StreamReport:
 def count_steps(config: StreamConfig) -> int:
     """How many times ``run`` calls ``progress``."""
     return config.iters + 2
+
+
+# --- the subcommand -------------------------------------------------------------------------
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    sub = commands.add_parser(
+        "stream", help="how much of the hand-off layer-wise streaming hides behind prefill",
+        description="Runs a simulated prefill here (per layer, float32 matmuls timed to a "
+        "chosen multiple of the layer's measured transfer time) and hands the KV to a peer "
+        "process twice: in bulk after the last layer, and streamed with save_layer() after "
+        "each. Reports the transfer left exposed after the compute and the hidden fraction "
+        "(1 - exposed / bulk transfer); every byte verified on the receiving side.")
+    add_prompt_args(sub)
+    add_agent_args(sub, "both agents")
+    sub.add_argument("--compute-ratio", type=float, default=1.0,
+                     help="per-layer compute as a multiple of the per-layer transfer time "
+                     "measured first (default 1.0: equal)")
+    sub.add_argument("--compute-ms", type=float, default=None,
+                     help="per-layer compute in ms, fixed (overrides --compute-ratio)")
+    add_output_args(sub, "timed iterations, after one warm-up; the median is shown",
+                    "also draw the timeline of compute and transfer per layer (needs "
+                    "matplotlib)")
+    sub.set_defaults(run=run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    config = StreamConfig(
+        model=args.model, num_tokens=args.tokens, block_size=args.block_size,
+        transports=args.transports, error_mode=args.error_mode,
+        compute_ratio=args.compute_ratio, compute_ms=args.compute_ms, iters=args.iters,
+        timeout=args.timeout)
+    if args.plot:
+        check_plot(args.plot)
+    report = run(config)
+    if args.plot:
+        plot_stream(report, args.plot)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_stream(report))
+    if not report.verified:
+        print("kvmove-bench stream: error: bytes arrived wrong on the receiving side",
+              file=sys.stderr)
+        return 1
+    return 0

@@ -1,22 +1,22 @@
-"""The two sides of ``kvmove-bench transfer``: a ``Side`` (cache + agent + the data pattern
-that lets every byte be verified) here, and a ``Peer`` process driving another ``Side`` over
-a ``multiprocessing`` Pipe, every reply with a deadline."""
+"""The two sides of ``kvmove-bench transfer`` (and ``stream``): a ``Side`` (cache + agent + the
+data pattern that lets every byte be verified) here, and a ``Peer`` process driving another
+``Side`` through ``harness.Child``, every reply with a deadline."""
 
 from __future__ import annotations
 
-import multiprocessing
-import time
 from typing import Any
 
 import numpy as np
 
 from kvmove.agent import Agent
-from kvmove.bench_report import BenchError
+from kvmove.bench.harness import Child
+from kvmove.bench.report import BenchError
 from kvmove.errors import ConfigError, KVMoveError
 from kvmove.kv_cache import KVCache
 from kvmove.layout import KVLayout
 
-__all__ = ["FAR", "NEAR", "Peer", "STOP", "Side", "connect_pair", "ping", "stop_echo"]
+__all__ = ["FAR", "FarSide", "NEAR", "Peer", "STOP", "Side", "connect_pair", "ping",
+           "stop_echo"]
 
 NEAR, FAR = "bench-near", "bench-far"
 _WIPE = np.uint64(0xA5A5A5A5A5A5A5A5)
@@ -135,93 +135,45 @@ class Side:
         self.agent.close()
 
 
-_PEER_COMMANDS = ("place", "fill", "wipe", "mismatches", "check_after_notification", "echo",
-                  "load")
+# The Side's verbs a peer runs on command (``setup`` first).
+_SIDE_VERBS = ("place", "fill", "wipe", "mismatches", "check_after_notification", "echo", "load")
 
 
-def _peer_main(conn: Any) -> None:
-    """The peer process: ``("setup", args)`` builds a ``Side`` (replacing the last one) and
-    answers its listen address; other commands call that ``Side``; ``None`` or EOF ends it.
-    Every reply is ``("ok", value)`` or ``("err", message)``."""
-    side: Side | None = None
-    try:
-        while conn.poll(_PEER_IDLE_SECONDS):
-            message = conn.recv()
-            if message is None:
-                break
-            command, args = message
-            try:
-                if command == "setup":
-                    if side is not None:
-                        side.close()
-                    side = None
-                    side = Side(*args)
-                    conn.send(("ok", side.agent.listen()))
-                elif command in _PEER_COMMANDS and side is not None:
-                    conn.send(("ok", getattr(side, command)(*args)))
-                else:
-                    raise BenchError(f"unknown peer command {command!r} (or no setup yet)")
-            except Exception as error:  # the parent reports it; the peer keeps serving
-                conn.send(("err", f"{type(error).__name__}: {error}"))
-    except (EOFError, OSError):
-        pass
-    finally:
+class FarSide:
+    """What the peer process hosts: ``setup`` builds a fresh ``Side`` (closing the last one)
+    and answers its listen address; the ``Side``'s verbs then run on it."""
+
+    def __init__(self) -> None:
+        self.side: Side | None = None
+
+    def setup(self, *args: Any) -> tuple[str, int]:
+        self.close()
+        self.side = Side(*args)
+        return self.side.agent.listen()
+
+    def __getattr__(self, verb: str) -> Any:
+        if verb not in _SIDE_VERBS:
+            raise AttributeError(f"{type(self).__name__} has no command {verb!r}")
+        if self.side is None:
+            raise BenchError(f"no setup yet: {verb!r} needs a Side")
+        return getattr(self.side, verb)
+
+    def close(self) -> None:
+        side, self.side = self.side, None
         if side is not None:
             side.close()
 
 
-class Peer:
-    """Parent-side handle of the peer process; every reply has a deadline."""
+class Peer(Child):
+    """The peer process, a ``FarSide`` in a ``harness.Child``: every reply has a deadline of
+    ``timeout`` seconds, and whatever fails there is a ``BenchError`` here."""
 
     def __init__(self, timeout: float) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self.timeout = timeout
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_peer_main, args=(child,), name="kvmove-bench-peer",
-                                   daemon=True)
-        self.process.start()
-        child.close()
+        super().__init__(FarSide, name="kvmove-bench-peer", label="peer process",
+                         timeout=timeout, idle_exit=_PEER_IDLE_SECONDS)
 
-    def call(self, command: str, *args: Any) -> Any:
-        self.send(command, *args)
-        return self.reply(command)
-
-    def send(self, command: str, *args: Any) -> None:
-        try:
-            self.conn.send((command, args))
-        except OSError as error:
-            raise BenchError(f"peer process gone before {command!r}: {error}") from None
-
-    def reply(self, command: str) -> Any:
-        deadline = time.monotonic() + self.timeout
-        while not self.conn.poll(0.05):
-            if not self.process.is_alive():
-                raise BenchError(f"peer process died during {command!r} (exit code "
-                                 f"{self.process.exitcode})")
-            if time.monotonic() > deadline:
-                raise BenchError(f"peer process did not answer {command!r} within "
-                                 f"{self.timeout:g} s")
-        try:
-            status, value = self.conn.recv()
-        except (EOFError, OSError):
-            self.process.join(1)
-            raise BenchError(f"peer process died during {command!r} (exit code "
-                             f"{self.process.exitcode})") from None
-        if status == "err":
-            raise BenchError(f"peer process failed in {command!r}: {value}")
-        return value
-
-    def stop(self) -> None:
-        if self.process.is_alive():
-            try:
-                self.conn.send(None)
-            except OSError:
-                pass
-            self.process.join(5)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
-        self.conn.close()
+    def failure(self, text: str, kind: str = "", message: str = "") -> Exception:
+        return BenchError(text)
 
 
 def ping(agent: Agent, peer: str, local_id: int, remote_id: int, timeout: float) -> None:

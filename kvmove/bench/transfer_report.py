@@ -1,5 +1,6 @@
-"""``kvmove-bench transfer``'s configuration and results: what to measure, and the rows and
-baselines a run produced, as plain data the CLI formats (text or ``--json``)."""
+"""``kvmove-bench transfer``'s configuration and results, and their forms: what to measure, the
+rows and baselines a run produced as plain data (``to_dict`` is ``--json``), and the text and
+plot of them."""
 
 from __future__ import annotations
 
@@ -7,23 +8,20 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvmove import perftest
 from kvmove.agent import ERROR_MODES
-from kvmove.errors import ConfigError, KVMoveError
+from kvmove.bench import perftest
+from kvmove.bench.plan import DEFAULT_LINKS, transfer_ms
+from kvmove.bench.report import aligned, human_bytes, ms, pyplot, save_figure
+from kvmove.errors import ConfigError
 from kvmove.layout import KVLayout
-from kvmove.plan import DEFAULT_LINKS, transfer_ms
 
-__all__ = ["BenchConfig", "BenchError", "BenchReport", "PERFTEST_TEST", "PLACEMENTS",
-           "RoundTrip", "SWEEP_BLOCK_SIZES", "TransferRow"]
+__all__ = ["BenchConfig", "BenchReport", "PERFTEST_TEST", "PLACEMENTS", "RoundTrip",
+           "SWEEP_BLOCK_SIZES", "TransferRow", "format_transfer", "plot_transfer"]
 
 PLACEMENTS = ("allocator", "scatter")
 SWEEP_BLOCK_SIZES = (16, 32, 64, 128)
 # The ucx_perftest test each operation is compared against.
 PERFTEST_TEST = {"write": "ucp_put_bw", "read": "ucp_get"}
-
-
-class BenchError(KVMoveError):
-    """The benchmark's peer process failed, died, or did not answer in time."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,3 +201,110 @@ class BenchReport:
             },
             "links": self.links(), "wall_seconds": self.wall_seconds,
         }
+
+
+# --- text and plot --------------------------------------------------------------------------
+
+# A WRITE row and the ucp_put_bw curve it is compared with share a color; READ and ucp_get too.
+_COLORS = {"write": "tab:blue", "ucp_put_bw": "tab:blue", "read": "tab:orange",
+           "ucp_get": "tab:orange"}
+
+
+def format_transfer(report: BenchReport) -> str:
+    """Header, one row per configuration, the baselines, the round trip and the links."""
+    config = report.config
+    layout = config.layout(config.block_sizes[0])
+    kv_bytes = layout.bytes_for(config.num_tokens)
+    transports = config.transports or "UCX's choice"
+    header = (
+        f"{config.model} ({layout.num_layers} layers, {layout.num_kv_heads} KV heads, head_dim "
+        f"{layout.head_dim}, {layout.dtype}), {config.num_tokens:,} tokens: KV {kv_bytes:,} B "
+        f"({human_bytes(kv_bytes)}); caches of {config.spare_factor}x the blocks moved; "
+        f"transports {transports}, error mode {config.error_mode}; "
+        f"best of {config.iters} after a warm-up, every byte verified on the receiving side"
+    )
+    return "\n".join([header, "", *_transfer_table(report), "", *_baseline_lines(report), "",
+                      *_round_trip_lines(report), "", *_link_lines(report),
+                      "", f"measured in {report.wall_seconds:.1f} s"])
+
+
+def _transfer_table(report: BenchReport) -> list[str]:
+    head = ["op", "placement", "block", "bytes", "blocks", "ops posted", "post ms", "total ms",
+            "post %", "GB/s", "% of memcpy", "% of perftest", "verified"]
+    rows = [[row.op, row.placement, str(row.block_size), f"{row.nbytes:,}",
+             f"{row.num_blocks:,}", f"{row.num_ops:,}", ms(row.post_seconds * 1e3),
+             ms(row.total_seconds * 1e3), f"{row.post_share_pct:.2f}%",
+             f"{row.gbytes_per_s:.2f}", f"{report.memcpy_pct(row):.1f}%",
+             _pct(report.perftest_pct(row)), "yes" if row.verified else "NO"]
+            for row in report.rows]
+    return aligned(head, rows, left={0, 1, len(head) - 1})
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}%"
+
+
+def _baseline_lines(report: BenchReport) -> list[str]:
+    lines = ["baselines measured in this run (perftest: same transports, message size = kvmove's "
+             "mean bytes per posted op):"]
+    lines += [f"  memcpy (numpy copyto) of {nbytes:,} B: {gbps:.2f} GB/s"
+              for nbytes, gbps in report.memcpy.items()]
+    for result in report.perftest_bw:
+        value = (f"{result.gbytes_per_s:.2f} GB/s" if result.available
+                 else f"unavailable: {result.reason}")
+        lines.append(f"  ucx_perftest {result.test} {result.message_nbytes:,} B: {value}")
+    return lines
+
+
+def _round_trip_lines(report: BenchReport) -> list[str]:
+    trip = report.round_trip
+    lines = [f"round trip (one block of layer 0, {trip.nbytes:,} B, written with a notification "
+             f"and answered the same way): {trip.one_way_us:.1f} us one way, median of "
+             f"{trip.iterations}"]
+    for result in report.perftest_lat:
+        if not result.available:
+            lines.append(f"  ucx_perftest ucp_put_lat {result.message_nbytes:,} B: "
+                         f"unavailable: {result.reason}")
+            continue
+        ratio = trip.one_way_us / result.latency_us if result.latency_us else float("inf")
+        lines.append(f"  ucx_perftest ucp_put_lat {result.message_nbytes:,} B: "
+                     f"{result.latency_us:.1f} us (kvmove {ratio:.1f}x)")
+    return lines
+
+
+def _link_lines(report: BenchReport) -> list[str]:
+    links = report.links()
+    nbytes = next(r.nbytes for r in report.rows)
+    head = ["link", "GB/s", "transfer ms", ""]
+    rows = [[link["name"], f"{link['gbytes_per_s']:.3g}", ms(link["transfer_ms"]),
+             "measured" if link["measured"] else "nominal"] for link in links]
+    return [f"the same {nbytes:,} B over the article's links, and as measured here:",
+            *aligned(head, rows, left={0, 3})]
+
+
+def plot_transfer(report: BenchReport, path: str) -> None:
+    """Bandwidth against bytes per operation: kvmove's rows over ucx_perftest's curves."""
+    fig, ax = pyplot().subplots(figsize=(8, 5))
+    for test in ("ucp_put_bw", "ucp_get"):
+        points = sorted((p.message_nbytes, p.gbytes_per_s) for p in report.perftest_bw
+                        if p.test == test and p.available)
+        if points:
+            ax.plot(*zip(*points), "--", color=_COLORS[test], alpha=0.5,
+                    label=f"ucx_perftest {test}")
+    for row in report.rows:
+        ax.scatter(row.op_nbytes, row.gbytes_per_s, s=50, color=_COLORS[row.op],
+                   marker="o" if row.placement == "allocator" else "s",
+                   label=f"kvmove {row.op} ({row.placement})")
+        ax.annotate(f"bs {row.block_size}", (row.op_nbytes, row.gbytes_per_s), fontsize=7,
+                    xytext=(4, 4), textcoords="offset points")
+    ax.axhline(max(report.memcpy.values()), linestyle=":", color="gray", label="memcpy")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bytes per operation (kvmove: mean per posted op)")
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"{report.config.model}, {report.config.num_tokens:,} tokens, transports "
+                 f"{report.config.transports or 'by UCX'}, error mode {report.config.error_mode}")
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))  # one entry per label, not per row
+    ax.legend(unique.values(), unique.keys(), fontsize=8)
+    save_figure(fig, path)
+

@@ -1,5 +1,6 @@
 """``kvmove-bench store``: what the KVStore's tiers move per second, against the machine's own
-baselines, and what a stored prefix saves a repeated prompt. No printing: the CLI formats.
+baselines, and what a stored prefix saves a repeated prompt; the subcommand prints the text of
+it below, or ``StoreReport.to_dict()`` as JSON.
 
 Tiers (one prompt's KV, e.g. Llama-3.1-8B x 4,000 tokens = 524 MB, ``iters`` timed runs
 each, after one warm-up; every run stores new hashes, so every put really writes):
@@ -20,6 +21,8 @@ the engine's measured prefill throughput, and whether it picked the faster optio
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import random
 import shutil
@@ -33,13 +36,16 @@ from typing import Any
 
 import numpy as np
 
+from kvmove.bench.options import add_prompt_args
+from kvmove.bench.report import aligned, human_bytes, ms
 from kvmove.errors import ConfigError
 from kvmove.kv_cache import KVCache
-from kvmove.layout import KVLayout
+from kvmove.layout import DTYPE_BYTES, KVLayout
 from kvmove.store import DiskTier, HostTier, KVStore
 from kvmove.validation import require_positive_int
 
-__all__ = ["StoreBenchConfig", "StoreReport", "TierRow", "TtftRow", "run"]
+__all__ = ["StoreBenchConfig", "StoreReport", "TierRow", "TtftRow", "add_parser", "format_store",
+           "run", "run_command"]
 
 _DD_BLOCK = 16 << 20
 _WAIT = 600.0
@@ -312,3 +318,94 @@ def _prompt_hashes(prompt: list[int], block_size: int) -> list[int]:
 
     usable = (len(prompt) - 1) // block_size  # the engine always computes the last token
     return list(block_hashes(prompt[:usable * block_size], block_size))
+
+
+# --- text -------------------------------------------------------------------------------------
+
+def format_store(report: StoreReport) -> str:
+    """Header, the tier table, the TTFT table with the store's decisions."""
+    config = report.config
+    lines = [f"{config.model} KV of {config.tokens:,} tokens ({config.dtype}, blocks of "
+             f"{config.block_size}): {human_bytes(report.nbytes)}; disk tier "
+             f"{'O_DIRECT' if report.direct else 'buffered (O_DIRECT refused here)'}; median "
+             f"of {config.iters} runs after a warm-up", "", *_tier_table(report.tiers)]
+    if report.ttft:
+        lines += ["", f"time to first token of a repeated {config.prompt_tokens:,}-token prompt "
+                  f"({config.engine_model} engine, one request, fresh engine each run)",
+                  *_ttft_table(report)]
+    return "\n".join([*lines, "", f"measured in {report.wall_seconds:.1f} s"])
+
+
+def _tier_table(rows: list[TierRow]) -> list[str]:
+    head = ["tier", "op", "GB/s", "baseline", "GB/s", "tier/baseline", "also", "GB/s"]
+    cells = [[r.tier, r.op, f"{r.gbps():.2f}", r.baseline, f"{r.gbps(r.baseline_seconds):.2f}",
+              f"{r.ratio:.2f}x", r.other_baseline or "",
+              f"{r.gbps(r.other_seconds):.2f}" if r.other_seconds else ""] for r in rows]
+    return aligned(head, cells, left={0, 1, 3, 6})
+
+
+def _ttft_table(report: StoreReport) -> list[str]:
+    recompute = next(r for r in report.ttft if r.case == "recompute").median
+    head = ["case", "TTFT ms", "vs recompute", "tokens loaded", "decision", "est. load ms",
+            "est. recompute ms", "picked the faster"]
+    return aligned(head, [_ttft_cells(report, r, recompute) for r in report.ttft],
+                    left={0, 4})
+
+
+def _ttft_cells(report: StoreReport, row: TtftRow, recompute: float) -> list[str]:
+    def ms(value: float | None) -> str:
+        return "" if value is None else ms(value * 1e3)
+
+    picked = "" if row.decision is None else ("yes" if report.picked_faster(row) else "NO")
+    return [row.case, ms(row.median), f"{recompute / row.median:.1f}x faster" if
+            row.case != "recompute" else "", f"{row.loaded_tokens:,}", row.decision or "",
+            ms(row.load_seconds), ms(row.recompute_seconds), picked]
+
+
+# --- the subcommand ---------------------------------------------------------------------------
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    sub = commands.add_parser(
+        "store", help="KVStore tiers vs memcpy/dd, and TTFT of a stored prefix",
+        description="Writes one prompt's KV into the KVStore's host and disk tiers and reads it "
+        "back (every byte checked), against memcpy, dd (O_DIRECT) and a plain file in the same "
+        "run; then the time to first token of a repeated prompt when recomputed, loaded from "
+        "the host tier and loaded from the disk tier, and whether the store's "
+        "load-or-recompute decision picked the faster (the TTFT part needs torch).")
+    add_prompt_args(sub)
+    sub.add_argument("--dtype", choices=list(DTYPE_BYTES), default="float16",
+                     help="KV element type (default float16)")
+    sub.add_argument("--dir", default=None, help="where the disk tier and the baselines write "
+                     "(default: a temporary directory, removed afterwards)")
+    sub.add_argument("--engine-model", default="small",
+                     help="engine preset for the TTFT rows (default small)")
+    sub.add_argument("--prompt-tokens", type=int, default=2000,
+                     help="the repeated prompt's length (default 2000)")
+    sub.add_argument("--no-ttft", action="store_true", help="tiers only (no torch needed)")
+    sub.add_argument("--iters", type=int, default=3,
+                     help="timed runs per row after a warm-up; the median is shown (default 3)")
+    sub.add_argument("--json", action="store_true", help="print the report as JSON only")
+    sub.set_defaults(run=run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    if args.dir is not None and not os.path.isdir(args.dir):
+        raise ConfigError(f"--dir {args.dir!r} is not a directory")
+    if not args.no_ttft:
+        try:
+            from kvmove.engine.model import MODEL_PRESETS
+        except ImportError as error:
+            raise ConfigError(f"the TTFT rows need the engine's dependencies: pip install "
+                              f"kvmove[engine], or pass --no-ttft ({error})") from None
+        if args.engine_model not in MODEL_PRESETS:
+            raise ConfigError(f"--engine-model must be one of {list(MODEL_PRESETS)}, got "
+                              f"{args.engine_model!r}")
+    config = StoreBenchConfig(
+        model=args.model, tokens=args.tokens, block_size=args.block_size, dtype=args.dtype,
+        iters=args.iters, directory=args.dir,
+        engine_model=None if args.no_ttft else args.engine_model,
+        prompt_tokens=args.prompt_tokens)
+    report = run(config)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_store(report))
+    return 0

@@ -1,13 +1,8 @@
-"""Far side of ``test_layer_stream.py``: a ``KVCache`` + ``Agent`` in a spawned child process that
-sends (``SaveStream``) or receives (``LoadStream``) layer streams on command.
-
-The child is :func:`serve_streams`, wrapped by :class:`StreamPeer` in the test process; both
-reuse ``peers.py`` (``FarPeer``'s pipe protocol and deadlines, ``raw_view``). Spawn re-imports
-this module (and ``peers``) by name in the child, so ``tests/`` must be on ``sys.path`` when
-the child starts: the test module puts it there, and spawn copies the parent's ``sys.path``.
-
-A stream's data is :func:`layer_data`: bytes determined by ``(seed, layer)``, computed the same
-way in both processes, so the receiver knows what each layer must hold without asking.
+"""Far side of ``test_layer_stream.py`` (and ``test_gpu.py``): ``FarAgent`` plus the
+layer-stream verbs, so the child sends (``SaveStream``) or receives (``LoadStream``) layer
+streams on command. A stream's data is ``helpers.kv.layer_data``: bytes determined by
+``(seed, layer)``, computed the same way in both processes, so the receiver knows what each
+layer must hold without asking.
 
 Nothing is mocked: every byte moves through ``kvmove.Agent`` and UCX.
 """
@@ -21,24 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from peers import FarPeer, _Far, raw_view, serve_far
+from helpers.far import FarAgent
+from helpers.kv import raw_view, write_layer
 
 
-def layer_data(seed: int, layer: int, num_blocks: int, block_nbytes: int) -> np.ndarray:
-    """Random bytes ``[num_blocks, block_nbytes]`` (uint8) for one layer of one stream."""
-    rng = np.random.default_rng([seed, layer])
-    return rng.integers(0, 256, size=(num_blocks, block_nbytes), dtype=np.uint8)
-
-
-def write_layer(cache: Any, seed: int, layer: int, ids: list[int]) -> None:
-    """Writes ``layer_data(seed, layer)`` into ``ids`` of ``layer`` ("computes" the layer)."""
-    raw = raw_view(cache)
-    raw[layer, ids] = layer_data(seed, layer, len(ids), raw.shape[2])
-
-
-class _StreamFar(_Far):
-    """``peers._Far`` plus the layer-stream verbs, keyed by request id. Far exceptions reach
-    the parent as ``peers.FarError`` with ``kind`` the class name (e.g. ``"PeerError"``)."""
+class StreamFar(FarAgent):
+    """``FarAgent`` plus the layer-stream verbs, keyed by request id. Far exceptions reach
+    the parent as ``ChildError`` with ``kind`` the class name (e.g. ``"PeerError"``)."""
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -172,22 +156,3 @@ class _StreamFar(_Far):
 
     def wait_all(self, request_id: str, timeout: float) -> bytes:
         return self.loads[request_id].wait_all(timeout)
-
-
-def serve_streams(conn: Any, name: str, layout_kwargs: dict, num_blocks: int,
-                  agent_kwargs: dict) -> None:
-    """``peers.serve``'s loop around a :class:`_StreamFar`."""
-    serve_far(conn, _StreamFar, name, layout_kwargs, num_blocks, agent_kwargs)
-
-
-class StreamPeer(FarPeer):
-    """``FarPeer`` whose child runs :func:`serve_streams`."""
-
-    def __init__(self, name: str, layout_kwargs: dict, num_blocks: int, agent_kwargs: dict,
-                 start_timeout: float = 30.0):
-        super().__init__(name, layout_kwargs, num_blocks, agent_kwargs, start_timeout,
-                         target=serve_streams)
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid

@@ -5,7 +5,7 @@ A tier holds whole blocks (every layer) in numbered slots, and an index hash -> 
 least-recently-used order. The host tier's slots are the blocks of a ``KVCache`` of its own;
 the disk tier's are slots of a ``BlockFile`` (``csrc/block_file.h``) with an ``IndexJournal``.
 Bytes move in C++ with the GIL released; the index lives here, changed only by the store's
-I/O thread (``kvmove/store.py``), read by lookups under the store's lock.
+I/O thread (``kvmove/store/store.py``), read by lookups under the store's lock.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kvmove import _C
 from kvmove.errors import ConfigError, StoreError
 from kvmove.kv_cache import KVCache
 from kvmove.layout import KVLayout
-from kvmove.store_index import IndexJournal
+from kvmove.store.index import IndexJournal
 from kvmove.validation import require_positive_int
 
 __all__ = ["DiskTier", "HostTier", "OpenTier", "TierStats"]

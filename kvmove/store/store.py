@@ -1,7 +1,7 @@
 """KVStore: KV blocks kept below the live cache, by content hash, so a repeated prefix is
 loaded instead of prefilled again.
 
-Tiers, fastest first (``kvmove/store_tiers.py``)::
+Tiers, fastest first (``kvmove/store/tiers.py``)::
 
     live KVCache (the engine's)  --put-->  HostTier  --demote (LRU)-->  DiskTier  --> dropped
                                  <--get--            <------get--------
@@ -37,7 +37,7 @@ from kvmove import _C
 from kvmove.errors import ConfigError, StoreError, TimeoutError
 from kvmove.kv_cache import KVCache
 from kvmove.layout import KVLayout
-from kvmove.store_tiers import DiskTier, HostTier, OpenTier, TierStats
+from kvmove.store.tiers import DiskTier, HostTier, OpenTier, TierStats
 
 __all__ = ["DiskTier", "HostTier", "KVStore", "LOAD_POLICIES", "Lookup", "StoreHandle",
            "StoreStats"]

@@ -1,0 +1,78 @@
+"""``kvmove-bench``: plan and measure KV-cache hand-offs between prefill and decode nodes.
+
+Subcommands:
+    transfer  (default) moves one prompt's KV cache between two processes with kvmove, verifies
+              every byte, and compares the bandwidth with memcpy and ``ucx_perftest`` measured
+              in the same run, then with the article's links.
+    stream    how much of that hand-off layer-wise streaming hides behind a (simulated) prefill:
+              bulk vs streamed, between two processes, every byte verified.
+    engine    the reference engine's prefill and decode throughput on this machine, and the
+              asymmetry: decode gains from batching, prefill does not (needs torch).
+    store     the KVStore's host and disk tiers against memcpy / dd / a plain file, and the
+              time to first token of a repeated prompt: recompute vs host hit vs disk hit.
+    serve     one seeded request trace against kvmove-serve in each mode (colocated, chunked,
+              disagg): TTFT, ITL, throughput, goodput (needs kvmove[serve] and openai).
+    plan      what moving one prompt's KV cache costs on each link, and whether to disaggregate
+              (arithmetic from the model's layout; nothing is sent).
+
+With no subcommand, or options only, ``DEFAULT_COMMAND`` runs. Bad input exits with status 2
+and a message on stderr naming the value; a failed or unverified transfer exits with 1.
+
+Each subcommand is its benchmark's module: its ``add_parser`` registers it and sets ``run``,
+which this module calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from kvmove.bench import engine, plan, serve, store, stream, transfer
+from kvmove.errors import ConfigError, KVMoveError
+
+# In the order ``--help`` lists them.
+SUBCOMMANDS = (transfer, stream, engine, store, serve, plan)
+
+# The subcommand that runs when none is given.
+DEFAULT_COMMAND = "transfer"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``kvmove-bench``; returns the exit status (argparse errors raise ``SystemExit(2)``)."""
+    parser = _parser()
+    args = parser.parse_args(_with_default_command(sys.argv[1:] if argv is None else argv))
+    try:
+        return args.run(args)
+    except ConfigError as error:
+        print(f"{parser.prog} {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KVMoveError as error:  # a transfer, the peer process or UCX failed
+        print(f"{parser.prog} {args.command}: error: {error}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `kvmove-bench --json | head`: the reader left; so do we, quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _with_default_command(argv: list[str]) -> list[str]:
+    """Prepend ``DEFAULT_COMMAND`` unless ``argv`` starts with a subcommand or asks for help."""
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        return [DEFAULT_COMMAND, *argv]
+    return list(argv)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvmove-bench",
+        description="Plan and measure KV-cache hand-offs between prefill and decode nodes.",
+        epilog=f"With no subcommand, '{DEFAULT_COMMAND}' runs.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for benchmark in SUBCOMMANDS:
+        benchmark.add_parser(commands)
+    return parser
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

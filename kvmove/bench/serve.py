@@ -1,0 +1,298 @@
+"""Serving benchmark: one seeded request trace replayed against ``kvmove-serve`` in each mode
+(colocated, chunked prefill, disaggregated prefill/decode). This module holds the
+configuration, the run and the subcommand; ``serve_load`` the trace and its replay,
+``serve_server`` kvmove-serve as a process, ``serve_report`` the results, their text and plots.
+
+The trace mixes two kinds of request, in exact proportion and shuffled:
+
+* **long** (summarisation-like): a long prompt, a short answer — prefill-heavy;
+* **short** (chat-like): a short prompt, a long answer — decode-heavy.
+
+Arrivals are a Poisson process (exponential gaps at ``rate`` per second, the first at 0).
+Prompts are ASCII, so their length in bytes is their length in tokens minus the BOS with the
+presets' byte tokenizer; each begins with its request's index so that no two share a first
+KV block and prefix reuse cannot skip a prefill. Every mode gets the same trace.
+
+Per mode a fresh server starts (its own session, a free port), the trace is replayed with the
+official ``openai`` client (streaming, ``ignore_eos`` so every request yields exactly
+``max_tokens``), ``/metrics`` is sampled every ``sample_interval`` for the per-pool queue
+lengths, and the server is stopped with SIGTERM (SIGKILL to its whole session after the
+deadline; anything of it still alive after it exits is killed too).
+
+What a request records, on the client's ``time.monotonic()``: when it was sent and when each
+token's chunk arrived. A chunk carries a token unless it has a ``finish_reason`` (the closing
+chunk, as OpenAI's, carries none); a token that ends inside a UTF-8 character arrives as a chunk
+with empty text and still counts. TTFT is sent -> first token chunk; ITLs are the gaps between
+token chunks. Goodput counts requests that finished with every token, TTFT <= ``ttft_slo`` and
+mean ITL (time per output token after the first) <= ``itl_slo``: the mean, as DistServe and
+vLLM's benchmark define it, because one stall of this shared CPU would otherwise disqualify a
+request; the stalls themselves show in ITL p99 and max.
+
+The KV hand-off share (disagg) is the server's ``kvmove_kv_exposed_seconds`` mean over the
+client's mean TTFT: per request, from the prefill's last layer posted to that layer landed in
+the decode worker's blocks, the part of the transfer that layer-wise streaming leaves on the
+critical path. ``kvmove_kv_transfer_seconds`` (first layer posted to last landed) is the whole
+transfer, mostly hidden behind the prefill's compute.
+
+Defaults: the ``small`` preset (8 layers, hidden 512), where on the 2-core CI machine a
+1,025-token prefill takes ~1.4 s and a decode step 15-30 ms (one core per worker): prefill far
+costlier than a decode step, which is what makes colocated decode stall. ``tiny`` is
+overhead-bound (its decode step costs less than the HTTP chunk it produces), so it would
+compare the router, not the modes. 40 requests at 2/s, half of each kind, load two workers to
+the knee, where the modes part. Measured on the quiet machine: the whole default run in 94-96
+s (each server ready in 4-5 s, each replay 24-28 s); 132 s while another job's servers shared
+the cores, which also pushed every mode past its SLOs. At the default load colocated's ITL p99
+was ~1.7 s (decodes behind whole prefills), chunked's ~0.34 s, disagg's ~0.1 s, while its one
+prefill worker queued prompts (TTFT p50 ~3 s against ~1-2 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvmove.bench.options import check_plot
+from kvmove.bench.serve_load import TraceRequest, make_trace, replay
+from kvmove.bench.serve_report import ModeResult, ServeReport, format_serve, plot_serve
+from kvmove.bench.serve_server import ServerProcess
+from kvmove.errors import ConfigError
+from kvmove.validation import require_positive_finite, require_positive_int
+
+__all__ = ["KINDS", "MODES", "ServeConfig", "add_parser", "count_steps", "run", "run_command"]
+
+logger = logging.getLogger(__name__)
+
+MODES = ("colocated", "chunked", "disagg")
+KINDS = ("long", "short")  # summarisation-like, chat-like
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """What ``run`` measures.
+
+    Args:
+        modes: subset of ``MODES``, in order; the first is the baseline of the ratios.
+        workers: engine processes per mode: colocated / chunked run ``workers`` instances,
+            disagg ``prefill`` + ``decode``.
+        prefill / decode: disagg's instances (None: ``workers // 2`` prefill, the rest decode).
+        model: ``kvmove-serve --model`` (a preset, or a directory: lengths stay in bytes).
+        chunk_size: prefill chunk in tokens (chunked, and disagg's prefill workers).
+        num_requests: requests in the trace.
+        rate: mean arrivals per second (Poisson).
+        long_fraction: share of long (summarisation-like) requests, rounded to a count.
+        long_prompt_bytes / long_output_tokens: a long request's prompt and ``max_tokens``.
+        short_prompt_bytes / short_output_tokens: a short (chat-like) one's.
+        ttft_slo / itl_slo: seconds; goodput counts requests within both (ITL: the mean).
+        seed: the trace (arrivals, kinds, prompts).
+        url: a running server to use instead of starting one (then ``modes`` names its mode,
+            exactly one).
+        timeout: deadline in seconds of every wait: the server's start and stop, each request.
+        sample_interval: seconds between ``/metrics`` samples.
+    """
+
+    modes: tuple[str, ...] = MODES
+    workers: int = 2
+    prefill: int | None = None
+    decode: int | None = None
+    model: str = "small"
+    chunk_size: int = 256
+    num_requests: int = 40
+    rate: float = 2.0
+    long_fraction: float = 0.5
+    long_prompt_bytes: int = 1024
+    long_output_tokens: int = 16
+    short_prompt_bytes: int = 64
+    short_output_tokens: int = 128
+    ttft_slo: float = 2.0
+    itl_slo: float = 0.1
+    seed: int = 0
+    url: str | None = None
+    timeout: float = 120.0
+    sample_interval: float = 0.25
+
+    def __post_init__(self) -> None:
+        if isinstance(self.modes, (list, str)):  # as argparse gives them
+            modes = (self.modes,) if isinstance(self.modes, str) else tuple(self.modes)
+            object.__setattr__(self, "modes", modes)
+        _check_modes(self.modes)
+        for name in ("workers", "chunk_size", "num_requests", "long_prompt_bytes",
+                     "long_output_tokens", "short_prompt_bytes", "short_output_tokens"):
+            require_positive_int(name, getattr(self, name))
+        for name in ("prefill", "decode"):
+            if getattr(self, name) is not None:
+                require_positive_int(name, getattr(self, name))
+        for name in ("rate", "ttft_slo", "itl_slo", "timeout", "sample_interval"):
+            require_positive_finite(name, getattr(self, name))
+        if isinstance(self.long_fraction, bool) or not isinstance(
+                self.long_fraction, (int, float)) or not 0 <= self.long_fraction <= 1:
+            raise ConfigError(f"long_fraction must be in [0, 1], got {self.long_fraction!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"seed must be an int, got {self.seed!r}")
+        if "disagg" in self.modes:
+            self.disagg_instances()  # validates workers against prefill / decode
+        if self.url is not None:
+            _check_url(self.url, self.modes)
+        self._check_context()
+
+    def disagg_instances(self) -> tuple[int, int]:
+        """(prefill, decode) instances of the disagg mode."""
+        prefill = self.prefill if self.prefill is not None else self.workers // 2
+        decode = self.decode if self.decode is not None else self.workers - prefill
+        if prefill < 1 or decode < 1:
+            raise ConfigError(f"disagg needs a prefill and a decode worker: workers = "
+                              f"{self.workers} gives {prefill} prefill + {decode} decode")
+        return prefill, decode
+
+    def instances(self, mode: str) -> dict[str, int]:
+        """``kvmove-serve``'s instance counts for ``mode``, by option name."""
+        if mode == "disagg":
+            prefill, decode = self.disagg_instances()
+            return {"prefill": prefill, "decode": decode}
+        return {"workers": self.workers}
+
+    def lengths(self, kind: str) -> tuple[int, int]:
+        """(prompt bytes, max_tokens) of a request of ``kind``."""
+        if kind == "long":
+            return self.long_prompt_bytes, self.long_output_tokens
+        return self.short_prompt_bytes, self.short_output_tokens
+
+    def _check_context(self) -> None:
+        try:  # the engine (torch) is the server's; without it the server checks alone
+            from kvmove.engine.model import MODEL_PRESETS
+        except ImportError:
+            return
+        if self.model not in MODEL_PRESETS:
+            return
+        limit = MODEL_PRESETS[self.model].max_position_embeddings
+        for kind in KINDS:
+            prompt_bytes, max_tokens = self.lengths(kind)
+            if prompt_bytes + 1 + max_tokens > limit:
+                raise ConfigError(f"a {kind} request needs {prompt_bytes} + 1 (BOS) + "
+                                  f"{max_tokens} positions, {self.model} has {limit}")
+
+
+def _check_modes(modes: Any) -> None:
+    if not isinstance(modes, tuple) or not modes:
+        raise ConfigError(f"modes must be a non-empty tuple of {MODES}, got {modes!r}")
+    for mode in modes:
+        if mode not in MODES:
+            raise ConfigError(f"modes: unknown mode {mode!r}; known: {', '.join(MODES)}")
+    if len(set(modes)) != len(modes):
+        raise ConfigError(f"modes must not repeat a mode, got {modes}")
+
+
+def _check_url(url: Any, modes: tuple[str, ...]) -> None:
+    if not isinstance(url, str) or not re.match(r"https?://[^/\s]+/?$", url):
+        raise ConfigError(f"url must be http://HOST:PORT, got {url!r}")
+    if len(modes) != 1:
+        raise ConfigError(f"with url, modes must name the server's one mode, got {modes}")
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+def _run_mode(config: ServeConfig, mode: str, trace: Sequence[TraceRequest],
+              progress: Progress) -> ModeResult:
+    if config.url is not None:
+        progress(f"{mode}: using {config.url}")
+        result = asyncio.run(replay(config, trace, config.url.rstrip("/"), mode, progress))
+        progress(f"{mode}: done")
+        return result
+    with ServerProcess(config, mode) as server:
+        logger.info("kvmove-serve %s ready on %s in %.1f s", mode, server.url,
+                    server.startup_seconds)
+        progress(f"{mode}: server ready")
+        result = asyncio.run(replay(config, trace, server.url, mode, progress))
+    progress(f"{mode}: server stopped")
+    return replace(result, startup_seconds=server.startup_seconds, exit_code=server.exit_code)
+
+
+def run(config: ServeConfig, progress: Progress | None = None) -> ServeReport:
+    """Replays one trace against each of ``config.modes`` (a fresh server each).
+
+    Raises:
+        BenchError: a server did not start in time, or exited before it was ready.
+    """
+    progress = progress or (lambda label: None)
+    wall = time.perf_counter()
+    trace = make_trace(config)
+    modes = tuple(_run_mode(config, mode, trace, progress) for mode in config.modes)
+    return ServeReport(config, trace, modes, time.perf_counter() - wall)
+
+
+def count_steps(config: ServeConfig) -> int:
+    """How many times ``run`` calls ``progress``."""
+    return len(config.modes) * (config.num_requests + 2)
+
+
+# --- the subcommand -------------------------------------------------------------------------
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    sub = commands.add_parser(
+        "serve", help="the article, measured: one trace against each serving mode",
+        description="Replays one seeded Poisson trace of long-prompt/short-output and "
+        "short-prompt/long-output requests against kvmove-serve in each mode, with the "
+        "official openai client, on the same number of worker processes; reports TTFT, ITL, "
+        "decode tokens/s, goodput under a TTFT+ITL SLO and the KV hand-off's share of TTFT.")
+    sub.add_argument("--modes", nargs="+", default=["colocated", "chunked", "disagg"],
+                     metavar="MODE", help="colocated chunked disagg (default: all three)")
+    sub.add_argument("--workers", type=int, default=2,
+                     help="worker processes per mode (default 2)")
+    sub.add_argument("--prefill", type=int, default=None, help="disagg prefill workers")
+    sub.add_argument("--decode", type=int, default=None, help="disagg decode workers")
+    sub.add_argument("--model", default="small", help="engine preset or HF directory "
+                     "(default small)")
+    sub.add_argument("--chunk-size", type=int, default=256, help="prefill chunk (default 256)")
+    sub.add_argument("--requests", type=int, default=40, help="requests in the trace (default 40)")
+    sub.add_argument("--rate", type=float, default=2.0, help="arrivals per second (default 2)")
+    sub.add_argument("--long-fraction", type=float, default=0.5,
+                     help="share of long-prompt requests (default 0.5)")
+    sub.add_argument("--long-prompt", type=int, default=1024, help="long prompt bytes (1024)")
+    sub.add_argument("--long-output", type=int, default=16, help="long requests' max_tokens (16)")
+    sub.add_argument("--short-prompt", type=int, default=64, help="short prompt bytes (64)")
+    sub.add_argument("--short-output", type=int, default=128,
+                     help="short requests' max_tokens (128)")
+    sub.add_argument("--ttft-slo", type=float, default=2.0, help="goodput's TTFT bound, s (2)")
+    sub.add_argument("--itl-slo", type=float, default=0.1, help="goodput's mean ITL bound, s "
+                     "(0.1)")
+    sub.add_argument("--url", default=None, help="a running kvmove-serve instead (one mode)")
+    sub.add_argument("--seed", type=int, default=0, help="the trace's seed (default 0)")
+    sub.add_argument("--timeout", type=float, default=120.0,
+                     help="deadline of every wait in seconds (default 120)")
+    sub.add_argument("--json", action="store_true", help="print the report as JSON only")
+    sub.add_argument("--plot", metavar="PREFIX", default=None,
+                     help="also write PREFIX-itl.png and PREFIX-queues.png (needs matplotlib)")
+    sub.set_defaults(run=run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    config = ServeConfig(
+        modes=tuple(args.modes), workers=args.workers, prefill=args.prefill,
+        decode=args.decode, model=args.model, chunk_size=args.chunk_size,
+        num_requests=args.requests, rate=args.rate, long_fraction=args.long_fraction,
+        long_prompt_bytes=args.long_prompt, long_output_tokens=args.long_output,
+        short_prompt_bytes=args.short_prompt, short_output_tokens=args.short_output,
+        ttft_slo=args.ttft_slo, itl_slo=args.itl_slo, seed=args.seed, url=args.url,
+        timeout=args.timeout)
+    if args.plot:
+        check_plot(args.plot)
+    try:
+        import openai  # noqa: F401
+    except ImportError:
+        raise ConfigError("kvmove-bench serve needs the openai client: pip install openai "
+                          "kvmove[serve]") from None
+    report = run(config)
+    if args.plot:
+        plot_serve(report, args.plot)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_serve(report))
+    return 0

@@ -1,0 +1,204 @@
+"""The serving benchmark's load (``serve``): the seeded request trace, and its replay against a
+server with the official ``openai`` client while ``/metrics`` is sampled.
+
+The trace mixes two kinds of request, in exact proportion and shuffled:
+
+* **long** (summarisation-like): a long prompt, a short answer — prefill-heavy;
+* **short** (chat-like): a short prompt, a long answer — decode-heavy.
+
+Arrivals are a Poisson process (exponential gaps at ``rate`` per second, the first at 0).
+Prompts are ASCII, so their length in bytes is their length in tokens minus the BOS with the
+presets' byte tokenizer; each begins with its request's index so that no two share a first
+KV block and prefix reuse cannot skip a prefill. Every mode gets the same trace.
+
+What a request records, on the client's ``time.monotonic()``: when it was sent and when each
+token's chunk arrived. A chunk carries a token unless it has a ``finish_reason`` (the closing
+chunk, as OpenAI's, carries none); a token that ends inside a UTF-8 character arrives as a chunk
+with empty text and still counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import re
+import string
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvmove.bench.serve_report import ModeResult, QueueSample, RequestResult
+
+if TYPE_CHECKING:
+    from kvmove.bench.serve import ServeConfig
+
+__all__ = ["Metrics", "TraceRequest", "by_pool", "make_trace", "metric_total", "parse_metrics",
+           "replay"]
+
+logger = logging.getLogger(__name__)
+
+_ALPHABET = string.ascii_lowercase + " "
+
+
+# --- the trace ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One request of the trace: ``arrival`` in seconds after the first request's."""
+
+    index: int
+    arrival: float
+    kind: str
+    prompt: str  # ASCII: len(prompt) bytes
+    max_tokens: int
+
+
+def make_trace(config: ServeConfig) -> tuple[TraceRequest, ...]:
+    """The seeded trace: same config, same trace, whatever the mode.
+
+    The kinds are an exact ``round(num_requests * long_fraction)`` long requests, shuffled,
+    rather than a coin per request, so that a short trace has the mix it asks for.
+    """
+    rng = random.Random(config.seed)
+    num_long = round(config.num_requests * config.long_fraction)
+    kinds = ["long"] * num_long + ["short"] * (config.num_requests - num_long)
+    rng.shuffle(kinds)
+    arrival, trace = 0.0, []
+    for index, kind in enumerate(kinds):
+        if index:
+            arrival += rng.expovariate(config.rate)
+        prompt_bytes, max_tokens = config.lengths(kind)
+        trace.append(TraceRequest(index, arrival, kind, _prompt(rng, index, prompt_bytes),
+                                  max_tokens))
+    return tuple(trace)
+
+
+def _prompt(rng: random.Random, index: int, nbytes: int) -> str:
+    head = f"{index:05d}:"
+    return (head + "".join(rng.choices(_ALPHABET, k=max(nbytes - len(head), 0))))[:nbytes]
+
+
+# --- /metrics -------------------------------------------------------------------------------
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+Metrics = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def parse_metrics(text: str) -> Metrics:
+    """Prometheus text format: sample name -> [(labels, value)]; comments skipped."""
+    out: Metrics = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match is None or line.startswith("#"):
+            continue
+        name, labels, value = match.groups()
+        out.setdefault(name, []).append((dict(_LABEL.findall(labels or "")), float(value)))
+    return out
+
+
+def metric_total(metrics: Metrics, name: str) -> float:
+    """The sum of ``name`` over its label sets (0 when absent)."""
+    return sum(value for _, value in metrics.get(name, ()))
+
+
+def by_pool(metrics: Metrics, name: str) -> dict[str, float]:
+    pools: dict[str, float] = {}
+    for labels, value in metrics.get(name, ()):
+        pool = labels.get("pool", "")
+        pools[pool] = pools.get(pool, 0.0) + value
+    return pools
+
+
+# --- the replay -----------------------------------------------------------------------------
+
+
+async def _send(client: Any, model: str, request: TraceRequest, start: float,
+                timeout: float) -> RequestResult:
+    """Waits for ``request``'s arrival time, then streams it; never raises."""
+    await asyncio.sleep(max(start + request.arrival - time.monotonic(), 0))
+    sent = time.monotonic()
+    times: list[float] = []
+    error = None
+    try:
+        await asyncio.wait_for(_stream(client, model, request, times), timeout)
+    except asyncio.TimeoutError:
+        error = f"no response within {timeout:g} s ({len(times)} tokens)"
+    except Exception as exc:  # noqa: BLE001 - a failed request is a result, not a crash
+        error = f"{type(exc).__name__}: {exc}"
+    end = time.monotonic()
+    return RequestResult(request.index, request.kind, request.max_tokens, sent - start,
+                         tuple(t - sent for t in times), end - sent, error)
+
+
+async def _stream(client: Any, model: str, request: TraceRequest, times: list[float]) -> None:
+    stream = await client.completions.create(
+        model=model, prompt=request.prompt, max_tokens=request.max_tokens, temperature=0.0,
+        stream=True, extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].finish_reason is None:
+            times.append(time.monotonic())
+
+
+async def _sample(http: Any, stop: asyncio.Event, interval: float, start: float,
+                  samples: list[QueueSample]) -> None:
+    """Per-pool queue lengths every ``interval`` until ``stop``; a failed sample is skipped."""
+    while True:
+        try:
+            metrics = parse_metrics((await http.get("/metrics", timeout=interval * 4)).text)
+            samples.append(QueueSample(time.monotonic() - start,
+                                       by_pool(metrics, "kvmove_pool_queue_length"),
+                                       by_pool(metrics, "kvmove_pool_running")))
+        except Exception as exc:  # noqa: BLE001 - sampling must not end the run
+            logger.debug("a /metrics sample failed: %s", exc)
+        try:
+            await asyncio.wait_for(stop.wait(), interval)
+            return
+        except asyncio.TimeoutError:
+            pass
+
+
+_KV = ("kvmove_kv_bytes_total", "kvmove_kv_transfer_seconds_sum",
+       "kvmove_kv_transfer_seconds_count", "kvmove_kv_exposed_seconds_sum")
+
+
+async def _kv_totals(http: Any) -> tuple[float, ...]:
+    metrics = parse_metrics((await http.get("/metrics")).text)
+    return tuple(metric_total(metrics, name) for name in _KV)
+
+
+async def replay(config: ServeConfig, trace: Sequence[TraceRequest], url: str, mode: str,
+                 progress: Callable[[str], None]) -> ModeResult:
+    """Sends ``trace`` to the server at ``url`` on its schedule; waits for every response."""
+    import httpx
+    from openai import AsyncOpenAI
+
+    model = os.path.basename(config.model.rstrip("/"))
+    async with httpx.AsyncClient(base_url=url, timeout=config.timeout) as http, \
+            AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0,
+                        timeout=config.timeout) as client:
+        before = await _kv_totals(http)
+        stop, samples = asyncio.Event(), list[QueueSample]()
+        start = time.monotonic()
+        sampler = asyncio.create_task(_sample(http, stop, config.sample_interval, start,
+                                              samples))
+
+        async def one(request: TraceRequest) -> RequestResult:
+            result = await _send(client, model, request, start, config.timeout)
+            progress(f"{mode}: request {request.index}")
+            return result
+
+        try:
+            results = await asyncio.gather(*(one(r) for r in trace))
+        finally:
+            stop.set()
+            await sampler
+        after = await _kv_totals(http)
+    kv_bytes, kv_seconds, kv_count, kv_exposed = (b - a for a, b in zip(before, after))
+    return ModeResult(mode, config.instances(mode), tuple(results), tuple(samples),
+                      kv_bytes, kv_seconds, round(kv_count), kv_exposed)

@@ -1,1 +1,0 @@
-"""kvmove's command-line tools (``kvmove-bench``)."""

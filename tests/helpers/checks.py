@@ -1,0 +1,57 @@
+"""Assertions the tests share: an error names the values it is about, and a blocking call
+returns in time (a hung call fails its test instead of hanging the run)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+
+def names(excinfo: pytest.ExceptionInfo, *values: object) -> None:
+    """The exception's message contains each of ``values`` (as ``str``)."""
+    message = str(excinfo.value)
+    for v in values:
+        assert str(v) in message, f"{v!r} not named in {message!r}"
+
+
+def within(seconds: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` in a daemon thread: its result or exception, or a test failure
+    (instead of a hung test) if it has not returned after ``seconds``."""
+    return Background(fn, *args, **kwargs).join(seconds).get()
+
+
+class Background:
+    """A blocking call running in a daemon thread; records its outcome and when it ended."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.ended_at: float | None = None
+        self._name = getattr(fn, "__name__", repr(fn))
+        self.thread = threading.Thread(target=self._run, args=(fn, args, kwargs), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        try:
+            self.value = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - reported by get()
+            self.error = e
+        finally:
+            self.ended_at = time.monotonic()
+
+    def pending(self) -> bool:
+        return self.thread.is_alive()
+
+    def join(self, seconds: float) -> Background:
+        self.thread.join(seconds)
+        assert not self.thread.is_alive(), f"{self._name} still blocked after {seconds} s"
+        return self
+
+    def get(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
