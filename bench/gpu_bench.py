@@ -97,8 +97,10 @@ class Receiver:
         torch.cuda.synchronize()
         return checksum(self.cache, ids)
 
-    def expect(self, request_id: str, ids: list[int]) -> None:
-        self.loads[request_id] = self.agent.expect("sender", request_id, ids).start_load()
+    def expect(self, request_id: str, ids: list[int]) -> int:
+        load = self.agent.expect("sender", request_id, ids, timeout=TIMEOUT).start_load()
+        self.loads[request_id] = load
+        return load.epoch
 
     def wait_all(self, request_id: str) -> None:
         self.loads.pop(request_id).wait_all(TIMEOUT)
@@ -162,8 +164,8 @@ def bench_stream(iters: int) -> dict:
         size, repeats, compute = _calibrate(bulk / LAYOUT.num_layers)
         hidden = []
         for i in range(iters):
-            far.call("expect", f"r{i}", ids)
-            stream = agent.stream_to("receiver", ids, ids, f"r{i}")
+            epoch = far.call("expect", f"r{i}", ids)
+            stream = agent.stream_to("receiver", ids, ids, f"r{i}", epoch=epoch)
             for layer in range(LAYOUT.num_layers):
                 _layer_compute(size, repeats)
                 raw(cache)[layer, ids] = kv

@@ -133,8 +133,7 @@ def test_save_layer(benchmark: Any, handoffs: Handoffs) -> None:
     def next_layer() -> tuple[tuple[Any, int], dict]:
         if state["layer"] == layers:
             finish_previous()
-            request_id = pair.prepare_streamed()
-            state["stream"] = pair.near.agent.stream_to(FAR, pair.src, pair.dst, request_id)
+            state["stream"] = pair.open_stream(pair.prepare_streamed())
             state["layer"] = 0
         state["layer"] += 1
         return (state["stream"], state["layer"] - 1), {}

@@ -281,6 +281,11 @@ class Agent:
         weakref.finalize(self, self._server.close)
         return self._server.address
 
+    @property
+    def listen_address(self) -> tuple[str, int] | None:
+        """Where ``listen()`` serves metadata exchange, or None."""
+        return None if self._server is None else self._server.address
+
     def connect(self, host: str, port: int, timeout: float = 10.0) -> str:
         """Exchanges metadata with an agent listening at ``host:port``; returns its name.
 

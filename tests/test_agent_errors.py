@@ -234,7 +234,8 @@ def _assert_cache_still_usable(cache: kvmove.KVCache) -> None:
 HEADER = struct.Struct("<4sHHI")
 # (field, struct format); blobs are (length format, bytes).
 BODY_FIELDS = [
-    ("name", "B*"), ("worker_address", "I*"), ("region_addr", "Q"), ("region_nbytes", "Q"),
+    ("name", "B*"), ("incarnation", "I"), ("worker_address", "I*"), ("region_addr", "Q"),
+    ("region_nbytes", "Q"),
     ("packed_rkey", "I*"), ("num_layers", "I"), ("num_blocks", "I"), ("block_nbytes", "Q"),
     ("num_kv_heads", "I"), ("head_dim", "I"), ("block_size", "I"), ("dtype", "B*"),
 ]
@@ -335,12 +336,12 @@ def test_reject_wrong_magic(lone, valid_metadata):
     names(excinfo, f"{len(valid_metadata)} bytes")
 
 
-@pytest.mark.parametrize("version", [0, 2, 0xFFFF])
+@pytest.mark.parametrize("version", [0, 1, 3, 0xFFFF])
 def test_reject_wrong_version(lone, valid_metadata, version):
     blob = valid_metadata[:4] + struct.pack("<H", version) + valid_metadata[6:]
     with pytest.raises(MetadataError, match="format version") as excinfo:
         lone.add_peer(blob)
-    names(excinfo, f"version {version}", "reads 1")
+    names(excinfo, f"version {version}", "reads 2")
 
 
 @pytest.mark.parametrize("suffix", [b"\0", b"KVMV", b"x" * 100], ids=["1", "4", "100"])
@@ -474,12 +475,29 @@ def test_reject_adding_a_peer_twice(pair):
     pair.assert_untouched()
 
 
-def test_reject_a_different_agent_with_a_taken_name(pair):
-    with kvmove.Agent("b", make_cache(LAYOUT, A_BLOCKS), **TCP) as impostor:
-        with pytest.raises(PeerError, match="peer 'b' is already added"):
-            pair.a.add_peer(impostor.metadata())
+def test_reject_adding_the_same_peer_twice(pair):
+    with pytest.raises(PeerError, match="peer 'b' is already added"):
+        pair.a.add_peer(pair.b.metadata())
     assert pair.a.peers == ["b"]
-    pair.assert_untouched()  # the original b is still the one a talks to
+    pair.assert_untouched()
+
+
+def test_another_incarnation_of_a_peer_replaces_it(pair):
+    """A peer that comes back under its name with new metadata (it restarted: another
+    incarnation) replaces the old one, even before the old one was noticed dead (NIXL #1986:
+    the survivor must not need a restart). Transfers to the name now reach the new agent, and
+    the old one's blocks are left alone. Whether the newcomer may join at all is the
+    deployment key's business (docs/security.md), not the name's."""
+    with kvmove.Agent("b", make_cache(LAYOUT, A_BLOCKS), **TCP) as again:
+        assert again.incarnation != pair.b.incarnation
+        assert pair.a.add_peer(again.metadata()) == "b"
+        again.add_peer(pair.a.metadata())
+        assert pair.a.peers == ["b"]
+        pair.a.write("b", [3], [5], notify=b"new").wait(WAIT)
+        assert again.wait_notification(WAIT) == ("a", b"new")
+        np.testing.assert_array_equal(raw_view(again.cache)[:, 5], pair.a_ref[:, 3])
+    np.testing.assert_array_equal(raw_view(pair.b_cache), pair.b_ref)
+    assert pair.b.notifications() == []
 
 
 def test_an_agent_can_add_itself():
@@ -794,15 +812,18 @@ def test_reject_bad_connect_timeout(pair, timeout):
 
 
 def test_listener_rejecting_our_metadata_is_a_peer_error(pair):
-    """The listener already has a peer named "b": it answers "ER" + its error, and the
-    connecting agent (also named "b") raises PeerError with that message. Neither side
-    changed."""
+    """The listener rejects metadata it cannot add (here: of another KV layout): it answers
+    "ER" + its error, and the connecting agent raises PeerError with that message. Neither
+    side changed."""
     host, port = pair.a.listen()
-    with kvmove.Agent("b", make_cache(LAYOUT, A_BLOCKS), **TCP) as impostor:
+    odd = {**LAYOUT, "head_dim": LAYOUT["head_dim"] * 2}
+    with kvmove.Agent("odd", make_cache(odd, A_BLOCKS), **TCP) as other:
+        pair.a.add_peer(other.metadata())
         with pytest.raises(PeerError, match="rejected our metadata") as excinfo:
-            impostor.connect(host, port, timeout=WAIT)
-        names(excinfo, f"{host}:{port}", "peer 'b' is already added")
-        assert impostor.peers == []
+            other.connect(host, port, timeout=WAIT)
+        names(excinfo, f"{host}:{port}", "peer 'odd' is already added")
+        assert other.peers == []
+        pair.a.remove_peer("odd")
     assert pair.a.peers == ["b"]
     pair.assert_untouched()
 

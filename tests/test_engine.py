@@ -81,12 +81,12 @@ def disaggregated():
 
 def handoff(prefill: WorkerProcess, decode: WorkerProcess, rid: str, prompt: list[int],
             params: dict) -> None:
-    """What a router does: the decode worker reserves blocks, the prefill worker gets the
-    prompt and where its KV goes, the decode worker starts loading."""
+    """What a router does: the decode worker reserves blocks and leases them to the prefill
+    worker, which gets the prompt, where its KV goes and the lease's epoch."""
     blocks = decode.call("reserve", rid, prompt, params)
     assert blocks is not None, "the decode cache is big enough for the whole test"
-    prefill.call("add", rid, prompt, params, "decode", blocks)
-    decode.call("load", rid, "prefill")
+    epoch = decode.call("load", rid, "prefill")
+    prefill.call("add", rid, prompt, params, "decode", blocks, epoch)
 
 
 def test_disaggregated_greedy_equals_colocated(disaggregated, reference) -> None:

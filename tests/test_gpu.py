@@ -173,8 +173,8 @@ def test_save_layer_posts_only_after_its_cuda_event():
             far.call("add_peer", agent.metadata())
             agent.add_peer(far.call("metadata"))
             ids, remote = [0, 1, 2, 3], [8, 9, 10, 11]
-            far.call("expect", "sender", "req", remote)
-            stream = agent.stream_to("receiver", ids, remote, "req")
+            epoch = far.call("expect", "sender", "req", remote)
+            stream = agent.stream_to("receiver", ids, remote, "req", epoch=epoch)
             side, expected, keep = torch.cuda.Stream(), [], []
             for layer in range(LAYOUT.num_layers):
                 data = torch.randint(0, 256, (len(ids), cache.block_nbytes), dtype=torch.uint8,

@@ -181,8 +181,8 @@ def test_each_layer_is_exact_once_its_wait_returns(link, record_property):
     with link.request(8) as (src, dst):
         want = expected(seed=101, n=8)
         load = link.near.expect("far", "t1", dst).start_load()
-        link.far.call("run_stream", "near", src, dst, "t1", list(range(L)), 101, delay,
-                      PAYLOAD, WAIT)
+        link.far.call("run_stream", "near", src, dst, "t1", load.epoch, list(range(L)), 101,
+                      delay, PAYLOAD, WAIT)
         already_complete = []  # per wait: how many later layers were complete too
         for i in range(L):
             load.wait_for_layer(i, WAIT)
@@ -233,7 +233,8 @@ def test_a_layer_is_never_ready_before_its_bytes(link, mapping, delay, record_pr
             rng.shuffle(dst)
         want = expected(seed, n)
         load = link.near.expect("far", rid, dst).start_load()
-        link.far.call("run_stream", "near", src, dst, rid, order, seed, delay, PAYLOAD, WAIT)
+        link.far.call("run_stream", "near", src, dst, rid, load.epoch, order, seed, delay,
+                      PAYLOAD, WAIT)
         seen = [False] * L
         polls_with_news = 0
         deadline = time.monotonic() + WAIT
@@ -286,7 +287,7 @@ def _abort_after(link: Link, k: int) -> None:
     with link.request(6) as (src, dst):
         want = expected(404, 6)
         load = link.near.expect("far", rid, dst).start_load()
-        link.far.call("stream_to", "near", src, dst, rid)
+        link.far.call("stream_to", "near", src, dst, rid, load.epoch)
         link.far.call("write_layers", 404, list(range(L)), src)
         link.far.call("save_layers", rid, list(range(k)))
         waiter = Background(load.wait_for_layer, k, LONG) if k < L else \
@@ -333,7 +334,8 @@ def _sync(link: Link, rid: str) -> None:
     before it has landed once it is done."""
     with link.request(1) as (src, dst):
         load = link.near.expect("far", rid, dst).start_load()
-        link.far.call("run_stream", "near", src, dst, rid, list(range(L)), 7, 0.0, b"", WAIT)
+        link.far.call("run_stream", "near", src, dst, rid, load.epoch, list(range(L)), 7, 0.0,
+                      b"", WAIT)
         assert load.wait_all(WAIT) == b""
         assert link.far.call("join_stream", rid, WAIT)["state"] == "DONE"
 
@@ -345,7 +347,7 @@ def test_dropping_an_open_save_stream_aborts_it(link):
     with link.request(4) as (src, dst):
         want = expected(1111, 4)
         load = link.near.expect("far", "t11", dst).start_load()
-        link.far.call("stream_to", "near", src, dst, "t11")
+        link.far.call("stream_to", "near", src, dst, "t11", load.epoch)
         link.far.call("write_layers", 1111, list(range(5)), src)
         link.far.call("save_layers", "t11", list(range(5)))
         waiter = Background(load.wait_for_layer, 5, LONG)
@@ -369,19 +371,19 @@ def test_dropping_an_open_save_stream_aborts_it(link):
 def test_blocks_can_be_freed_and_reused_whatever_the_outcome(link, outcome):
     """Test 7. Each side allocates the request's blocks from its cache's BlockPool, and frees
     them once the stream ended (done, aborted by the sender, dropped, or cancelled by the
-    receiver and then finished by the sender, which is not told). Streaming takes no reference
-    on any block (the pool sees only ours), both pools are all free afterwards, and the freed
-    blocks can be handed to a new request at once: it lands exactly, and nothing else of the
-    near cache changes (no late write of the old stream)."""
+    receiver, which tells the sender to stop) and the receiver's lease was released.
+    Streaming takes no reference on any block (the pool sees only ours), both pools are all
+    free afterwards, and the freed blocks can be handed to a new request at once: it lands
+    exactly, and nothing else of the near cache changes (no late write of the old stream)."""
     n, half, rid = 5, L // 2, f"t7-{outcome}"
     far_free, near_free = link.pools()
     src, dst = link.far_ids(n), link.near_ids(n)
     load = link.near.expect("far", rid, dst).start_load()
     if outcome == "done":
-        link.far.call("run_stream", "near", src, dst, rid, list(range(L)), 707, 0.0, b"ok",
-                      WAIT)
+        link.far.call("run_stream", "near", src, dst, rid, load.epoch, list(range(L)), 707, 0.0,
+                      b"ok", WAIT)
     else:
-        link.far.call("stream_to", "near", src, dst, rid)
+        link.far.call("stream_to", "near", src, dst, rid, load.epoch)
         link.far.call("write_layers", 707, list(range(L)), src)
         link.far.call("save_layers", rid, list(range(half)))
     assert [link.cache.pool.ref_count(i) for i in dst] == [1] * n
@@ -396,10 +398,15 @@ def test_blocks_can_be_freed_and_reused_whatever_the_outcome(link, outcome):
         load.cancel()
         with pytest.raises(TransferError, match="cancelled"):
             load.wait_all(WAIT)
-        # The sender is not told: the receiver's blocks stay reserved until it ended.
-        link.far.call("save_layers", rid, list(range(half, L)))
-        link.far.call("finish", rid, b"")
-        link.far.call("wait_for_save", rid, WAIT)
+        # The sender is told to stop: it flushes what it posted and answers with an Abort;
+        # only then is the lease released.
+        assert load.wait_released(WAIT)
+        with pytest.raises(ChildError, match="cancelled by its receiver") as excinfo:
+            link.far.call("wait_for_save", rid, WAIT)
+        assert excinfo.value.kind == "TransferError"
+        assert link.far.call("state", rid) == "ABORTED"
+        with pytest.raises(ChildError, match="cancelled by its receiver"):
+            link.far.call("save_layers", rid, [L - 1])
     elif outcome == "abort":
         link.far.call("abort", rid, WAIT)
         with pytest.raises(TransferError, match="aborted"):
@@ -409,6 +416,7 @@ def test_blocks_can_be_freed_and_reused_whatever_the_outcome(link, outcome):
         with pytest.raises(TransferError, match="aborted"):
             load.wait_all(WAIT)
     assert [link.cache.pool.ref_count(i) for i in dst] == [1] * n
+    assert load.wait_released(WAIT)  # whatever the outcome, the blocks may now be reused
     link.far.call("free", src)
     link.cache.pool.free(dst)
     link.far.call("forget", rid)
@@ -419,8 +427,8 @@ def test_blocks_can_be_freed_and_reused_whatever_the_outcome(link, outcome):
     before = link.raw.copy()
     with link.request(n) as (src2, dst2):
         load2 = link.near.expect("far", f"{rid}-next", dst2).start_load()
-        link.far.call("run_stream", "near", src2, dst2, f"{rid}-next", list(range(L)), 708,
-                      0.0, b"next", WAIT)
+        link.far.call("run_stream", "near", src2, dst2, f"{rid}-next", load2.epoch,
+                      list(range(L)), 708, 0.0, b"next", WAIT)
         assert load2.wait_all(WAIT) == b"next"
         assert link.far.call("join_stream", f"{rid}-next", WAIT)["state"] == "DONE"
         _sync(link, f"{rid}-sync")
@@ -436,26 +444,21 @@ def test_blocks_can_be_freed_and_reused_whatever_the_outcome(link, outcome):
 
 
 # ---------------------------------------------------------------------------------------------
-# Test 8: messages before start_load.
+# Test 8: a stream before start_load, and one before its lease.
 
-@pytest.mark.parametrize("when", ["expect-after-the-stream", "expect-before-start-after"])
-def test_a_stream_that_finished_before_start_load_is_applied_by_it(link, when):
-    """Test 8. The sender streams every layer, finishes and is acknowledged (DONE) before the
-    receiver calls start_load() (and, in one case, before it even called expect()). The agent
-    kept the messages: start_load applies them at once (the load is DONE when it returns),
+def test_a_stream_that_finished_before_start_load_is_applied(link):
+    """Test 8. The receiver leased the blocks (expect) but has not called start_load() when
+    the sender streams every layer, finishes and is acknowledged (DONE). The lease took it all
+    as it landed: the load is DONE, start_load() still works (vLLM calls it before waiting),
     wait_all returns the payload, and every byte is right."""
-    rid = f"t8-{when}"
+    rid = "t8-late-start"
     with link.request(6) as (src, dst):
-        load = link.near.expect("far", rid, dst) if when.startswith("expect-before") else None
-        link.far.call("run_stream", "near", src, dst, rid, list(range(L)), 808, 0.0, PAYLOAD,
-                      WAIT)
+        load = link.near.expect("far", rid, dst)
+        link.far.call("run_stream", "near", src, dst, rid, load.epoch, list(range(L)), 808,
+                      0.0, PAYLOAD, WAIT)
         assert link.far.call("join_stream", rid, WAIT)["state"] == "DONE"
-        if load is None:
-            load = link.near.expect("far", rid, dst)
-        assert load.state == StreamState.OPEN
-        assert load.layers_ready() == [False] * L  # nothing is applied before start_load
+        assert load.state == StreamState.DONE and load.released
         assert load.start_load() is load
-        assert load.state == StreamState.DONE
         assert load.layers_ready() == [True] * L
         assert load.wait_all(WAIT) == PAYLOAD
         want = expected(808, 6)
@@ -464,19 +467,39 @@ def test_a_stream_that_finished_before_start_load_is_applied_by_it(link, when):
             assert_layer(link.raw[i, dst], want[i], i, "after a late start_load")
 
 
-def test_an_abort_before_start_load_is_applied_by_it(link):
-    """Test 8, aborted: the sender saved 3 layers and aborted before the receiver started;
-    start_load applies both: 3 layers ready (exact), the load ABORTED, waits raise
-    TransferError."""
+def test_a_stream_into_a_lease_never_granted_writes_nothing(link):
+    """Test 8, before the lease: the sender streams into an epoch of near's that near never
+    granted (as a sender would whose control plane raced ahead of the receiver, or replays an
+    old request). near refuses the Begin: the stream fails naming the refusal, and not one
+    byte of near's cache changed."""
     with link.request(3) as (src, dst):
-        link.far.call("stream_to", "near", src, dst, "t8-abort")
+        before = link.raw.copy()
+        refused = link.near.stats().begins_refused
+        epoch = (link.near.incarnation << 32) | 0xABCDEF
+        link.far.call("run_stream", "near", src, dst, "t8-no-lease", epoch, list(range(L)),
+                      818, 0.0, b"", WAIT)
+        result = link.far.call("join_stream", "t8-no-lease", WAIT)
+        assert result["state"] == "FAILED"
+        assert result["error"][0] == "TransferError"
+        assert "refused" in result["error"][1] and "nothing was written" in result["error"][1]
+        assert link.near.stats().begins_refused == refused + 1
+        _sync(link, "t8-no-lease-sync")
+        changed = np.flatnonzero((link.raw != before).any(axis=(0, 2)))
+        assert len(changed) <= 1, f"blocks {changed} changed (only the sync's one may)"
+
+
+def test_an_abort_before_start_load_is_applied(link):
+    """Test 8, aborted: the sender saved 3 layers and aborted before the receiver started;
+    start_load works, the load is ABORTED with the 3 layers ready (exact), the waits raise
+    TransferError, and the lease is released."""
+    with link.request(3) as (src, dst):
+        load = link.near.expect("far", "t8-abort", dst)
+        link.far.call("stream_to", "near", src, dst, "t8-abort", load.epoch)
         link.far.call("write_layers", 818, list(range(3)), src)
         link.far.call("save_layers", "t8-abort", [0, 1, 2])
         link.far.call("abort", "t8-abort", WAIT)
-        # abort() returns once the Abort is sent, not received: a stream the receiver
-        # acknowledged afterwards (same connection, in order) shows it arrived.
-        _sync(link, "t8-abort-sync")
-        load = link.near.expect("far", "t8-abort", dst).start_load()
+        assert load.wait_released(WAIT)
+        load.start_load()
         assert load.state == StreamState.ABORTED
         assert load.layers_ready() == [i < 3 for i in range(L)]
         with pytest.raises(TransferError, match="aborted"):
@@ -500,8 +523,8 @@ def test_two_concurrent_streams_to_one_peer_interleave(link):
     with link.request(4) as (src_a, dst_a), link.request(3) as (src_b, dst_b):
         load_a = link.near.expect("far", "t9-a", dst_a).start_load()
         load_b = link.near.expect("far", "t9-b", dst_b).start_load()
-        link.far.call("stream_to", "near", src_a, dst_a, "t9-a")
-        link.far.call("stream_to", "near", src_b, dst_b, "t9-b")
+        link.far.call("stream_to", "near", src_a, dst_a, "t9-a", load_a.epoch)
+        link.far.call("stream_to", "near", src_b, dst_b, "t9-b", load_b.epoch)
         link.far.call("write_layers", 901, list(range(L)), src_a)
         link.far.call("write_layers", 902, list(range(L)), src_b)
         link.far.call("save_each", [pair for i in range(L)
@@ -522,8 +545,8 @@ def test_two_concurrent_streams_to_one_peer_interleave(link):
 
         # The same request id again, same blocks, new data.
         again = link.near.expect("far", "t9-a", dst_a).start_load()
-        link.far.call("run_stream", "near", src_a, dst_a, "t9-a", list(range(L)), 903, 0.0,
-                      b"again", WAIT)
+        link.far.call("run_stream", "near", src_a, dst_a, "t9-a", again.epoch, list(range(L)),
+                      903, 0.0, b"again", WAIT)
         assert again.wait_all(WAIT) == b"again"
         assert link.far.call("join_stream", "t9-a", WAIT)["state"] == "DONE"
         want = expected(903, 4)
@@ -534,26 +557,30 @@ def test_two_concurrent_streams_to_one_peer_interleave(link):
 # ---------------------------------------------------------------------------------------------
 # Test 10: mismatched destination.
 
-def test_a_stream_into_other_blocks_than_expected_fails_the_load(link):
-    """Test 10. The receiver expects request "t10" in blocks X; the sender streams "t10" into
-    blocks Y. The receiver's wait raises TransferError saying so, and the blocks X it reserved
-    are untouched. The sender's wait ends (no hang)."""
+def test_a_stream_into_other_blocks_than_leased_is_refused(link):
+    """Test 10. The receiver leased blocks X for request "t10"; the sender streams "t10" with
+    that lease's epoch into blocks Y. The receiver refuses the Begin (the ids' hash differs):
+    the sender's stream fails naming it, nothing is written (neither X nor Y), and the
+    receiver's lease stands until it is cancelled, which releases it at once (no sender ever
+    engaged it)."""
     with link.request(4) as (src, x):
         y = link.near_ids(4)
         try:
+            before = link.raw.copy()
             load = link.near.expect("far", "t10", x).start_load()
-            link.far.call("run_stream", "near", src, y, "t10", list(range(L)), 1010, 0.0,
-                          b"", WAIT)
-            with pytest.raises(TransferError, match="other blocks") as excinfo:
-                load.wait_for_layer(L - 1, WAIT)
-            names(excinfo, "'t10'", "'far'")
-            with pytest.raises(TransferError, match="other blocks"):
-                load.wait_all(WAIT)
-            assert load.state == StreamState.FAILED
+            link.far.call("run_stream", "near", src, y, "t10", load.epoch, list(range(L)), 1010,
+                          0.0, b"", WAIT)
             result = link.far.call("join_stream", "t10", WAIT)
-            assert result["error"] is None or result["error"][0] != "TimeoutError", result
+            assert result["state"] == "FAILED" and result["error"][0] == "TransferError"
+            assert "other blocks" in result["error"][1], result
+            assert load.state == StreamState.OPEN and not load.released
+            load.cancel()
+            assert load.released
+            with pytest.raises(TransferError, match="cancelled"):
+                load.wait_all(WAIT)
             _sync(link, "t10-sync")
-            assert not link.raw[:, x].any(), "the expected blocks were written"
+            assert np.array_equal(link.raw[:, x], before[:, x]), "the leased blocks were written"
+            assert np.array_equal(link.raw[:, y], before[:, y]), "the other blocks were written"
         finally:
             link.cache.pool.free(y)
 
@@ -567,8 +594,8 @@ def test_wait_for_save_times_out_while_the_receiver_cannot_ack(link):
     deadline; the stream is still OPEN, and completes once the receiver runs again."""
     with link.request(2) as (dst, src):  # far receives into dst, near sends from src
         link.raw[:, src] = pattern(1212, L, 2, BLOCK)
-        link.far.call("expect", "near", "t-timeout", dst)
-        stream = link.near.stream_to("far", src, dst, "t-timeout")
+        epoch = link.far.call("expect", "near", "t-timeout", dst)
+        stream = link.near.stream_to("far", src, dst, "t-timeout", epoch=epoch)
         for i in range(L):
             stream.save_layer(i)
         link.far.pause()
@@ -602,7 +629,7 @@ def test_sigkill_of_the_sender_fails_the_receivers_waits_with_peer_error():
         src, dst = link.far_ids(4), link.near_ids(4)
         want = expected(505, 4, range(6))
         load = link.near.expect("doomed-sender", "t5", dst).start_load()
-        link.far.call("stream_to", "survivor-r", src, dst, "t5")
+        link.far.call("stream_to", "survivor-r", src, dst, "t5", load.epoch)
         link.far.call("write_layers", 505, list(range(L)), src)
         link.far.call("save_layers", "t5", list(range(6)))
         for i in range(6):
@@ -650,8 +677,8 @@ def test_death_of_the_receiver_fails_wait_for_save_with_peer_error(when):
         src, dst = link.near_ids(4), link.far_ids(4)
         for i in range(L):
             write_layer(link.cache, 606, i, src)
-        link.far.call("expect", "survivor-s", "t6", dst)
-        stream = link.near.stream_to(peer, src, dst, "t6")
+        epoch = link.far.call("expect", "survivor-s", "t6", dst)
+        stream = link.near.stream_to(peer, src, dst, "t6", epoch=epoch)
         if when == "mid-stream":
             for i in range(10):
                 stream.save_layer(i)
@@ -679,7 +706,7 @@ def test_death_of_the_receiver_fails_wait_for_save_with_peer_error(when):
         assert waiter.ended_at - killed < PROMPT, "a dead receiver went unnoticed"
         assert stream.state == StreamState.FAILED
         with pytest.raises(PeerError, match=peer):
-            link.near.stream_to(peer, src, dst, "t6-next")
+            link.near.stream_to(peer, src, dst, "t6-next", epoch=epoch + 1)
 
         link.cache.pool.free(src)
         assert link.cache.pool.num_free == NUM_BLOCKS
@@ -707,7 +734,12 @@ class Pair:
     def start(self, rid: str, src: list[int] = [1, 2, 3], dst: list[int] = [4, 5, 6]
               ) -> tuple[kvmove.SaveStream, kvmove.LoadStream]:
         load = self.b.expect("a", rid, dst).start_load()
-        return self.a.stream_to("b", src, dst, rid), load
+        return self.a.stream_to("b", src, dst, rid, epoch=load.epoch), load
+
+    def epoch(self) -> int:
+        """An epoch of b's incarnation that b never granted (rejection tests stop before it
+        matters)."""
+        return (self.b.incarnation << 32) | 0xFFFFFF
 
     def complete(self, stream: kvmove.SaveStream, load: kvmove.LoadStream,
                  src: list[int] = [1, 2, 3], payload: bytes = b"done",
@@ -757,7 +789,7 @@ def pair() -> Iterator[Pair]:
 @pytest.mark.parametrize("local, remote", [([1, 2], [1]), ([1], [1, 2]), ([], [1])])
 def test_reject_stream_to_with_length_mismatch(pair, local, remote):
     with pytest.raises(ConfigError, match="cannot pair") as excinfo:
-        pair.a.stream_to("b", local, remote, "r")
+        pair.a.stream_to("b", local, remote, "r", epoch=pair.epoch())
     names(excinfo, f"{len(local)} local blocks", f"{len(remote)} remote blocks", "'b'")
     pair.assert_usable("r")  # the request id was not taken
 
@@ -765,7 +797,7 @@ def test_reject_stream_to_with_length_mismatch(pair, local, remote):
 @pytest.mark.parametrize("bad", [A_BLOCKS, -1, 2**40])
 def test_reject_stream_to_with_local_id_out_of_range(pair, bad):
     with pytest.raises(BlockError, match="local block") as excinfo:
-        pair.a.stream_to("b", [0, bad], [0, 1], "r")
+        pair.a.stream_to("b", [0, bad], [0, 1], "r", epoch=pair.epoch())
     names(excinfo, bad, f"[0, {A_BLOCKS})")
     pair.assert_usable("r")
 
@@ -773,14 +805,14 @@ def test_reject_stream_to_with_local_id_out_of_range(pair, bad):
 @pytest.mark.parametrize("bad", [B_BLOCKS, -1])
 def test_reject_stream_to_with_remote_id_out_of_range(pair, bad):
     with pytest.raises(BlockError) as excinfo:
-        pair.a.stream_to("b", [0, 1], [0, bad], "r")
+        pair.a.stream_to("b", [0, 1], [0, bad], "r", epoch=pair.epoch())
     names(excinfo, f"block {bad} of 'b'", f"[0, {B_BLOCKS})")
     pair.assert_usable("r")
 
 
 def test_reject_stream_to_with_duplicate_destination(pair):
     with pytest.raises(BlockError, match="appears twice") as excinfo:
-        pair.a.stream_to("b", [1, 2, 3], [4, 9, 4], "r")
+        pair.a.stream_to("b", [1, 2, 3], [4, 9, 4], "r", epoch=pair.epoch())
     names(excinfo, "destination block 4")
     pair.assert_usable("r")
 
@@ -794,7 +826,7 @@ def test_stream_to_with_duplicate_sources_is_allowed(pair):
 
 def test_reject_stream_to_unknown_peer(pair):
     with pytest.raises(PeerError, match="unknown peer") as excinfo:
-        pair.a.stream_to("nobody", [1], [1], "r")
+        pair.a.stream_to("nobody", [1], [1], "r", epoch=pair.epoch())
     names(excinfo, "'nobody'", "'a'")
     pair.assert_usable("r")
 
@@ -803,7 +835,7 @@ def test_reject_stream_to_and_expect_of_a_removed_peer(pair):
     pair.a.remove_peer("b")
     pair.b.remove_peer("a")
     with pytest.raises(PeerError, match="unknown peer 'b'"):
-        pair.a.stream_to("b", [1], [1], "r")
+        pair.a.stream_to("b", [1], [1], "r", epoch=pair.epoch())
     with pytest.raises(PeerError, match="unknown peer 'a'"):
         pair.b.expect("a", "r", [1])
     assert pair.a.add_peer(pair.b.metadata()) == "b"
@@ -816,7 +848,7 @@ def test_reject_stream_to_and_expect_of_a_removed_peer(pair):
 def test_reject_bad_request_id(pair, rid, nbytes):
     """The limit is 1..256 bytes (UTF-8), on both sides."""
     with pytest.raises(ConfigError, match="request_id") as excinfo:
-        pair.a.stream_to("b", [1], [1], rid)
+        pair.a.stream_to("b", [1], [1], rid, epoch=pair.epoch())
     names(excinfo, "1..256 bytes", f"got {nbytes}")
     with pytest.raises(ConfigError, match="request_id") as excinfo:
         pair.b.expect("a", rid, [1])
@@ -831,19 +863,20 @@ def test_request_id_of_exactly_256_bytes_is_streamed(pair):
     pair.complete(stream, load)
 
 
-def test_reject_a_second_stream_of_the_same_request_to_the_same_peer(pair):
-    """Only the same (peer, request id) is refused, while the first stream runs: the first
-    completes, the id can be streamed to another peer meanwhile, and again to "b" after."""
+def test_reject_a_second_stream_of_the_same_lease(pair):
+    """One stream per lease, while it runs: a second stream_to with its epoch is refused
+    before anything moves; the first completes; the same request id streams to another peer
+    meanwhile (its own lease there), and to "b" again under a new lease after."""
     stream, load = pair.start("r")
     stream.save_layer(0)
     with pytest.raises(ConfigError, match="already being streamed") as excinfo:
-        pair.a.stream_to("b", [7], [9], "r")
-    names(excinfo, "'r'", "'b'")
+        pair.a.stream_to("b", [7], [9], "r", epoch=load.epoch)
+    names(excinfo, load.epoch, "'b'")
     with kvmove.Agent("c", make_cache(LAYOUT, 4), **TCP) as c:
         pair.a.add_peer(c.metadata())
         c.add_peer(pair.a.metadata())
         other = c.expect("a", "r", [0]).start_load()
-        to_c = pair.a.stream_to("c", [7], [0], "r")
+        to_c = pair.a.stream_to("c", [7], [0], "r", epoch=other.epoch)
         for i in range(PL):
             to_c.save_layer(i)
         to_c.wait_for_save(WAIT)
@@ -860,7 +893,7 @@ def test_reject_streams_between_different_layouts(pair, field):
         pair.a.add_peer(odd.metadata())
         odd.add_peer(pair.a.metadata())
         with pytest.raises(ConfigError, match="KV layouts differ") as excinfo:
-            pair.a.stream_to("odd", [1], [1], "r")
+            pair.a.stream_to("odd", [1], [1], "r", epoch=pair.epoch())
         names(excinfo, "'odd'")
         with pytest.raises(ConfigError, match="KV layouts differ") as excinfo:
             odd.expect("a", "r", [1])
@@ -872,7 +905,7 @@ def test_reject_streams_between_different_layouts(pair, field):
 def test_reject_stream_to_and_expect_on_a_closed_agent(pair):
     pair.a.close()
     with pytest.raises(ConfigError, match="closed") as excinfo:
-        pair.a.stream_to("b", [1], [1], "r")
+        pair.a.stream_to("b", [1], [1], "r", epoch=pair.epoch())
     names(excinfo, "'a'")
     pair.b.close()
     with pytest.raises(ConfigError, match="closed") as excinfo:
@@ -1080,19 +1113,25 @@ def test_abort_after_done_does_nothing(pair):
 
 def test_abort_right_after_finish_ends_both_sides_the_same_way(pair):
     """A final already on its way is not recalled; one not yet sent is replaced by the abort.
-    Either way the two sides agree."""
+    Either way the two sides agree, and the receiver's blocks hold exactly the layers it
+    reports ready."""
     stream, load = pair.start("r")
     for i in range(PL):
         stream.save_layer(i)
     stream.finish(b"p")
     stream.abort(WAIT)
-    pair.landed([1, 2, 3], [4, 5, 6])  # every layer landed before the Final or the Abort
     if stream.state == StreamState.DONE:
         assert load.wait_all(WAIT) == b"p"
     else:
         assert stream.state == StreamState.ABORTED
         with pytest.raises(TransferError, match="aborted"):
             load.wait_all(WAIT)
+    assert load.wait_released(WAIT)
+    ready = load.layers_ready()
+    for i in range(PL):
+        if ready[i]:
+            pair.landed([1, 2, 3], [4, 5, 6], i)
+    pair.assert_caches()
     pair.assert_usable()
 
 
@@ -1136,7 +1175,7 @@ def test_reject_expect_from_unknown_peer(pair):
 @pytest.mark.parametrize("wait", ["wait_for_layer", "wait_all"])
 def test_reject_waiting_before_start_load(pair, wait):
     load = pair.b.expect("a", "r", [4, 5, 6])
-    stream = pair.a.stream_to("b", [1, 2, 3], [4, 5, 6], "r")
+    stream = pair.a.stream_to("b", [1, 2, 3], [4, 5, 6], "r", epoch=load.epoch)
     stream.save_layer(0)
     args = (0, WAIT) if wait == "wait_for_layer" else (WAIT,)
     start = time.monotonic()
@@ -1156,12 +1195,11 @@ def test_reject_start_load_twice(pair):
     pair.complete(stream, load)
 
 
-def test_reject_a_second_load_of_the_same_request(pair):
+def test_reject_a_second_lease_of_the_same_request(pair):
     stream, load = pair.start("r")
-    second = pair.b.expect("a", "r", [4, 5, 6])
-    with pytest.raises(ConfigError, match="already being loaded") as excinfo:
-        second.start_load()
-    names(excinfo, "'r'", "'a'")
+    with pytest.raises(ConfigError, match="already has lease") as excinfo:
+        pair.b.expect("a", "r", [7, 8, 9])
+    names(excinfo, "'r'", "'a'", load.epoch)
     pair.complete(stream, load)
 
 
@@ -1214,10 +1252,15 @@ def test_cancel_wakes_waiters_and_refuses_start_load(pair):
         load.start_load()
     unstarted = pair.b.expect("a", "r-other", [0])
     unstarted.cancel()
-    with pytest.raises(ConfigError, match=r"after cancel\(\)") as excinfo:
+    assert unstarted.released  # no sender engaged it: released at once
+    with pytest.raises(ConfigError, match="after it failed") as excinfo:
         unstarted.start_load()
-    names(excinfo, "'r-other'")
-    stream.abort(WAIT)  # the sender was not told; end it before its blocks are reused
+    names(excinfo, "'r-other'", "cancelled")
+    # The sender was told: it stops, and the blocks are released once it answered.
+    with pytest.raises(TransferError, match="cancelled by its receiver"):
+        stream.wait_for_save(WAIT)
+    assert stream.state == StreamState.ABORTED
+    assert load.wait_released(WAIT)
     pair.assert_usable()
 
 
@@ -1263,46 +1306,32 @@ def test_dropped_streams_are_aborted_and_cancelled(pair):
     del dropped
     gc.collect()
     load = pair.b.expect("a", "r2", [4, 5, 6]).start_load()  # not "already being loaded"
-    pair.complete(pair.a.stream_to("b", [1, 2, 3], [4, 5, 6], "r2"), load)
+    pair.complete(pair.a.stream_to("b", [1, 2, 3], [4, 5, 6], "r2", epoch=load.epoch), load)
 
 
 # -- a request id used again -------------------------------------------------------------------
 
-@pytest.mark.parametrize("first", ["load-cancelled", "never-expected"])
-def test_a_reused_request_id_waits_for_the_new_streams_layers(pair, first):
-    """Test 9, reuse after a stream nobody loaded. The first stream of request "r" finished
-    (DONE) while the receiver had cancelled its load (or never expected it). Then "r" is
-    streamed again into the same blocks with new data, and the receiver expects it again: the
-    new load must wait for the *new* stream's layers and payload. Layers the new stream has
-    not saved yet cannot be in, and the old payload is not the new one."""
+def test_a_reused_request_id_gets_only_the_new_streams_bytes(pair):
+    """Test 9, reuse after a cancelled lease. The receiver leased blocks for "r" and cancelled
+    the lease before any sender began (released at once); it leases the same blocks for "r"
+    again. The old request's sender runs late with the old lease's epoch: it is refused and
+    writes nothing. The new stream fills the blocks: the receiver sees only its layers and
+    its payload."""
     dst = [4, 5, 6]
-    if first == "load-cancelled":
-        pair.b.expect("a", "r", dst).start_load().cancel()
-    old = pair.a.stream_to("b", [1, 2, 3], dst, "r")
+    first = pair.b.expect("a", "r", dst).start_load()
+    first.cancel()
+    assert first.released
+    load = pair.b.expect("a", "r", dst).start_load()
+    assert load.epoch != first.epoch
+
+    old = pair.a.stream_to("b", [1, 2, 3], dst, "r", epoch=first.epoch)
     for i in range(PL):
         old.save_layer(i)
-    old.finish(b"old")
-    old.wait_for_save(WAIT)
-    assert old.state == StreamState.DONE
+    with pytest.raises(TransferError, match="refused") as excinfo:
+        old.wait_for_save(WAIT)
+    names(excinfo, "'r'", "nothing was written")
+    pair.assert_caches()  # not one byte of b changed
+    assert load.layers_ready() == [False] * PL and load.state == StreamState.OPEN
 
-    new = pair.a.stream_to("b", [7, 8, 9], dst, "r")
-    new.save_layer(0)
-    # Unclaimed messages of "r" wait for a start_load(), and a newer stream's first message
-    # replaces an older stream's. Which stream a load started *before* that message arrives
-    # takes is not knowable, so let it arrive: a sender's messages arrive in order, and a
-    # whole stream sent after it has been received.
-    sync, sync_load = pair.start("r-sync", [10], [11])
-    for i in range(PL):
-        sync.save_layer(i)
-    sync.wait_for_save(WAIT)
-    sync_load.wait_all(WAIT)
-    pair.landed([10], [11])
-    load = pair.b.expect("a", "r", dst).start_load()
-    assert load.layers_ready()[1:] == [False] * (PL - 1), \
-        "layers the new stream never saved are reported ready (the old stream's messages)"
-    assert load.state == StreamState.OPEN
-    assert load.payload == b""
-    load.wait_for_layer(0, WAIT)
-    np.testing.assert_array_equal(pair.b_raw[0, dst], pair.a_ref[0, [7, 8, 9]])
-    pair.landed([1, 2, 3], dst)  # the old stream's bytes
-    pair.complete(new, load, src=[7, 8, 9], payload=b"new", saved=(0,))
+    new = pair.a.stream_to("b", [7, 8, 9], dst, "r", epoch=load.epoch)
+    pair.complete(new, load, src=[7, 8, 9], payload=b"new")

@@ -60,12 +60,17 @@ FULL_CONTEXT_TOKENS = 4000  # "Hello" (6 tokens) + 4,000 of the 4,096 positions:
 BATCH_SECONDS = 120.0  # a batch of concurrent requests
 ERROR_SECONDS = 5.0   # a killed worker's stream ends with an error within this
 SHUTDOWN_SECONDS = 15.0  # SIGINT / SIGTERM to exit code
+# The shared servers do not restart dead workers (--no-restart): several tests kill one and
+# check what a dead worker does to the rest. "disagg-restart" has kvmove-serve's default.
 SERVERS = {
-    "colocated": ("--mode", "colocated", "--workers", "2"),
-    "chunked": ("--mode", "chunked", "--workers", "1", "--chunk-size", str(CHUNK)),
+    "colocated": ("--mode", "colocated", "--workers", "2", "--no-restart"),
+    "chunked": ("--mode", "chunked", "--workers", "1", "--chunk-size", str(CHUNK),
+                "--no-restart"),
     "disagg": ("--mode", "disagg", "--prefill", "1", "--decode", "1",
-               "--chunk-size", str(CHUNK)),
-    "single": ("--mode", "colocated", "--workers", "1"),
+               "--chunk-size", str(CHUNK), "--no-restart"),
+    "single": ("--mode", "colocated", "--workers", "1", "--no-restart"),
+    "disagg-restart": ("--mode", "disagg", "--prefill", "1", "--decode", "1",
+                       "--chunk-size", str(CHUNK)),
 }
 TOKENIZER = ByteTokenizer(TINY.bos_token_id, TINY.eos_token_id)
 T = TypeVar("T")
@@ -552,6 +557,42 @@ def test_a_decode_worker_killed_mid_stream_ends_the_stream_with_an_error(
         server.client(timeout=ERROR_SECONDS).completions.create(model=MODEL, prompt="hi",
                                                                 max_tokens=2)
     assert refused.value.status_code >= 500 and "decode" in str(refused.value)
+
+
+@pytest.mark.parametrize("victim", ["prefill-0", "decode-0"])
+def test_a_killed_worker_is_started_again_and_readmitted(
+        own: Callable[[str], Server], reference: dict[str, list[int]], victim: str) -> None:
+    """kvmove-serve's default: a worker SIGKILLed is started again under its name and
+    re-admitted once it is every survivor's kvmove peer again (the survivor, holding the dead
+    worker's metadata, takes the new incarnation's without restarting: NIXL #1986's scenario).
+    A decode worker's stream in flight ends with an error event (a prefill worker holds a
+    request only until its KV is handed off); the next requests get exactly the colocated
+    greedy text."""
+    server = own("disagg-restart")
+    client = server.client()
+    prompt = PROMPTS[3]
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, **GREEDY)
+    assert first.choices[0].text == text_of(reference[prompt][:8])
+    old_pid = server.worker(victim)["pid"]
+    if victim.startswith("decode"):
+        chunks = _read(server.client(timeout=ERROR_SECONDS * 2).completions.create(
+            model=MODEL, prompt=PROMPTS[5], max_tokens=LONG_TOKENS, stream=True, **GREEDY), 3)
+        os.kill(old_pid, signal.SIGKILL)
+        error, seconds = _until_error(chunks)
+        assert type(error) is openai.APIError, repr(error)
+        assert victim in str(error) and seconds < ERROR_SECONDS, (str(error), seconds)
+    else:
+        os.kill(old_pid, signal.SIGKILL)
+    wait_until(lambda: (server.worker(victim)["pid"] != old_pid and
+                        server.worker(victim)["alive"] and server.worker(victim)["ready"]),
+               60.0, f"{victim} started again and ready")
+    assert server.health()["status"] == "ok"
+    for prompt in PROMPTS[:4]:
+        result = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, **GREEDY)
+        assert result.choices[0].text == text_of(reference[prompt][:8])
+    metrics = server.get("/metrics").text
+    assert f'kvmove_worker_restarts_total{{worker="{victim}"}} 1.0' in metrics, metrics
+    assert not process_alive(old_pid)
 
 
 def test_a_colocated_worker_killed_mid_stream_the_other_serves_on(

@@ -169,8 +169,7 @@ void SaveStream::abort() {
         if (state_ != StreamState::Open || close_sent_) {
             return;  // nothing to stop: ended, or the Final is already on its way
         }
-        end_ = StreamEnd::Abort;
-        held_.clear();
+        end_ = StreamEnd::Abort;  // layers saved before it still land (after the Go)
         due = close_due_locked();
     }
     if (due) {
@@ -325,10 +324,13 @@ void LoadStream::cancel() {
 
 void LoadStream::check_startable() const {
     std::lock_guard<std::mutex> lock(mu_);
-    KVMOVE_CHECK(!started_ && state_ == StreamState::Open, Config,
-                 "start_load() of request '" << request_id_ << "' with '" << peer_ << "'"
-                                             << (started_ ? " was already called"
-                                                          : " after it ended"));
+    // A stream that already completed or aborted is fine: the waits report it.
+    KVMOVE_CHECK(!started_, Config,
+                 "start_load() of request '" << request_id_ << "' with '" << peer_
+                                             << "' was already called");
+    KVMOVE_CHECK(state_ != StreamState::Failed, Config,
+                 "start_load() of request '" << request_id_ << "' with '" << peer_
+                                             << "' after it failed: " << error_);
 }
 
 void LoadStream::mark_started() {

@@ -178,8 +178,8 @@ public:
     // Blocks (ids) whose bytes did not match the sender's checksums, in any layer.
     std::vector<BlockId> bad_blocks() const;
 
-    // Protocol: throws ConfigError unless start_load() may run (not yet started, not
-    // cancelled); mark_started() then records that it did.
+    // Protocol: throws ConfigError unless start_load() may run (not yet started, not failed
+    // or cancelled); mark_started() then records that it did.
     void check_startable() const;
     void mark_started();
     // Protocol: layer `layer` landed; `verified` when it needs no checksum check (else

@@ -108,7 +108,10 @@ std::shared_ptr<SaveStream> StreamProtocol::stream_to(const std::string& peer,
                      "lease " << epoch << " of '" << peer << "' is already being streamed");
         stream = std::make_shared<SaveStream>(this, peer, local_ids, remote_ids, request_id,
                                               local_.num_layers(), epoch, checksums);
-        sending_.emplace(SendKey{peer, epoch}, Sending{stream, kNoDeadline});
+        // The Begin's answer has the ack timeout too: a lost Begin must not leave the stream
+        // waiting for ever (nothing is written before the answer).
+        sending_.emplace(SendKey{peer, epoch},
+                         Sending{stream, steady_seconds() + config_.ack_timeout_seconds});
         // Ask first: nothing is written before the receiver's Go.
         port_.send(peer,
                    encode(StreamMessage{MessageKind::Begin, request_id, 0, epoch,
@@ -134,15 +137,24 @@ void StreamProtocol::queue_end(std::shared_ptr<SaveStream> stream) {
 }
 
 void StreamProtocol::queue(Pending pending) {
+    KVMOVE_CHECK(try_queue(std::move(pending)), Config,
+                 "agent '" << port_.local_name() << "' is closed");
+}
+
+// False once the post thread stopped (closing): what was saved then is never posted.
+bool StreamProtocol::try_queue(Pending pending) {
     {
         std::lock_guard<std::mutex> lock(post_mu_);
-        KVMOVE_CHECK(!post_stop_, Config, "agent '" << port_.local_name() << "' is closed");
+        if (post_stop_) {
+            return false;
+        }
         to_post_.push_back(std::move(pending));
         if (!post_thread_.joinable()) {
             post_thread_ = std::thread([this] { post_loop(); });
         }
     }
     post_cv_.notify_one();
+    return true;
 }
 
 void StreamProtocol::post_loop() {
@@ -256,7 +268,7 @@ void StreamProtocol::send_end(const std::shared_ptr<SaveStream>& s) {
                [this, s](const PortOutcome& o) { end_sent(s, o); });
     auto it = sending_.find({s->peer(), s->epoch()});
     if (finish && it != sending_.end()) {
-        it->second.ack_deadline = steady_seconds() + config_.ack_timeout_seconds;
+        it->second.deadline = steady_seconds() + config_.ack_timeout_seconds;
     }
 }
 
@@ -291,8 +303,10 @@ void StreamProtocol::on_go(const std::string& sender, const StreamMessage& m) {
         return;
     }
     std::shared_ptr<SaveStream> s = it->second.stream;
+    it->second.deadline = kNoDeadline;  // answered: the next deadline is the Final's Ack
     for (const SavedLayer& saved : s->go()) {
-        queue_layer(s, saved.layer, saved.event);
+        // A transport callback must not throw: closing, the layer is simply never posted.
+        try_queue(Pending{Pending::Kind::Layer, s, saved.layer, saved.event});
     }
 }
 
@@ -326,6 +340,11 @@ void StreamProtocol::on_cancel(const std::string& sender, const StreamMessage& m
     }
     if (it->second.stream->cancelled()) {
         ending_.push_back(it->second.stream);  // no layer in flight: the Abort is due now
+    } else if (it->second.stream->end() == StreamEnd::Finish) {
+        // The Final went out (after every put landed), yet the receiver cancels: the Final was
+        // lost or crossed the Cancel. Nothing is in flight: say so, or it would cut us off.
+        post_message(sender, StreamMessage{MessageKind::Abort, m.request_id, 0, m.epoch,
+                                           m.ids_hash, {}, ""});
     }
 }
 
@@ -592,13 +611,16 @@ void StreamProtocol::tick(double now) {
                                    std::to_string(config_.cancel_timeout_seconds) + " s");
     }
     for (auto it = sending_.begin(); it != sending_.end();) {
-        if (now >= it->second.ack_deadline) {
-            ++stats_.acks_missed;
+        if (now >= it->second.deadline) {
             const std::shared_ptr<SaveStream>& s = it->second.stream;
+            const bool begun = s->answered();
+            stats_.acks_missed += begun ? 1 : 0;
             s->complete(StreamState::Failed, ErrorKind::Timeout,
-                        "no acknowledgement of the Final of " +
+                        (begun ? "no acknowledgement of the Final of "
+                               : "no answer to the Begin of ") +
                             describe(s->request_id(), s->peer()) + " within " +
-                            std::to_string(config_.ack_timeout_seconds) + " s");
+                            std::to_string(config_.ack_timeout_seconds) + " s" +
+                            (begun ? "" : " (nothing was written)"));
             it = sending_.erase(it);
         } else {
             ++it;
@@ -613,7 +635,7 @@ double StreamProtocol::next_deadline() const {
                                                                        : lease.deadline);
     }
     for (const auto& [key, sending] : sending_) {
-        next = std::min(next, sending.ack_deadline);
+        next = std::min(next, sending.deadline);
     }
     return next;
 }

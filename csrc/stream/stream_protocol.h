@@ -55,7 +55,8 @@ namespace kvmove {
 
 struct StreamConfig {
     double cancel_timeout_seconds = 5;  // a Cancel's answer, before the sender is disconnected
-    double ack_timeout_seconds = 10;    // a Final's Ack, before the sender's stream fails
+    double ack_timeout_seconds = 10;    // a Begin's answer and a Final's Ack, before the
+                                        // sender's stream fails
 };
 
 // Counters of one agent's streams (since it started, unless said otherwise).
@@ -128,7 +129,7 @@ private:
     };
     struct Sending {
         std::shared_ptr<SaveStream> stream;
-        double ack_deadline;  // once its Final is out; infinity before
+        double deadline;  // of the Begin's answer, then (once its Final is out) of the Ack
     };
     struct Lease {
         enum class Phase { Granted, Engaged, Cancelling };
@@ -146,6 +147,7 @@ private:
 
     // sender
     void queue(Pending pending);
+    bool try_queue(Pending pending);
     void post_loop();
     void post_layer(const std::shared_ptr<SaveStream>& s, int64_t layer,
                     std::vector<uint64_t> checksums);

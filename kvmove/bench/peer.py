@@ -65,6 +65,7 @@ class Side:
             raise BenchError(f"cannot create agent {name!r} with {agent_kwargs}: "
                              f"{error}") from error
         self._held: list[int] = []
+        self._loads: dict[str, Any] = {}  # leased, not yet loaded
 
     def place(self, num_blocks: int, placement: str, seed: int) -> list[int]:
         """Owns ``num_blocks`` blocks placed as ``placement`` (releasing the previous ones)."""
@@ -121,12 +122,19 @@ class Side:
                              notify=b"pong").wait(timeout)
             answered += 1
 
+    def lease(self, request_id: str, ids: list[int], timeout: float) -> int:
+        """Leases ``ids`` to the near side for one layer stream (``expect``, ``start_load``);
+        returns the epoch its sender needs."""
+        load = self.agent.expect(NEAR, request_id, ids, timeout=timeout).start_load()
+        self._loads[request_id] = load
+        return load.epoch
+
     def load(self, request_id: str, ids: list[int], src_ids: list[int], seed: int,
              timeout: float) -> dict[str, Any]:
-        """Receives one layer stream into ``ids`` (``expect``, ``start_load``, ``wait_all``)
-        and counts ``mismatches`` against the pattern of ``src_ids``; returns when each layer
-        arrived (``time.monotonic()``), the payload and the mismatch count."""
-        load = self.agent.expect(NEAR, request_id, ids).start_load()
+        """Receives the stream of a ``lease`` (``wait_all``) and counts ``mismatches`` against
+        the pattern of ``src_ids``; returns when each layer arrived (``time.monotonic()``),
+        the payload and the mismatch count."""
+        load = self._loads.pop(request_id)
         payload = load.wait_all(timeout)
         return {"arrived": load.layer_times(), "payload": payload,
                 "mismatches": self.mismatches(ids, src_ids, seed)}
@@ -136,7 +144,8 @@ class Side:
 
 
 # The Side's verbs a peer runs on command (``setup`` first).
-_SIDE_VERBS = ("place", "fill", "wipe", "mismatches", "check_after_notification", "echo", "load")
+_SIDE_VERBS = ("place", "fill", "wipe", "mismatches", "check_after_notification", "echo",
+               "lease", "load")
 
 
 class FarSide:

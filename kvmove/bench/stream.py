@@ -153,8 +153,7 @@ class StreamPair:
 
     def streamed(self) -> Streamed:
         """Each layer's compute then ``save_layer``; ``finish`` and ``wait_for_save``."""
-        request_id = self.prepare_streamed()
-        return self.verify_streamed(self.run_streamed(request_id))
+        return self.verify_streamed(self.run_streamed(self.prepare_streamed()))
 
     # The three steps of each hand-off, for callers that time only the middle one.
 
@@ -176,17 +175,24 @@ class StreamPair:
                              self.config.seed, self.config.timeout)
         return Bulk(*timing, bad)
 
-    def prepare_streamed(self) -> str:
-        """Wipes the receiver's blocks and has it expect the request; returns the id."""
+    def prepare_streamed(self) -> tuple[str, int]:
+        """Wipes the receiver's blocks and has it lease them for a request; returns the
+        request id and the lease's epoch."""
         request_id = self._tag("stream")
         self.peer.call("wipe", self.dst)
+        epoch = self.peer.call("lease", request_id, self.dst, self.config.timeout)
         self.peer.send("load", request_id, self.dst, self.src, self.config.seed,
                        self.config.timeout)
-        return request_id
+        return request_id, epoch
 
-    def run_streamed(self, request_id: str) -> tuple[Any, list, list, float]:
+    def open_stream(self, lease: tuple[str, int]) -> Any:
+        """The sender's stream into a ``prepare_streamed`` lease."""
+        request_id, epoch = lease
+        return self.near.agent.stream_to(FAR, self.src, self.dst, request_id, epoch=epoch)
+
+    def run_streamed(self, lease: tuple[str, int]) -> tuple[Any, list, list, float]:
         """(stream, compute spans, save_layer seconds, exposed seconds)."""
-        stream = self.near.agent.stream_to(FAR, self.src, self.dst, request_id)
+        stream = self.open_stream(lease)
         spans, saves = [], []
         for layer in range(self.layout.num_layers):
             spans.append(self.compute.layer())

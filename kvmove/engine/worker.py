@@ -3,12 +3,14 @@
 * ``colocated``: prefill and decode in one batch, the baseline whose decode steps stall
   behind long prefills.
 * ``prefill``: computes prompts (in chunks) and streams each request's KV layer by layer into
-  the blocks a decode worker reserved (``save_layer`` is the model's per-layer hook), sends the
+  the blocks a decode worker leased (``save_layer`` is the model's per-layer hook), sends the
   first sampled token with the final message, and frees its blocks once the decode side
   acknowledged it.
 * ``decode``: ``reserve`` blocks for an incoming request (None when full: back-pressure),
-  ``start_load`` from the prefill worker, and once the KV is in, decode it in the batch until
-  EOS, ``max_tokens`` or a stop string.
+  ``start_load`` leases them to the prefill worker (the epoch it returns goes to the prefill
+  with the block ids), and once the KV is in, decode it in the batch until EOS, ``max_tokens``
+  or a stop string. A load that fails, times out or is aborted gives its blocks back only once
+  its lease is released: no late write from the prefill can reach a block reused meanwhile.
 
 Colocated and prefill workers may keep a ``KVStore`` (host and disk tiers): the prefixes it
 holds are loaded instead of prefilled, and finished requests' blocks are offered to it
@@ -92,16 +94,17 @@ class Worker:
                       if role != "colocated" else None)
         self.sending: dict[str, tuple[Request, SaveStream]] = {}   # prefill: KV going out
         self.loading: dict[str, tuple[Request, LoadStream]] = {}   # decode: KV coming in
-        self._handoff: dict[str, tuple[str, list[int]]] = {}       # prefill: where it goes
-        self._quarantine: list[tuple[float, list[int]]] = []       # blocks a peer may still write
+        self._handoff: dict[str, tuple[str, list[int], int]] = {}  # prefill: where it goes
+        self._releasing: list[tuple[LoadStream, list[int]]] = []  # decode: freed once released
         self.num_steps = 0
 
     # --- requests in ----------------------------------------------------------------------
 
     def add_request(self, request: Request, *, decode_peer: str | None = None,
-                    remote_blocks: list[int] | None = None) -> None:
+                    remote_blocks: list[int] | None = None, epoch: int | None = None) -> None:
         """Queues a request (colocated and prefill roles). A prefill worker also needs where
-        its KV goes: the decode worker's agent name and the blocks it reserved."""
+        its KV goes: the decode worker's agent name, the blocks it leased and the lease's
+        epoch (what its ``start_load`` returned)."""
         if self.role == "decode":
             raise ConfigError("a decode worker takes requests through reserve()/start_load()")
         self._check(request)
@@ -111,7 +114,10 @@ class Worker:
                 raise ConfigError(f"a prefill worker needs decode_peer and {need} remote_blocks "
                                   f"for request {request.id!r}, got {decode_peer!r} and "
                                   f"{None if remote_blocks is None else len(remote_blocks)}")
-            self._handoff[request.id] = (decode_peer, list(remote_blocks))
+            if isinstance(epoch, bool) or not isinstance(epoch, int):
+                raise ConfigError(f"a prefill worker needs the decode side's lease epoch for "
+                                  f"request {request.id!r}, got {epoch!r}")
+            self._handoff[request.id] = (decode_peer, list(remote_blocks), epoch)
         self.scheduler.add(request)
 
     def reserve(self, request: Request) -> list[int] | None:
@@ -125,14 +131,17 @@ class Worker:
             request.state = RequestState.LOADING
         return ids
 
-    def start_load(self, request: Request, prefill_peer: str) -> None:
-        """Decode role: receive the request's KV from ``prefill_peer`` into its reserved
-        blocks; it joins the decode batch once everything is in."""
+    def start_load(self, request: Request, prefill_peer: str) -> int:
+        """Decode role: lease the request's reserved blocks to ``prefill_peer`` for
+        ``transfer_timeout`` seconds and receive its KV into them; it joins the decode batch
+        once everything is in. Returns the lease's epoch, for the prefill worker."""
         if not request.blocks:
             raise ConfigError(f"request {request.id!r} has no reserved blocks: reserve() first")
-        load = self.agent.expect(prefill_peer, request.id, request.blocks).start_load()
+        load = self.agent.expect(prefill_peer, request.id, request.blocks,
+                                 timeout=self.transfer_timeout).start_load()
         request.timings.kv_start = time.monotonic()
         self.loading[request.id] = (request, load)
+        return load.epoch
 
     def _check(self, request: Request) -> None:
         if request.params.stop and self.tokenizer is None:
@@ -142,17 +151,17 @@ class Worker:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.scheduler.has_work or self.sending or self.loading)
+        return bool(self.scheduler.has_work or self.sending or self.loading or self._releasing)
 
     def abort(self, request_id: str) -> Request | None:
         """Drops a request wherever it is (queued, in the batch, its KV streaming in or out);
-        its blocks come back (a load's after ``transfer_timeout``: the sender may still write
-        them). Returns it, finished with ``abort``, or None when it is not here."""
-        now = time.monotonic()
+        its blocks come back (a load's once its lease is released: the sender was told to stop
+        and may still write them until it answers). Returns it, finished with ``abort``, or
+        None when it is not here."""
         if request_id in self.loading:
             request, load = self.loading.pop(request_id)
             load.cancel()
-            self._quarantine.append((now + self.transfer_timeout, request.blocks))
+            self._releasing.append((load, request.blocks))
         elif request_id in self.sending:
             request, stream = self.sending[request_id]
             stream.abort(wait=False)  # polling frees the blocks once the posted layers landed
@@ -265,9 +274,10 @@ class Worker:
             request = s.request
             if not s.samples or request.id in self.sending:
                 continue
-            peer, remote = self._handoff.pop(request.id)
+            peer, remote, epoch = self._handoff.pop(request.id)
             try:
-                stream = self.agent.stream_to(peer, request.blocks, remote, request.id)
+                stream = self.agent.stream_to(peer, request.blocks, remote, request.id,
+                                              epoch=epoch)
             except KVMoveError as error:
                 request.error = f"cannot stream to {peer!r}: {error}"
                 continue
@@ -280,12 +290,12 @@ class Worker:
         now = time.monotonic()
         ended = [r for r in self._poll_sending(now)] + [r for r in self._poll_loading(now)]
         kept = []
-        for release_at, blocks in self._quarantine:
-            if now >= release_at:
+        for load, blocks in self._releasing:
+            if load.released:  # no byte of its stream can land any more
                 self.cache.pool.free(blocks)
             else:
-                kept.append((release_at, blocks))
-        self._quarantine = kept
+                kept.append((load, blocks))
+        self._releasing = kept
         return ended
 
     def _poll_sending(self, now: float) -> list[Request]:
@@ -317,27 +327,31 @@ class Worker:
         return ended
 
     def _poll_loading(self, now: float) -> list[Request]:
+        """Loads that ended: a complete one joins the batch; any other ends its request, and
+        its blocks come back once the lease is released (the agent cancels a lease at its
+        deadline, ``transfer_timeout``)."""
         ended = []
         for rid, (request, load) in list(self.loading.items()):
             state = load.state
-            if state == StreamState.OPEN and now - request.timings.kv_start <= self.transfer_timeout:
+            if state == StreamState.OPEN:
                 continue
             del self.loading[rid]
             request.timings.kv_end = now
-            if state == StreamState.DONE:
+            if state == StreamState.DONE and len(load.payload) == _TOKEN.size:
                 request.num_computed = len(request.prompt)
                 skip_draw(request, self.model.config.vocab_size)  # the prefill's first token
                 self.scheduler.add_running(request)
                 ended += self._emit(request, _TOKEN.unpack(load.payload)[0], now)
                 continue
-            if state == StreamState.OPEN:  # abandoned: the sender may still write a while
-                load.cancel()
-                self._quarantine.append((now + self.transfer_timeout, request.blocks))
-                request.finish(FinishReason.ABORT, f"KV of {rid!r} not in after "
-                                                   f"{self.transfer_timeout:g} s")
-            else:
+            if state == StreamState.DONE:  # released; but its first token is not one
                 self.cache.pool.free(request.blocks)
-                request.finish(FinishReason.ABORT, load.error or f"load {state.name}")
+                request.finish(FinishReason.ABORT, f"the KV of {rid!r} came with a "
+                               f"{len(load.payload)}-byte first token, not {_TOKEN.size}")
+                request.blocks = []
+                ended.append(request)
+                continue
+            self._releasing.append((load, request.blocks))
+            request.finish(FinishReason.ABORT, load.error or f"load {state.name}")
             request.blocks = []
             ended.append(request)
         return ended

@@ -65,6 +65,12 @@ def _parser() -> argparse.ArgumentParser:
                    "worker (default 0: none)")
     p.add_argument("--store-disk-gb", type=float, default=16.0,
                    help="the disk tier's size per worker with --store-dir (default 16)")
+    p.add_argument("--no-checksums", action="store_true",
+                   help="no per-block checksums on the KV hand-off (default: on; the decode "
+                   "side verifies every block before it is used)")
+    p.add_argument("--no-restart", action="store_true",
+                   help="a worker process that dies is not started again (default: it is, "
+                   "and re-admitted once ready)")
     return p
 
 
@@ -156,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             port=args.port, control_host=args.control_host, agent_host=args.agent_host,
             transports=args.transports, request_timeout=args.request_timeout,
             pin_cpus=not args.no_pin_cpus, store_dir=args.store_dir,
-            store_host_gb=args.store_host_gb, store_disk_gb=args.store_disk_gb)
+            store_host_gb=args.store_host_gb, store_disk_gb=args.store_disk_gb,
+            checksums=not args.no_checksums, restart=not args.no_restart)
         return asyncio.run(_serve(config))
     except ConfigError as error:
         print(f"kvmove-serve: error: {error}", file=sys.stderr)

@@ -10,6 +10,19 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
                     30.0)
 
 
+# A worker's kvmove agent (Agent.stats(), sent with its stats): leases and what they refused.
+AGENT_GAUGES = {
+    "leases_active": "Leases granted and not yet released.",
+    "blocks_quarantined": "Blocks of cancelled leases whose sender has not answered yet.",
+    "leases_expired": "Leases whose deadline passed before they completed.",
+    "cancels_sent": "Cancels sent to senders.",
+    "senders_disconnected": "Senders cut off for not answering a Cancel in time.",
+    "messages_refused": "Stream messages refused (no lease, another sender, other blocks).",
+    "checksum_mismatches": "Received blocks (per layer) whose bytes did not match.",
+    "acks_missed": "Sent Finals not acknowledged in time.",
+}
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -27,6 +40,10 @@ class Metrics:
                                  ["worker"], registry=r)
         self.alive = Gauge("kvmove_worker_alive", "1 while the worker process runs.",
                            ["worker"], registry=r)
+        self.restarts = Counter("kvmove_worker_restarts", "Worker processes started again "
+                                "after they died.", ["worker"], registry=r)
+        self.agent = {key: Gauge(f"kvmove_agent_{key}", text, ["worker"], registry=r)
+                      for key, text in AGENT_GAUGES.items()}
         self.kv_bytes = Counter("kvmove_kv_bytes", "KV bytes handed from prefill to decode.",
                                 registry=r)
         self.kv_seconds = Histogram("kvmove_kv_transfer_seconds",
@@ -64,6 +81,11 @@ class Metrics:
             self.store_decisions.labels(worker=worker, decision=decision).set(count)
         if stats.get("prefill_tokens_per_second") is not None:
             self.store_prefill.labels(worker=worker).set(stats["prefill_tokens_per_second"])
+
+    def set_agent(self, worker: str, stats: dict) -> None:
+        for key, gauge in self.agent.items():
+            if key in stats:
+                gauge.labels(worker=worker).set(stats[key])
 
 
 # KVStore counters exported per worker and tier (values since the worker started).

@@ -4,14 +4,18 @@ It binds one ROUTER socket; every worker process (``worker_main``) connects a DE
 named after itself. Placement:
 
 * ``colocated`` / ``chunked``: the worker with the fewest queued + running requests.
-* ``disagg``: the decode worker with the most free blocks reserves the request's blocks
-  (none free: the request waits in the decode queue and asks again; never dropped); the
-  prefill worker with the fewest requests gets the prompt and where its KV goes; the decode
-  worker starts loading. Prefill streams the KV layer by layer into the reserved blocks
-  (kvmove, not this router), decode generates, and its tokens come back through here.
+* ``disagg``: the prefill worker with the fewest requests is picked; the decode worker with
+  the most free blocks reserves the request's blocks and leases them to it (none free: the
+  request waits in the decode queue and asks again; never dropped); the prefill worker gets
+  the prompt, where its KV goes and the lease's epoch. Prefill streams the KV layer by layer
+  into the leased blocks (kvmove, not this router), decode generates, and its tokens come back
+  through here.
 
+Every end of a request is forwarded to every worker that holds it: a client that went away, a
+worker that ended it (a decode whose lease expired, a prefill whose stream failed) or died.
 A worker process that dies is seen within ~0.1 s (its process handle): ``/health`` reports
-it, its requests end with an error event, and the others keep being served.
+it, its requests end with an error event, and the others keep being served; it is started
+again under its name and re-admitted once ready (its peers replace its old incarnation).
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ class ServeConfig:
     store_dir: str | None = None  # a KVStore disk tier per prefill/colocated worker, in here
     store_host_gb: float = 0.0    # and a host tier of this size (0: none)
     store_disk_gb: float = 16.0   # the disk tier's size per worker
+    checksums: bool = True        # per-block checksums on every KV hand-off (disagg)
+    restart: bool = True          # a dead worker is started again and re-admitted
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -115,6 +121,8 @@ class WorkerInfo:
     alive: bool = True
     stats: dict[str, int] = field(default_factory=dict)
     requests: set[str] = field(default_factory=set)
+    command: list[str] = field(default_factory=list)
+    restarts: int = 0
 
     @property
     def load(self) -> int:
@@ -167,27 +175,37 @@ class Router:
             await self.stop()
             raise
 
+    def _command(self, name: str, role: str, cpus: list[int]) -> list[str]:
+        c = self.config
+        command = [sys.executable, "-m", "kvmove.serve.worker_main", "--name", name,
+                   "--role", role, "--router", self.endpoint, "--model", c.model,
+                   "--num-blocks", str(c.num_blocks), "--block-size", str(c.block_size),
+                   "--chunk-size", str(c.chunk_size if c.mode != "colocated" else 0),
+                   "--max-num-seqs", str(c.max_num_seqs),
+                   "--max-num-batched-tokens", str(c.max_num_batched_tokens),
+                   "--agent-host", c.agent_host]
+        if c.transports:
+            command += ["--transports", c.transports]
+        if c.checksums and role == "prefill":
+            command += ["--checksums"]
+        command += c.store_args(name, role)
+        if cpus:
+            command += ["--cpus", ",".join(map(str, cpus))]
+        return command
+
+    @staticmethod
+    def _popen(command: list[str]) -> subprocess.Popen:
+        # PYTHONSAFEPATH: run from a source checkout, `-m` would import the checkout's kvmove
+        # (without its compiled core) instead of the installed one
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL,
+                                env={**os.environ, "PYTHONSAFEPATH": "1"})
+
     async def _start(self) -> None:
         c = self.config
         cpus = cpu_shares(len(c.roles())) if c.pin_cpus else [[] for _ in c.roles()]
         for (name, role), mine in zip(c.roles(), cpus):
-            command = [sys.executable, "-m", "kvmove.serve.worker_main", "--name", name,
-                       "--role", role, "--router", self.endpoint, "--model", c.model,
-                       "--num-blocks", str(c.num_blocks), "--block-size", str(c.block_size),
-                       "--chunk-size", str(c.chunk_size if c.mode != "colocated" else 0),
-                       "--max-num-seqs", str(c.max_num_seqs),
-                       "--max-num-batched-tokens", str(c.max_num_batched_tokens),
-                       "--agent-host", c.agent_host]
-            if c.transports:
-                command += ["--transports", c.transports]
-            command += c.store_args(name, role)
-            if mine:
-                command += ["--cpus", ",".join(map(str, mine))]
-            # PYTHONSAFEPATH: run from a source checkout, `-m` would import the checkout's
-            # kvmove (without its compiled core) instead of the installed one
-            process = subprocess.Popen(command, stdout=subprocess.DEVNULL,
-                                       env={**os.environ, "PYTHONSAFEPATH": "1"})
-            self.workers[name] = WorkerInfo(name, role, process)
+            command = self._command(name, role, mine)
+            self.workers[name] = WorkerInfo(name, role, self._popen(command), command=command)
         self._spawn(self._receive())
         self._spawn(self._monitor())
         deadline = time.monotonic() + c.start_timeout
@@ -203,10 +221,40 @@ class Router:
             return
         for decode in self._alive("decode"):
             for prefill in self._alive("prefill"):
-                future = self._expect(decode.name, "connect")
-                self._send(decode, {"op": "connect", "host": prefill.agent[0],
-                                    "port": prefill.agent[1]})
-                await asyncio.wait_for(future, c.start_timeout)
+                await self._connect(decode, prefill)
+
+    async def _connect(self, decode: WorkerInfo, prefill: WorkerInfo) -> None:
+        """Makes the two workers kvmove peers of each other: the decode worker exchanges
+        metadata with the prefill worker's agent (a restarted one replaces its old self)."""
+        future = self._expect(decode.name, "connect")
+        self._send(decode, {"op": "connect", "host": prefill.agent[0],
+                            "port": prefill.agent[1]})
+        await asyncio.wait_for(future, self.config.start_timeout)
+
+    async def _readmit(self, worker: WorkerInfo) -> None:
+        """Starts a dead worker again under its name; once ready, connects it to the other
+        pool and lets it take requests."""
+        worker.restarts += 1
+        worker.ready, worker.agent, worker.stats = False, None, {}
+        worker.process = self._popen(worker.command)
+        worker.alive = True
+        deadline = time.monotonic() + self.config.start_timeout
+        while not worker.ready:
+            if worker.process.poll() is not None or time.monotonic() > deadline:
+                return  # the monitor sees it dead again
+            await asyncio.sleep(0.05)
+        if self.config.mode != "disagg":
+            return
+        worker.ready = False  # no requests until it is everyone's peer again
+        try:
+            others = [w for w in self.workers.values() if w.alive and w.ready
+                      and w.role != worker.role]
+            for other in others:
+                pair = (other, worker) if worker.role == "prefill" else (worker, other)
+                await self._connect(*pair)
+        except (asyncio.TimeoutError, KVMoveError, zmq.ZMQError):
+            return
+        worker.ready = True
 
     async def stop(self) -> None:
         """Asks every worker to exit, then terminates, then kills what is left. Idempotent."""
@@ -267,16 +315,17 @@ class Router:
         waiting = False
         try:
             while True:
+                prefill = self._least_loaded("prefill")
                 decode = max(self._alive("decode"),
                              key=lambda w: (w.stats.get("free_blocks", 0), -w.load))
                 future = self._expect(decode.name, handle.rid)
-                self._send(decode, {"op": "reserve", **message})
-                blocks = await asyncio.wait_for(future, self.config.request_timeout)
+                self._send(decode, {"op": "reserve", **message, "peer": prefill.name})
+                lease = await asyncio.wait_for(future, self.config.request_timeout)
                 if handle.done:
-                    if blocks:
-                        self._send(decode, {"op": "release", "rid": handle.rid})
+                    if lease:
+                        self._send(decode, {"op": "abort", "rid": handle.rid})
                     return
-                if blocks:
+                if lease:
                     break
                 if not waiting:
                     waiting = True
@@ -285,12 +334,13 @@ class Router:
         finally:
             if waiting:
                 self._waiting_for_blocks -= 1
-        prefill = self._least_loaded("prefill")
         self._assign(handle, decode)
+        if not prefill.alive:  # it died while the blocks were reserved
+            self.abort(handle, f"worker {prefill.name} died")
+            return
         self._assign(handle, prefill)
         self._send(prefill, {"op": "add", **message, "decode_peer": decode.name,
-                             "remote_blocks": blocks})
-        self._send(decode, {"op": "load", "rid": handle.rid, "peer": prefill.name})
+                             "remote_blocks": lease["blocks"], "epoch": lease["epoch"]})
 
     def _alive(self, role: str) -> list[WorkerInfo]:
         workers = [w for w in self.workers.values() if w.role == role and w.alive and w.ready]
@@ -317,10 +367,11 @@ class Router:
         if sent.done() and sent.exception() is not None:
             raise sent.exception()
 
-    def abort(self, handle: Handle, reason: str) -> None:
-        """Ends a request for its client, and has its workers drop it (its batch slot and
-        blocks go back; a KV hand-off in flight is aborted)."""
-        workers = list(handle.workers)
+    def abort(self, handle: Handle, reason: str, skip: str | None = None) -> None:
+        """Ends a request for its client, and has its workers (but ``skip``, which ended it
+        itself) drop it: its batch slot and blocks go back, a KV hand-off in flight is aborted
+        (the prefill's stream) or cancelled (the decode's lease)."""
+        workers = [name for name in handle.workers if name != skip]
         self._end(handle, "abort", "", reason)
         for name in workers:
             worker = self.workers[name]
@@ -363,7 +414,9 @@ class Router:
         elif kind == "connected":
             self._resolve(worker.name, "connect", event["peer"])
         elif kind == "reserved":
-            self._resolve(worker.name, event["rid"], event["blocks"])
+            blocks = event.get("blocks")
+            self._resolve(worker.name, event["rid"],
+                          {"blocks": blocks, "epoch": event.get("epoch")} if blocks else None)
         elif kind == "tokens":
             now = time.monotonic()
             for rid, token in event["items"]:
@@ -401,7 +454,10 @@ class Router:
             self.metrics.kv_share.observe(handle.kv_exposed / handle.ttft)
         error = event.get("error")
         if event["reason"] == "abort":
-            error = f"{worker.name}: {error or 'request aborted'}"
+            # The other workers of the request are told: a decode whose lease ended cancels
+            # the prefill's stream, a prefill whose stream failed frees the decode's lease.
+            self.abort(handle, f"{worker.name}: {error or 'request aborted'}", skip=worker.name)
+            return
         self._end(handle, event["reason"], event.get("text", ""), error)
 
     def _resolve(self, worker: str, key: str, value: Any) -> None:
@@ -423,9 +479,12 @@ class Router:
                 m.free_blocks.labels(worker=w.name).set(w.stats["free_blocks"])
             if w.stats.get("store"):
                 m.set_store(w.name, w.stats["store"])
+            if w.stats.get("agent"):
+                m.set_agent(w.name, w.stats["agent"])
 
     async def _monitor(self) -> None:
-        """A dead worker process: ``/health`` shows it, its requests end with an error."""
+        """A dead worker process: ``/health`` shows it, its requests end with an error (and
+        their other workers are told), and it is started again (``restart``)."""
         while True:
             for worker in self.workers.values():
                 self.metrics.alive.labels(worker=worker.name).set(int(worker.alive))
@@ -435,11 +494,15 @@ class Router:
                     for rid in list(worker.requests):
                         handle = self.handles.get(rid)
                         if handle is not None:
-                            self._end(handle, "abort", "",
-                                      f"worker {worker.name} died (exit code {code})")
+                            self.abort(handle, f"worker {worker.name} died (exit code {code})",
+                                       skip=worker.name)
+                    worker.requests.clear()
                     for (name, key), future in list(self._futures.items()):
                         if name == worker.name and not future.done():
                             future.set_exception(KVMoveError(f"worker {name} died"))
+                    if self.config.restart and not self._stopped:
+                        self.metrics.restarts.labels(worker=worker.name).inc()
+                        self._spawn(self._readmit(worker))
             await asyncio.sleep(MONITOR_SECONDS)
 
     def health(self) -> dict[str, Any]:

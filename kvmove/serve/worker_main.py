@@ -3,7 +3,7 @@
 ``python -m kvmove.serve.worker_main --name W --role ROLE --router tcp://HOST:PORT ...``
 
 The worker connects a DEALER socket (identity = its name) to the router's ROUTER socket.
-Commands in (JSON): ``add``, ``reserve``, ``load``, ``connect``, ``shutdown``. Events out:
+Commands in (JSON): ``add``, ``reserve`` (and lease), ``abort``, ``connect``, ``shutdown``. Events out:
 ``ready`` (with its kvmove agent's listen address), ``reserved``, ``connected``, ``tokens``
 (every token sampled this step), ``ended``, ``stats`` (queue, running, free blocks, the
 KVStore's counters; also the router's heartbeat), ``error``. The KV never goes through here: prefill and decode workers
@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--transports", default=None)
     p.add_argument("--error-mode", default="peer")
     p.add_argument("--transfer-timeout", type=float, default=60.0)
+    p.add_argument("--checksums", action="store_true",
+                   help="per-block checksums on the KV this worker streams")
     p.add_argument("--store-dir", default=None, help="KVStore disk tier directory")
     p.add_argument("--store-disk-gb", type=float, default=16.0)
     p.add_argument("--store-host-gb", type=float, default=0.0, help="KVStore host tier size")
@@ -86,7 +88,8 @@ class WorkerServer:
         self.worker = Worker(
             model, role=args.role, num_blocks=args.num_blocks, block_size=args.block_size,
             scheduler=scheduler, tokenizer=self.tokenizer, name=args.name,
-            agent_kwargs={"transports": args.transports, "error_mode": args.error_mode},
+            agent_kwargs={"transports": args.transports, "error_mode": args.error_mode,
+                          "checksums": args.checksums},
             transfer_timeout=args.transfer_timeout,
             on_token=lambda request, token: self.tokens.append([request.id, token]),
             store=self.store)
@@ -127,10 +130,12 @@ class WorkerServer:
 
     def send_stats(self) -> None:
         scheduler = self.worker.scheduler
+        agent = self.worker.agent
         self.send({"ev": "stats", "free_blocks": self.worker.cache.pool.num_free,
                    "waiting": len(scheduler.waiting), "running": len(scheduler.running),
                    "loading": len(self.worker.loading), "sending": len(self.worker.sending),
-                   "store": _store_stats(self.store)})
+                   "store": _store_stats(self.store),
+                   "agent": asdict(agent.stats()) if agent is not None else None})
 
     def report(self, ended: list[Request]) -> None:
         if self.tokens:
@@ -151,23 +156,20 @@ class WorkerServer:
             if op == "add":
                 request = self._request(message)
                 self.worker.add_request(request, decode_peer=message.get("decode_peer"),
-                                        remote_blocks=message.get("remote_blocks"))
-            elif op == "reserve":
+                                        remote_blocks=message.get("remote_blocks"),
+                                        epoch=message.get("epoch"))
+            elif op == "reserve":  # blocks, leased to the prefill worker at once
                 request = self._request(message)
                 blocks = self.worker.reserve(request)
+                epoch = None
                 if blocks is None:
                     self.requests.pop(rid)
-                self.send({"ev": "reserved", "rid": rid, "blocks": blocks})
-            elif op == "load":
-                self.worker.start_load(self.requests[rid], message["peer"])
-            elif op == "abort":  # the client is gone
+                else:
+                    epoch = self.worker.start_load(request, message["peer"])
+                self.send({"ev": "reserved", "rid": rid, "blocks": blocks, "epoch": epoch})
+            elif op == "abort":  # the client is gone, or another worker ended the request
                 self.worker.abort(rid)
                 self.requests.pop(rid, None)
-            elif op == "release":  # a reservation the router gave up on
-                request = self.requests.pop(rid, None)
-                if request is not None and request.blocks and rid not in self.worker.loading:
-                    self.worker.cache.pool.free(request.blocks)
-                    request.blocks = []
             elif op == "connect":
                 peer = self.worker.agent.connect(message["host"], message["port"])
                 self.send({"ev": "connected", "peer": peer})

@@ -37,10 +37,10 @@ class EngineWorker:
         return self.worker.agent.connect(host, port)
 
     def add(self, rid: str, prompt: list[int], params: dict, peer: str | None,
-            blocks: list[int] | None) -> Any:
+            blocks: list[int] | None, epoch: int | None = None) -> Any:
         self.requests[rid] = Request(rid, prompt, SamplingParams(**params))
         return self.worker.add_request(self.requests[rid], decode_peer=peer,
-                                       remote_blocks=blocks)
+                                       remote_blocks=blocks, epoch=epoch)
 
     def reserve(self, rid: str, prompt: list[int], params: dict) -> list[int] | None:
         self.requests[rid] = Request(rid, prompt, SamplingParams(**params))

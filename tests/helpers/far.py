@@ -56,6 +56,9 @@ class FarAgent:
     def peers(self) -> list[str]:
         return list(self.agent.peers)
 
+    def faults_injected(self) -> dict[str, int]:
+        return self.agent.faults_injected()
+
     def notifications(self) -> list[tuple[str, bytes]]:
         return [(str(n), bytes(p)) for n, p in self.agent.notifications()]
 

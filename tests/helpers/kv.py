@@ -50,3 +50,17 @@ def write_layer(cache: Any, seed: int, layer: int, ids: list[int]) -> None:
     """Writes ``layer_data(seed, layer)`` into ``ids`` of ``layer`` ("computes" the layer)."""
     raw = raw_view(cache)
     raw[layer, ids] = layer_data(seed, layer, len(ids), raw.shape[2])
+
+
+def digest_blocks(request: int, layer: int, num_blocks: int, block_nbytes: int) -> np.ndarray:
+    """``[num_blocks, block_nbytes]`` (uint8): block ``i`` is one 64-bit digest of (request,
+    layer, i) repeated, so any block holding another request's, layer's or position's bytes,
+    even in part, is caught (vLLM's read-after-reassign harness does the same)."""
+    # Arrays throughout: uint64 arithmetic on arrays wraps silently (on scalars numpy warns).
+    x = np.full(num_blocks, request, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    x += np.uint64(layer << 32) + np.arange(num_blocks, dtype=np.uint64)
+    x ^= x >> np.uint64(31)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(29)
+    words = np.repeat(x[:, None], block_nbytes // 8, axis=1)
+    return words.view(np.uint8).reshape(num_blocks, block_nbytes)

@@ -60,8 +60,9 @@ class StreamFar(FarAgent):
     # -- sender ---------------------------------------------------------------------------
 
     def stream_to(self, peer: str, local_ids: list[int], remote_ids: list[int],
-                  request_id: str) -> None:
-        self.streams[request_id] = self.agent.stream_to(peer, local_ids, remote_ids, request_id)
+                  request_id: str, epoch: int) -> None:
+        self.streams[request_id] = self.agent.stream_to(peer, local_ids, remote_ids, request_id,
+                                                        epoch=epoch)
 
     def save_layers(self, request_id: str, layers: list[int]) -> None:
         for layer in layers:
@@ -109,13 +110,13 @@ class StreamFar(FarAgent):
         self.loads.pop(request_id, None)
 
     def run_stream(self, peer: str, local_ids: list[int], remote_ids: list[int],
-                   request_id: str, order: list[int], seed: int, delay: float,
+                   request_id: str, epoch: int, order: list[int], seed: int, delay: float,
                    payload: bytes, timeout: float) -> None:
         """Streams in a background thread, like a forward pass: for each layer of ``order``,
         writes its data into ``local_ids`` (``write_layer``), sleeps ``delay`` (the layer's
         compute), then ``save_layer``; then ``finish(payload)`` and ``wait_for_save``.
         Returns at once: :meth:`join_stream` collects the outcome."""
-        stream = self.agent.stream_to(peer, local_ids, remote_ids, request_id)
+        stream = self.agent.stream_to(peer, local_ids, remote_ids, request_id, epoch=epoch)
         self.streams[request_id] = stream
         result: dict = {}
         self.runs[request_id] = result
@@ -148,8 +149,15 @@ class StreamFar(FarAgent):
 
     # -- receiver -------------------------------------------------------------------------
 
-    def expect(self, peer: str, request_id: str, local_ids: list[int]) -> None:
-        self.loads[request_id] = self.agent.expect(peer, request_id, local_ids).start_load()
+    def expect(self, peer: str, request_id: str, local_ids: list[int],
+               timeout: float = 60.0) -> int:
+        """Leases ``local_ids`` to ``peer`` and starts loading; returns the lease's epoch."""
+        load = self.agent.expect(peer, request_id, local_ids, timeout=timeout).start_load()
+        self.loads[request_id] = load
+        return load.epoch
+
+    def released(self, request_id: str, timeout: float) -> bool:
+        return self.loads[request_id].wait_released(timeout)
 
     def wait_for_layer(self, request_id: str, layer: int, timeout: float) -> None:
         self.loads[request_id].wait_for_layer(layer, timeout)
