@@ -9,7 +9,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['Agent', 'BlockFile', 'BlockPool', 'BlockShape', 'DType', 'KVCache', 'LoadStream', 'Region', 'SaveStream', 'StreamState', 'Transfer', 'TransferState', 'TransferStats', 'block_hashes', 'check_timeout', 'convert_blocks', 'copy_blocks', 'cuda_status', 'pack_blocks', 'runs', 'ucx_version', 'unpack_blocks', 'xxh64']
+__all__: list[str] = ['Agent', 'BlockFile', 'BlockPool', 'BlockShape', 'DType', 'KVCache', 'LoadStream', 'Region', 'SaveStream', 'StreamState', 'StreamStats', 'Transfer', 'TransferState', 'TransferStats', 'block_hashes', 'check_timeout', 'convert_blocks', 'copy_blocks', 'cuda_status', 'pack_blocks', 'runs', 'ucx_version', 'unpack_blocks', 'xxh64']
 class BlockPool:
     """
     Fixed pool of ``num_blocks`` equal blocks with ids ``0..num_blocks-1``: reference counts,
@@ -308,6 +308,15 @@ class SaveStream:
     def wait(self, timeout: typing.SupportsFloat | typing.SupportsIndex) -> StreamState:
         ...
     @property
+    def answered(self) -> bool:
+        ...
+    @property
+    def checksums(self) -> bool:
+        ...
+    @property
+    def epoch(self) -> int:
+        ...
+    @property
     def error(self) -> str:
         ...
     @property
@@ -326,6 +335,8 @@ class SaveStream:
     def state(self) -> StreamState:
         ...
 class LoadStream:
+    def bad_blocks(self) -> list[int]:
+        ...
     def cancel(self) -> None:
         ...
     def layer_times(self) -> list:
@@ -337,6 +348,11 @@ class LoadStream:
     def wait_all(self, timeout: typing.SupportsFloat | typing.SupportsIndex) -> bytes:
         ...
     def wait_for_layer(self, layer: typing.SupportsInt | typing.SupportsIndex, timeout: typing.SupportsFloat | typing.SupportsIndex) -> None:
+        ...
+    def wait_released(self, timeout: typing.SupportsFloat | typing.SupportsIndex) -> bool:
+        ...
+    @property
+    def epoch(self) -> int:
         ...
     @property
     def error(self) -> str:
@@ -352,6 +368,9 @@ class LoadStream:
         ...
     @property
     def peer(self) -> str:
+        ...
+    @property
+    def released(self) -> bool:
         ...
     @property
     def request_id(self) -> str:
@@ -439,14 +458,47 @@ class Transfer:
     @property
     def stats(self) -> TransferStats:
         ...
+class StreamStats:
+    @property
+    def acks_missed(self) -> int:
+        ...
+    @property
+    def begins_refused(self) -> int:
+        ...
+    @property
+    def blocks_quarantined(self) -> int:
+        ...
+    @property
+    def cancels_sent(self) -> int:
+        ...
+    @property
+    def checksum_mismatches(self) -> int:
+        ...
+    @property
+    def leases_active(self) -> int:
+        ...
+    @property
+    def leases_expired(self) -> int:
+        ...
+    @property
+    def leases_granted(self) -> int:
+        ...
+    @property
+    def messages_refused(self) -> int:
+        ...
+    @property
+    def senders_disconnected(self) -> int:
+        ...
 class Agent:
-    def __init__(self, name: str, cache: KVCache, shape: BlockShape, transports: str, peer_errors: bool, peer_timeout: typing.SupportsFloat | typing.SupportsIndex) -> None:
+    def __init__(self, name: str, cache: KVCache, shape: BlockShape, transports: str, peer_errors: bool, peer_timeout: typing.SupportsFloat | typing.SupportsIndex, cancel_timeout: typing.SupportsFloat | typing.SupportsIndex, ack_timeout: typing.SupportsFloat | typing.SupportsIndex, faults: str) -> None:
         ...
     def add_peer(self, metadata: str) -> str:
         ...
     def close(self) -> None:
         ...
-    def expect(self, peer: str, request_id: str, local_ids: list[int]) -> LoadStream:
+    def expect(self, peer: str, request_id: str, local_ids: list[int], lease_seconds: typing.SupportsFloat | typing.SupportsIndex) -> LoadStream:
+        ...
+    def fault_counts(self) -> dict[str, int]:
         ...
     def metadata(self) -> bytes:
         ...
@@ -458,7 +510,9 @@ class Agent:
         """
     def remove_peer(self, name: str) -> None:
         ...
-    def stream_to(self, peer: str, local_ids: list[int], remote_ids: list[int], request_id: str) -> SaveStream:
+    def stream_stats(self) -> StreamStats:
+        ...
+    def stream_to(self, peer: str, local_ids: list[int], remote_ids: list[int], request_id: str, epoch: typing.SupportsInt | typing.SupportsIndex, checksums: bool) -> SaveStream:
         ...
     def wait_notification(self, timeout: typing.SupportsFloat | typing.SupportsIndex) -> tuple:
         ...
@@ -468,6 +522,9 @@ class Agent:
         """
     @property
     def closed(self) -> bool:
+        ...
+    @property
+    def incarnation(self) -> int:
         ...
     @property
     def name(self) -> str:

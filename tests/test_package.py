@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,10 @@ def test_importing_a_checkout_without_the_compiled_core_says_so(tmp_path: Path) 
     source = Path(kvmove.__file__).parent
     shutil.copytree(source, tmp_path / "kvmove",
                     ignore=shutil.ignore_patterns("_C*.so", "_C*.pyd", "__pycache__"))
-    result = subprocess.run([sys.executable, "-c", "import kvmove"], cwd=tmp_path,
+    # -S: no .pth files, so no editable install's finder hands out the development tree
+    # whatever the working directory; site-packages (numpy, libucx) is added by hand.
+    load = f"import sys; sys.path.extend({site.getsitepackages()!r}); import kvmove"
+    result = subprocess.run([sys.executable, "-S", "-c", load], cwd=tmp_path,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     assert "compiled core (kvmove._C) is not built" in result.stderr, result.stderr

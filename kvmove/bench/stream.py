@@ -285,6 +285,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                      "measured first (default 1.0: equal)")
     sub.add_argument("--compute-ms", type=float, default=None,
                      help="per-layer compute in ms, fixed (overrides --compute-ratio)")
+    sub.add_argument("--checksums", action="store_true",
+                     help="the streamed hand-off carries per-block checksums, verified by the "
+                     "receiver (compare a run without to see their cost)")
     add_output_args(sub, "timed iterations, after one warm-up; the median is shown",
                     "also draw the timeline of compute and transfer per layer (needs "
                     "matplotlib)")
@@ -296,7 +299,7 @@ def run_command(args: argparse.Namespace) -> int:
         model=args.model, num_tokens=args.tokens, block_size=args.block_size,
         transports=args.transports, error_mode=args.error_mode,
         compute_ratio=args.compute_ratio, compute_ms=args.compute_ms, iters=args.iters,
-        timeout=args.timeout)
+        timeout=args.timeout, checksums=args.checksums)
     if args.plot:
         check_plot(args.plot)
     report = run(config)

@@ -38,6 +38,8 @@ class StreamConfig:
         iters: timed iterations (after one warm-up); the report shows the median one.
         timeout: deadline in seconds of every wait.
         seed: for the data pattern.
+        checksums: the streamed hand-off carries per-block checksums, which the receiver
+            verifies as layers land (the bulk one moves the bytes alone).
     """
 
     model: str = "llama-3.1-8b"
@@ -50,6 +52,7 @@ class StreamConfig:
     iters: int = 3
     timeout: float = 60.0
     seed: int = 0
+    checksums: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_tokens", "iters"):
@@ -71,7 +74,8 @@ class StreamConfig:
 
     @property
     def agent_kwargs(self) -> dict[str, Any]:
-        return {"transports": self.transports, "error_mode": self.error_mode}
+        return {"transports": self.transports, "error_mode": self.error_mode,
+                "checksums": self.checksums}
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +198,9 @@ def format_stream(report: StreamReport) -> str:
         f"{layout.head_dim}, {layout.dtype}), {config.num_tokens:,} tokens: {report.num_blocks:,}"
         f" blocks, {per_layer:,} B per layer, {report.nbytes:,} B in all; transports "
         f"{transports}, error mode {config.error_mode}; median of {config.iters} iterations "
-        f"(by hidden fraction) after a warm-up, every byte verified on the receiving side")
+        f"(by hidden fraction) after a warm-up, every byte verified on the receiving side"
+        + ("; the streamed hand-off carries per-block checksums, verified as layers land"
+           if config.checksums else ""))
     ratio = report.compute_ms_per_layer / report.transfer_ms_per_layer
     compute = (f"simulated prefill: {report.matmuls_per_layer} float32 {MATMUL_N}x{MATMUL_N} "
                f"matmuls per layer, {report.compute_ms_per_layer:.2f} ms ({chosen})\n"

@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
                    "when there are at least as many cores as workers)")
     p.add_argument("--request-timeout", type=float, default=120.0,
                    help="seconds a request may go without a token (default 120)")
+    p.add_argument("--transfer-timeout", type=float, default=60.0,
+                   help="seconds a KV hand-off may take before the decode side gives it up "
+                   "(its lease's deadline; default 60)")
     p.add_argument("--store-dir", default=None,
                    help="keep KV blocks on disk here (a KVStore disk tier per prefill or "
                    "colocated worker, in DIR/<worker>): a repeated prefix is loaded, not "
@@ -161,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             block_size=args.block_size, max_num_seqs=args.max_num_seqs, host=args.host,
             port=args.port, control_host=args.control_host, agent_host=args.agent_host,
             transports=args.transports, request_timeout=args.request_timeout,
+            transfer_timeout=args.transfer_timeout,
             pin_cpus=not args.no_pin_cpus, store_dir=args.store_dir,
             store_host_gb=args.store_host_gb, store_disk_gb=args.store_disk_gb,
             checksums=not args.no_checksums, restart=not args.no_restart)

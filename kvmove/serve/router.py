@@ -41,6 +41,8 @@ __all__ = ["MODES", "Handle", "Router", "ServeConfig", "WorkerInfo"]
 MODES = ("colocated", "chunked", "disagg")
 MONITOR_SECONDS = 0.1
 RESERVE_RETRY_SECONDS = 0.02
+RECONCILE_SECONDS = 0.1
+CONNECT_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class ServeConfig:
     agent_host: str = "127.0.0.1"    # where workers' kvmove agents listen
     transports: str | None = None
     request_timeout: float = 120.0
+    transfer_timeout: float = 60.0  # a KV hand-off's lease (disagg), before it is given up
     start_timeout: float = 120.0
     pin_cpus: bool = True   # each worker on its own cores when there are enough
     store_dir: str | None = None  # a KVStore disk tier per prefill/colocated worker, in here
@@ -81,7 +84,7 @@ class ServeConfig:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("request_timeout", "start_timeout"):
+        for name in ("request_timeout", "transfer_timeout", "start_timeout"):
             if not 0 < getattr(self, name) < 1e6:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
         if not 0 <= self.store_host_gb < 1e6:
@@ -123,6 +126,13 @@ class WorkerInfo:
     requests: set[str] = field(default_factory=set)
     command: list[str] = field(default_factory=list)
     restarts: int = 0
+    registered: bool = False  # its "ready" event came: its agent listens
+    # (name, pid) of the other pool's workers this one is a kvmove peer of, each incarnation
+    peers: set[tuple[str, int]] = field(default_factory=set)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
     @property
     def load(self) -> int:
@@ -183,7 +193,7 @@ class Router:
                    "--chunk-size", str(c.chunk_size if c.mode != "colocated" else 0),
                    "--max-num-seqs", str(c.max_num_seqs),
                    "--max-num-batched-tokens", str(c.max_num_batched_tokens),
-                   "--agent-host", c.agent_host]
+                   "--agent-host", c.agent_host, "--transfer-timeout", str(c.transfer_timeout)]
         if c.transports:
             command += ["--transports", c.transports]
         if c.checksums and role == "prefill":
@@ -209,6 +219,8 @@ class Router:
         self._spawn(self._receive())
         self._spawn(self._monitor())
         deadline = time.monotonic() + c.start_timeout
+        if c.mode == "disagg":
+            self._spawn(self._reconcile())
         while not all(w.ready for w in self.workers.values()):
             dead = [w.name for w in self.workers.values() if not w.alive]
             if dead:
@@ -217,44 +229,57 @@ class Router:
                 raise KVMoveError(f"workers not ready after {c.start_timeout:g} s: "
                                   f"{[w.name for w in self.workers.values() if not w.ready]}")
             await asyncio.sleep(0.05)
-        if c.mode != "disagg":
-            return
-        for decode in self._alive("decode"):
-            for prefill in self._alive("prefill"):
-                await self._connect(decode, prefill)
+
+    def _mark_ready(self) -> None:
+        """A worker takes requests once registered and, disaggregated, a kvmove peer of every
+        registered worker of the other pool (each one's current incarnation)."""
+        for w in self.workers.values():
+            if not (w.alive and w.registered):
+                w.ready = False
+            elif self.config.mode != "disagg":
+                w.ready = True
+            else:
+                others = [(o.name, o.pid) for o in self.workers.values()
+                          if o.role != w.role and o.alive and o.registered]
+                w.ready = all(other in w.peers for other in others)
+
+    async def _reconcile(self) -> None:
+        """Disaggregated: keeps every live decode worker a kvmove peer of every live prefill
+        worker, whatever restarted meanwhile (a connect that fails is tried again)."""
+        while True:
+            for decode in [w for w in self.workers.values() if w.role == "decode"]:
+                for prefill in [w for w in self.workers.values() if w.role == "prefill"]:
+                    if not (decode.alive and decode.registered and prefill.alive and
+                            prefill.registered) or (prefill.name, prefill.pid) in decode.peers:
+                        continue
+                    try:
+                        await self._connect(decode, prefill)
+                    except (asyncio.TimeoutError, KVMoveError, zmq.ZMQError):
+                        continue  # one of them died meanwhile: the next round sees it
+            self._mark_ready()
+            await asyncio.sleep(RECONCILE_SECONDS)
 
     async def _connect(self, decode: WorkerInfo, prefill: WorkerInfo) -> None:
         """Makes the two workers kvmove peers of each other: the decode worker exchanges
         metadata with the prefill worker's agent (a restarted one replaces its old self)."""
+        decode_pid, prefill_pid = decode.pid, prefill.pid
         future = self._expect(decode.name, "connect")
         self._send(decode, {"op": "connect", "host": prefill.agent[0],
                             "port": prefill.agent[1]})
-        await asyncio.wait_for(future, self.config.start_timeout)
+        if await asyncio.wait_for(future, CONNECT_SECONDS) is None:
+            raise KVMoveError(f"{decode.name} could not connect to {prefill.name}")
+        if decode.pid == decode_pid and prefill.pid == prefill_pid:  # both still the same
+            decode.peers.add((prefill.name, prefill_pid))
+            prefill.peers.add((decode.name, decode_pid))
 
-    async def _readmit(self, worker: WorkerInfo) -> None:
-        """Starts a dead worker again under its name; once ready, connects it to the other
-        pool and lets it take requests."""
+    def _readmit(self, worker: WorkerInfo) -> None:
+        """Starts a dead worker again under its name; it takes requests once it registered
+        and (disaggregated) the reconcile loop made it every survivor's peer."""
         worker.restarts += 1
-        worker.ready, worker.agent, worker.stats = False, None, {}
+        worker.ready, worker.registered, worker.agent, worker.stats = False, False, None, {}
+        worker.peers.clear()
         worker.process = self._popen(worker.command)
         worker.alive = True
-        deadline = time.monotonic() + self.config.start_timeout
-        while not worker.ready:
-            if worker.process.poll() is not None or time.monotonic() > deadline:
-                return  # the monitor sees it dead again
-            await asyncio.sleep(0.05)
-        if self.config.mode != "disagg":
-            return
-        worker.ready = False  # no requests until it is everyone's peer again
-        try:
-            others = [w for w in self.workers.values() if w.alive and w.ready
-                      and w.role != worker.role]
-            for other in others:
-                pair = (other, worker) if worker.role == "prefill" else (worker, other)
-                await self._connect(*pair)
-        except (asyncio.TimeoutError, KVMoveError, zmq.ZMQError):
-            return
-        worker.ready = True
 
     async def stop(self) -> None:
         """Asks every worker to exit, then terminates, then kills what is left. Idempotent."""
@@ -300,6 +325,10 @@ class Router:
 
     async def _place(self, handle: Handle) -> None:
         try:
+            for role in self.config.pools():
+                await self._wait_for_pool(handle, role)
+            if handle.done:
+                return
             if self.config.mode == "disagg":
                 await self._place_disaggregated(handle)
             else:
@@ -341,6 +370,20 @@ class Router:
         self._assign(handle, prefill)
         self._send(prefill, {"op": "add", **message, "decode_peer": decode.name,
                              "remote_blocks": lease["blocks"], "epoch": lease["epoch"]})
+
+    async def _wait_for_pool(self, handle: Handle, role: str) -> None:
+        """Returns once a worker of ``role`` takes requests. While every one of them is being
+        started again (``restart``), the request waits for it, within its deadline; with none
+        coming back it fails at once (``_alive`` raises)."""
+        deadline = handle.arrival + self.config.request_timeout
+        while not handle.done and not any(
+                w.ready for w in self.workers.values() if w.role == role):
+            if not any(w.alive for w in self.workers.values() if w.role == role):
+                return  # nobody is coming back: placement fails, naming the pool
+            if time.monotonic() > deadline:
+                raise KVMoveError(f"no {role} worker took requests within "
+                                  f"{self.config.request_timeout:g} s (being restarted)")
+            await asyncio.sleep(RESERVE_RETRY_SECONDS)
 
     def _alive(self, role: str) -> list[WorkerInfo]:
         workers = [w for w in self.workers.values() if w.role == role and w.alive and w.ready]
@@ -407,7 +450,8 @@ class Router:
     def _on_event(self, worker: WorkerInfo, event: dict) -> None:
         kind = event["ev"]
         if kind == "ready":
-            worker.agent, worker.ready = event["agent"], True
+            worker.agent, worker.registered = event["agent"], True
+            self._mark_ready()
         elif kind == "stats":
             worker.stats = event
             self._update_gauges()
@@ -500,9 +544,12 @@ class Router:
                     for (name, key), future in list(self._futures.items()):
                         if name == worker.name and not future.done():
                             future.set_exception(KVMoveError(f"worker {name} died"))
+                    for other in self.workers.values():
+                        other.peers = {p for p in other.peers if p[0] != worker.name}
+                    self._mark_ready()
                     if self.config.restart and not self._stopped:
                         self.metrics.restarts.labels(worker=worker.name).inc()
-                        self._spawn(self._readmit(worker))
+                        self._readmit(worker)
             await asyncio.sleep(MONITOR_SECONDS)
 
     def health(self) -> dict[str, Any]:

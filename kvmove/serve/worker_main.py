@@ -135,7 +135,8 @@ class WorkerServer:
                    "waiting": len(scheduler.waiting), "running": len(scheduler.running),
                    "loading": len(self.worker.loading), "sending": len(self.worker.sending),
                    "store": _store_stats(self.store),
-                   "agent": asdict(agent.stats()) if agent is not None else None})
+                   "agent": asdict(agent.stats()) if agent is not None else None,
+                   "faults": agent.faults_injected() if agent is not None else None})
 
     def report(self, ended: list[Request]) -> None:
         if self.tokens:
@@ -171,8 +172,12 @@ class WorkerServer:
                 self.worker.abort(rid)
                 self.requests.pop(rid, None)
             elif op == "connect":
-                peer = self.worker.agent.connect(message["host"], message["port"])
-                self.send({"ev": "connected", "peer": peer})
+                try:
+                    peer = self.worker.agent.connect(message["host"], message["port"])
+                except KVMoveError as error:  # the router tries again
+                    self.send({"ev": "connected", "peer": None, "error": str(error)})
+                else:
+                    self.send({"ev": "connected", "peer": peer})
             elif op == "shutdown":
                 self.running = False
             else:

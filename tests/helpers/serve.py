@@ -86,14 +86,14 @@ def wait_until(predicate: Callable[[], bool], seconds: float,
 class Server:
     """One ``kvmove-serve`` process (and, through it, its workers)."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.args = ["--port", "0", "--model", "tiny", *args]
         self.tag = uuid.uuid4().hex
         self.stderr = tempfile.TemporaryFile(mode="w+")  # a file: a full pipe cannot block it
         self.process = subprocess.Popen(
             [sys.executable, "-m", "kvmove.serve.cli", *self.args], cwd=WORKDIR, text=True,
             stdout=subprocess.PIPE, stderr=self.stderr,
-            env={**os.environ, TAG_VARIABLE: self.tag, "PYTHONUNBUFFERED": "1"})
+            env={**os.environ, **(env or {}), TAG_VARIABLE: self.tag, "PYTHONUNBUFFERED": "1"})
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read_stdout, daemon=True).start()
         self.worker_pids: list[int] = []
