@@ -36,6 +36,7 @@ except ImportError as error:
     if importlib.util.find_spec("kvmove._C") is None:
         raise _missing_core() from error
     raise
+from kvmove import _log  # noqa: E402
 from kvmove.agent import Agent, AgentStats, Transfer, TransferState, TransferStats  # noqa: E402
 from kvmove.block_pool import BlockPool, block_hashes, runs  # noqa: E402
 from kvmove.kv_cache import KVCache  # noqa: E402
@@ -46,6 +47,8 @@ from kvmove.stream import LoadStream, SaveStream, StreamState  # noqa: E402
 from kvmove.runtime import CudaStatus, cuda_available, cuda_status, ucx_version  # noqa: E402
 
 __version__ = "0.1.0"
+
+_log.start()  # the core's log records reach Python's logging (KVMOVE_LOG_LEVEL)
 
 __all__ = [
     "Agent",

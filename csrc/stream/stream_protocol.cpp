@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <limits>
 
+#include "common/log.h"
 #include "common/xxh64.h"
 #include "cuda/cuda_event.h"
 
@@ -542,8 +543,9 @@ void StreamProtocol::on_message(const std::string& sender, const void* data, siz
         // Nobody to raise to inside the transport's callback: a malformed message is dropped,
         // loudly.
         ++stats_.messages_refused;
-        std::fprintf(stderr, "kvmove: agent '%s' dropped a stream message from '%s': %s\n",
-                     port_.local_name().c_str(), sender.c_str(), e.what());
+        KVMOVE_LOG(Warning, "stream", "agent '" << port_.local_name()
+                                                  << "' dropped a stream message from '"
+                                                  << sender << "': " << e.what());
         return;
     }
     switch (m.kind) {

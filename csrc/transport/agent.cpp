@@ -8,6 +8,7 @@
 #include <limits>
 #include <random>
 
+#include "common/log.h"
 #include "transport/agent_internal.h"
 
 namespace kvmove {
@@ -636,8 +637,8 @@ ucs_status_t Agent::on_stream_am(void* arg, const void* header, size_t header_nb
     std::string sender(static_cast<const char*>(header), header_nbytes);
     if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
         // A rendezvous AM's data is a descriptor, not the message: kvmove never sends one.
-        std::fprintf(stderr, "kvmove: agent '%s' dropped a rendezvous stream message\n",
-                     agent->name_.c_str());
+        KVMOVE_LOG(Warning, "agent", "agent '" << agent->name_ << "' dropped a rendezvous "
+                                                  "stream message from '" << sender << "'");
         return UCS_OK;
     }
     agent->streams_.on_message(sender, data, nbytes);

@@ -1,5 +1,7 @@
 #include "transport/ucx.h"
 
+#include "common/log.h"
+
 #include <ucs/debug/log_def.h>
 
 #include <chrono>
@@ -18,14 +20,25 @@ struct ConfigDeleter {
 };
 
 // UCX prints its log to stdout by default, which corrupts the output of CLIs that print JSON.
-// This handler takes every message UCX's level lets through and writes it to stderr instead.
-ucs_log_func_rc_t log_to_stderr(const char* file, unsigned line, const char*, ucs_log_level_t level,
-                                const ucs_log_component_config_t*, const char* format, va_list ap) {
+// This handler takes every message UCX's level lets through (UCX_LOG_LEVEL) into kvmove's log
+// (logger "kvmove.ucx"); a fatal one also goes to stderr at once, as the process is about to
+// end before anyone drains the log.
+ucs_log_func_rc_t log_to_kvmove(const char* file, unsigned line, const char*,
+                                ucs_log_level_t level, const ucs_log_component_config_t*,
+                                const char* format, va_list ap) {
     char message[1024];
     std::vsnprintf(message, sizeof message, format, ap);
     const char* base = std::strrchr(file, '/');
-    std::fprintf(stderr, "[ucx %s] %s:%u %s\n", ucs_log_level_names[level],
-                 base != nullptr ? base + 1 : file, line, message);
+    base = base != nullptr ? base + 1 : file;
+    if (level <= UCS_LOG_LEVEL_FATAL) {
+        std::fprintf(stderr, "[ucx %s] %s:%u %s\n", ucs_log_level_names[level], base, line,
+                     message);
+    }
+    const LogLevel kvmove_level = level <= UCS_LOG_LEVEL_ERROR ? LogLevel::Error
+                                  : level <= UCS_LOG_LEVEL_WARN ? LogLevel::Warning
+                                  : level <= UCS_LOG_LEVEL_DIAG ? LogLevel::Info
+                                                                : LogLevel::Debug;
+    KVMOVE_LOG_AT(kvmove_level, "ucx", base << ":" << line << " " << message);
     return UCS_LOG_FUNC_RC_STOP;
 }
 
@@ -37,7 +50,7 @@ std::string ucx_version() {
 
 ContextPtr make_context(const std::string& transports, double keepalive_seconds) {
     static std::once_flag log_handler_installed;
-    std::call_once(log_handler_installed, [] { ucs_log_push_handler(&log_to_stderr); });
+    std::call_once(log_handler_installed, [] { ucs_log_push_handler(&log_to_kvmove); });
     ucp_config_t* raw = nullptr;
     KVMOVE_UCX_CHECK(ucp_config_read(nullptr, nullptr, &raw), "cannot read UCX configuration");
     std::unique_ptr<ucp_config_t, ConfigDeleter> config(raw);
