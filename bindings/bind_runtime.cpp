@@ -23,22 +23,20 @@ void register_runtime(py::module_& m) {
           "Raises ConfigError unless timeout is in [0, 1e6] seconds (every wait's rule).");
     m.def("set_log_level", &set_log_level, py::arg("level"),
           "The core's records below this logging level are dropped where they are made.");
+    // Never waits, and keeps the GIL: a daemon thread that waited in here with the GIL
+    // released would be ended by Python's shutdown (pthread_exit) inside C++ frames, which
+    // terminates the process.
     m.def(
         "take_log",
-        [](double timeout, size_t max_records) {
-            std::vector<LogRecord> records;
-            {
-                py::gil_scoped_release nogil;
-                records = take_log(timeout, max_records);
-            }
+        [](size_t max_records) {
+            std::vector<LogRecord> records = take_log(0, max_records);
             py::list out;
             for (const LogRecord& r : records) {
                 out.append(py::make_tuple(r.level, r.logger, r.message));
             }
             return out;
         },
-        py::arg("timeout"), py::arg("max_records") = 1000,
-        "(level, logger, message) records of the core, waiting up to timeout for one.");
+        py::arg("max_records") = 1000, "(level, logger, message) records the core queued.");
     m.def("log_dropped", &log_dropped, "Core log records dropped on a full queue.");
 }
 

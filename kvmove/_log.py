@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 from kvmove import _C
 from kvmove.errors import ConfigError
@@ -20,7 +21,7 @@ __all__ = ["LEVELS", "set_level", "start"]
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
           "error": logging.ERROR}
-_POLL_SECONDS = 0.5
+_POLL_SECONDS = 0.2
 _started = threading.Event()
 
 
@@ -40,10 +41,13 @@ def _effective() -> int:
 
 
 def _pump() -> None:
+    # It sleeps here, in Python, not inside the core: Python ends daemon threads at shutdown,
+    # which must not happen in C++ frames.
     while True:
         _C.set_log_level(_effective())
-        for level, name, message in _C.take_log(_POLL_SECONDS, 1000):
+        for level, name, message in _C.take_log(1000):
             logging.getLogger(f"kvmove.{name}").log(level, message)
+        time.sleep(_POLL_SECONDS)
 
 
 def start() -> None:
