@@ -47,6 +47,17 @@ struct type_caster<kvmove::bindings::Ids> {
             PyObject* item = items[i];
             object index;  // owns the int of a non-int item that has __index__ (numpy ints)
             if (!PyLong_Check(item)) {
+                // __index__ runs Python code, which may mutate a list under our item pointers:
+                // read the rest from a tuple copy, which nothing can change.
+                if (PyList_Check(seq.ptr())) {
+                    seq = reinterpret_steal<object>(PyList_AsTuple(seq.ptr()));
+                    if (!seq) {
+                        PyErr_Clear();
+                        return false;
+                    }
+                    items = PySequence_Fast_ITEMS(seq.ptr());
+                    item = items[i];
+                }
                 index =
                     reinterpret_steal<object>(PyIndex_Check(item) ? PyNumber_Index(item) : nullptr);
                 if (!index) {
