@@ -124,7 +124,7 @@ class BlockPool:
 
 
 def block_hashes(token_ids: Sequence[int] | Any, block_size: int,
-                 parent: int | None = None) -> list[int]:
+                 parent: int | None = None, *, seed: int = 0) -> list[int]:
     """Chained 64-bit content hashes of the full blocks of ``token_ids``.
 
     Block i's hash is XXH64 of its parent's hash and its tokens (little-endian int64), so equal
@@ -135,12 +135,16 @@ def block_hashes(token_ids: Sequence[int] | Any, block_size: int,
         token_ids: ``[num_tokens]`` integer ids (list or array; converted to int64).
         block_size: tokens per block.
         parent: hash of the block before ``token_ids[0]``, or None at a sequence's start.
+        seed: 0 for the plain chain. A secret seed (``DeploymentKey.hash_seed()``) makes the
+            hashes unpredictable to anyone without it: then no one can craft two prompts
+            whose blocks collide in a shared prefix cache or store (vLLM's CVE-2025-25183
+            class). Every process sharing a cache or store must use the same seed.
 
     Example:
         >>> len(kvmove.block_hashes(range(40), 16))   # 2 full blocks, 8 tokens left over
         2
     """
-    return _C.block_hashes(token_ids, block_size, parent)
+    return _C.block_hashes(token_ids, block_size, parent, seed)
 
 
 def runs(ids: Sequence[int]) -> list[tuple[int, int]]:

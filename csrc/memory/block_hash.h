@@ -22,7 +22,11 @@
 namespace kvmove {
 
 // One hash per full block of tokens; a trailing partial block gets none.
+// seed: XXH64's seed for every block. 0 (the default) gives the plain chain; a secret seed
+// (derived from the deployment key) gives hashes nobody without it can predict, so nobody can
+// engineer two prompts whose blocks collide in a shared prefix cache or store (vLLM's
+// CVE-2025-25183 class of attack: an unkeyed hash served one tenant's KV to another).
 std::vector<uint64_t> block_hashes(const int64_t* tokens, size_t num_tokens, int64_t block_size,
-                                   std::optional<uint64_t> parent);
+                                   std::optional<uint64_t> parent, uint64_t seed = 0);
 
 }  // namespace kvmove

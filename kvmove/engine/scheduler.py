@@ -34,12 +34,15 @@ __all__ = ["Scheduled", "Scheduler", "SchedulerConfig"]
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Batch limits. ``chunk_size`` splits long prefills across steps (None: whole prompts)."""
+    """Batch limits. ``chunk_size`` splits long prefills across steps (None: whole prompts).
+    ``hash_seed``: the block hashes' seed (``kvmove.block_hashes``): 0, or a deployment's
+    secret (``DeploymentKey.hash_seed()``) so that no one can engineer colliding prefixes."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     chunk_size: int | None = 512
     prefix_caching: bool = True
+    hash_seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -208,7 +211,8 @@ class Scheduler:
         usable = (request.num_tokens - 1) // self.block_size
         if usable == 0:
             return False
-        hashes = block_hashes(request.tokens[:usable * self.block_size], self.block_size)
+        hashes = block_hashes(request.tokens[:usable * self.block_size], self.block_size,
+                              seed=self.config.hash_seed)
         ids = self.pool.match(hashes)
         if ids:
             request.blocks = list(ids)
@@ -226,6 +230,7 @@ class Scheduler:
             return
         b = self.block_size
         hashes = block_hashes(request.tokens[done * b:full * b], b,
-                              request.hashes[-1] if request.hashes else None)
+                              request.hashes[-1] if request.hashes else None,
+                              seed=self.config.hash_seed)
         self.pool.commit(request.blocks[done:full], hashes)
         request.hashes += hashes
