@@ -3,6 +3,7 @@
 #include "bindings.h"
 #include "ids.h"
 #include "transport/agent.h"
+#include "transport/metadata.h"
 
 namespace py = pybind11;
 
@@ -41,6 +42,27 @@ auto transfer_method(StartFn start) {
 }  // namespace
 
 void register_agent(py::module_& m) {
+    // The metadata codec, for tests and fuzzing (an Agent decodes only what verified).
+    m.def(
+        "decode_metadata",
+        [](const py::bytes& data) {
+            const AgentMetadata meta = decode(to_vector(std::string(data)));
+            py::dict out;
+            out["name"] = meta.name;
+            out["incarnation"] = meta.incarnation;
+            out["started_ns"] = meta.started_ns;
+            out["worker_address"] = to_bytes(meta.worker_address);
+            out["region_addr"] = meta.region_addr;
+            out["region_nbytes"] = meta.region_nbytes;
+            out["packed_rkey"] = to_bytes(meta.packed_rkey);
+            out["num_layers"] = meta.num_layers;
+            out["num_blocks"] = meta.num_blocks;
+            out["block_nbytes"] = meta.block_nbytes;
+            return out;
+        },
+        py::arg("data"),
+        "Decodes unsigned agent metadata (the core's wire format); raises MetadataError "
+        "naming the field that is wrong.");
     using release = py::call_guard<py::gil_scoped_release>;
     py::enum_<TransferState>(m, "TransferState")
         .value("PENDING", TransferState::Pending)
@@ -76,20 +98,25 @@ void register_agent(py::module_& m) {
         .def_readonly("messages_refused", &StreamStats::messages_refused)
         .def_readonly("begins_refused", &StreamStats::begins_refused)
         .def_readonly("checksum_mismatches", &StreamStats::checksum_mismatches)
-        .def_readonly("acks_missed", &StreamStats::acks_missed);
+        .def_readonly("acks_missed", &StreamStats::acks_missed)
+        .def_readonly("unknown_senders", &StreamStats::unknown_senders)
+        .def_readonly("messages_dropped", &StreamStats::messages_dropped);
 
     py::class_<Agent>(m, "Agent")
         .def(py::init([](std::string name, KVCache& cache, const BlockShape& shape,
                          std::string transports, bool peer_errors, double peer_timeout,
-                         double cancel_timeout, double ack_timeout, std::string faults) {
+                         double cancel_timeout, double ack_timeout, std::string faults,
+                         std::string net_devices, int64_t max_peers) {
                  return std::make_unique<Agent>(
                      std::move(name), cache, shape,
                      AgentConfig{std::move(transports), peer_errors, peer_timeout,
-                                 StreamConfig{cancel_timeout, ack_timeout}, std::move(faults)});
+                                 StreamConfig{cancel_timeout, ack_timeout}, std::move(faults),
+                                 std::move(net_devices), max_peers});
              }),
              py::arg("name"), py::arg("cache"), py::arg("shape"), py::arg("transports"),
              py::arg("peer_errors"), py::arg("peer_timeout"), py::arg("cancel_timeout"),
-             py::arg("ack_timeout"), py::arg("faults"), py::keep_alive<1, 3>(), release())
+             py::arg("ack_timeout"), py::arg("faults"), py::arg("net_devices"),
+             py::arg("max_peers"), py::keep_alive<1, 3>(), release())
         .def("fault_counts", &Agent::fault_counts)
         .def_property_readonly("incarnation", &Agent::incarnation)
         .def("stream_stats", &Agent::stream_stats, release())

@@ -2,6 +2,7 @@
 
 #include "bindings.h"
 #include "stream/layer_stream.h"
+#include "stream/stream_message.h"
 
 namespace py = pybind11;
 
@@ -18,10 +19,51 @@ py::list layer_times(const Stream& s) {
     return out;
 }
 
+MessageKind kind_named(const std::string& name) {
+    for (uint8_t k = 1; k <= 8; ++k) {
+        if (name == message_kind_name(static_cast<MessageKind>(k))) {
+            return static_cast<MessageKind>(k);
+        }
+    }
+    KVMOVE_FAIL(Config, "unknown stream message kind '" << name << "'");
+}
+
 }  // namespace
 
 void register_stream(py::module_& m) {
     using release = py::call_guard<py::gil_scoped_release>;
+    // The stream messages' codec, for tests and fuzzing: peers' messages are untrusted input.
+    m.def(
+        "encode_stream_message",
+        [](const std::string& kind, const std::string& request_id, uint64_t epoch,
+           uint32_t layer, uint64_t ids_hash, std::vector<uint64_t> checksums,
+           const py::bytes& payload) {
+            StreamMessage message{kind_named(kind), request_id, layer, epoch, ids_hash,
+                                  std::move(checksums), std::string(payload)};
+            return py::bytes(encode(message));
+        },
+        py::arg("kind"), py::arg("request_id"), py::arg("epoch"), py::arg("layer") = 0,
+        py::arg("ids_hash") = 0, py::arg("checksums") = std::vector<uint64_t>{},
+        py::arg("payload") = py::bytes(),
+        "A stream message's bytes (kind: 'Begin', 'Go', 'Layer'...), as a peer sends them.");
+    m.def(
+        "decode_stream_message",
+        [](const py::bytes& data) {
+            const std::string bytes(data);
+            const StreamMessage message = decode_stream_message(bytes.data(), bytes.size());
+            py::dict out;
+            out["kind"] = message_kind_name(message.kind);
+            out["request_id"] = message.request_id;
+            out["epoch"] = message.epoch;
+            out["layer"] = message.layer;
+            out["ids_hash"] = message.ids_hash;
+            out["checksums"] = message.checksums;
+            out["payload"] = py::bytes(message.payload);
+            return out;
+        },
+        py::arg("data"),
+        "Decodes a stream message as an agent does when it arrives; raises MetadataError "
+        "naming what is wrong.");
     py::enum_<StreamState>(m, "StreamState")
         .value("OPEN", StreamState::Open)
         .value("DONE", StreamState::Done)

@@ -9,7 +9,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['Agent', 'BlockFile', 'BlockPool', 'BlockShape', 'DType', 'KVCache', 'LoadStream', 'Region', 'SaveStream', 'StreamState', 'StreamStats', 'Transfer', 'TransferState', 'TransferStats', 'block_hashes', 'check_timeout', 'convert_blocks', 'copy_blocks', 'cuda_status', 'pack_blocks', 'runs', 'ucx_version', 'unpack_blocks', 'xxh64']
+__all__: list[str] = ['Agent', 'BlockFile', 'BlockPool', 'BlockShape', 'DType', 'KVCache', 'LoadStream', 'Region', 'SaveStream', 'StreamState', 'StreamStats', 'Transfer', 'TransferState', 'TransferStats', 'block_hashes', 'check_timeout', 'convert_blocks', 'copy_blocks', 'cuda_status', 'log_dropped', 'pack_blocks', 'runs', 'set_log_level', 'take_log', 'ucx_version', 'unpack_blocks', 'xxh64']
 class BlockPool:
     """
     Fixed pool of ``num_blocks`` equal blocks with ids ``0..num_blocks-1``: reference counts,
@@ -484,13 +484,19 @@ class StreamStats:
     def leases_granted(self) -> int:
         ...
     @property
+    def messages_dropped(self) -> int:
+        ...
+    @property
     def messages_refused(self) -> int:
         ...
     @property
     def senders_disconnected(self) -> int:
         ...
+    @property
+    def unknown_senders(self) -> int:
+        ...
 class Agent:
-    def __init__(self, name: str, cache: KVCache, shape: BlockShape, transports: str, peer_errors: bool, peer_timeout: typing.SupportsFloat | typing.SupportsIndex, cancel_timeout: typing.SupportsFloat | typing.SupportsIndex, ack_timeout: typing.SupportsFloat | typing.SupportsIndex, faults: str) -> None:
+    def __init__(self, name: str, cache: KVCache, shape: BlockShape, transports: str, peer_errors: bool, peer_timeout: typing.SupportsFloat | typing.SupportsIndex, cancel_timeout: typing.SupportsFloat | typing.SupportsIndex, ack_timeout: typing.SupportsFloat | typing.SupportsIndex, faults: str, net_devices: str, max_peers: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...
     def add_peer(self, metadata: str) -> str:
         ...
@@ -532,7 +538,7 @@ class Agent:
     @property
     def peers(self) -> list[str]:
         ...
-def block_hashes(token_ids: typing.Annotated[numpy.typing.ArrayLike, numpy.int64], block_size: typing.SupportsInt | typing.SupportsIndex, parent: typing.SupportsInt | typing.SupportsIndex | None = None) -> list[int]:
+def block_hashes(token_ids: typing.Annotated[numpy.typing.ArrayLike, numpy.int64], block_size: typing.SupportsInt | typing.SupportsIndex, parent: typing.SupportsInt | typing.SupportsIndex | None = None, seed: typing.SupportsInt | typing.SupportsIndex = 0) -> list[int]:
     """
     Chained 64-bit content hashes of the full blocks of ``token_ids`` (a trailing partial block
     gets none): block i's hash is XXH64 of its parent's hash and its tokens (as little-endian
@@ -543,6 +549,7 @@ def block_hashes(token_ids: typing.Annotated[numpy.typing.ArrayLike, numpy.int64
         token_ids: ``[num_tokens]`` integer ids (list or array; converted to int64).
         block_size: tokens per block.
         parent: hash of the block before ``token_ids[0]``, or None at the start of a sequence.
+        seed: XXH64's seed (0: the plain chain; a secret one for keyed hashes).
     """
 def check_timeout(timeout: typing.SupportsFloat | typing.SupportsIndex) -> None:
     """
@@ -560,6 +567,10 @@ def cuda_status() -> tuple[bool, int, str]:
     """
     (built with CUDA, device count, reason when 0).
     """
+def log_dropped() -> int:
+    """
+    Core log records dropped on a full queue.
+    """
 def pack_blocks(cache: KVCache, block_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], layers: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], staging_addr: typing.SupportsInt | typing.SupportsIndex, staging_nbytes: typing.SupportsInt | typing.SupportsIndex) -> None:
     """
     Copies blocks of layers into a contiguous [layers, blocks, block_nbytes] buffer.
@@ -567,6 +578,14 @@ def pack_blocks(cache: KVCache, block_ids: collections.abc.Sequence[typing.Suppo
 def runs(ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> list[tuple[int, int]]:
     """
     Consecutive ascending ids as ``(first, count)`` runs, in order: ``[4, 5, 6, 9, 2, 3] -> [(4, 3), (9, 1), (2, 2)]``.
+    """
+def set_log_level(level: typing.SupportsInt | typing.SupportsIndex) -> None:
+    """
+    The core's records below this logging level are dropped where they are made.
+    """
+def take_log(max_records: typing.SupportsInt | typing.SupportsIndex = 1000) -> list:
+    """
+    (level, logger, message) records the core queued.
     """
 def ucx_version() -> str:
     """

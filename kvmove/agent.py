@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmove import _C
-from kvmove.bootstrap import MetadataServer, exchange
+from kvmove.auth import DeploymentKey, resolve_key
+from kvmove.bootstrap import MetadataServer, exchange, is_loopback, net_devices_for
 from kvmove.errors import ConfigError, PeerError
 from kvmove.kv_cache import KVCache, block_shape
 from kvmove.stream import LoadStream, SaveStream
-from kvmove.validation import require_positive_finite
+from kvmove.validation import require_positive_finite, require_positive_int
 
 __all__ = ["Agent", "AgentStats", "Transfer", "TransferState", "TransferStats"]
 
@@ -46,6 +47,10 @@ class AgentStats:
         begins_refused: of those, senders told no (they wrote nothing).
         checksum_mismatches: received blocks (per layer) whose bytes did not match.
         acks_missed: sent Finals not acknowledged in time (those streams failed).
+        unknown_senders: messages and notifications from an endpoint that is no peer's
+            (dropped: an agent must be added as a peer before it is heard).
+        messages_dropped: messages dropped for their form: rendezvous (too large to arrive
+            eagerly), over the size bound, or over a peer's notification queue cap.
     """
 
     leases_granted: int
@@ -58,6 +63,8 @@ class AgentStats:
     begins_refused: int
     checksum_mismatches: int
     acks_missed: int
+    unknown_senders: int
+    messages_dropped: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +162,15 @@ class Agent:
         faults: fault injection for tests, e.g. ``"fail_post=7,drop_message=0.01,seed=3"``
             (``csrc/transport/faults.h`` lists them); default: ``$KVMOVE_FAULTS``, else none.
             Off, it costs nothing.
+        key: the deployment key (``kvmove.auth``): only agents holding it become peers.
+            Default: ``$KVMOVE_KEY``, ``$KVMOVE_KEY_FILE``, else this user's host key (enough
+            for agents on one host; another host's agents need a key of their own).
+        host: the address this agent serves on. UCX's network transports are kept to the
+            interface holding it ("lo" for loopback, the default), and ``listen()`` binds it.
+            ``"0.0.0.0"`` leaves every interface to UCX.
+        net_devices: UCX's device list (``UCX_NET_DEVICES`` syntax, e.g. ``"mlx5_0:1"`` for an
+            InfiniBand port), instead of the interface of ``host``; ``"all"`` for every one.
+        max_peers: peers this agent accepts at most (each holds a UCX endpoint).
 
     Layer streaming: ``stream_to`` and ``expect`` (docs/streaming.md).
     """
@@ -162,7 +178,9 @@ class Agent:
     def __init__(self, name: str, cache: KVCache, *, transports: str | Sequence[str] | None = None,
                  error_mode: str = "peer", peer_timeout: float = 10.0,
                  cancel_timeout: float = 5.0, ack_timeout: float = 10.0,
-                 checksums: bool = False, faults: str | None = None) -> None:
+                 checksums: bool = False, faults: str | None = None,
+                 key: bytes | str | None = None, host: str = "127.0.0.1",
+                 net_devices: str | None = None, max_peers: int = 1024) -> None:
         if error_mode not in ERROR_MODES:
             raise ConfigError(f"error_mode must be one of {ERROR_MODES}, got {error_mode!r}")
         if not isinstance(cache, KVCache):
@@ -174,9 +192,14 @@ class Agent:
             require_positive_finite(what, value)
         if faults is None:
             faults = os.environ.get("KVMOVE_FAULTS", "")
+        require_positive_int("max_peers", max_peers)
+        self.key: DeploymentKey = resolve_key(key)
+        self.host = host
+        devices = net_devices_for(host) if net_devices is None else net_devices
         self._core = _C.Agent(name, cache._core, block_shape(cache.layout), transports or "",
                               error_mode == "peer", float(peer_timeout), float(cancel_timeout),
-                              float(ack_timeout), faults)
+                              float(ack_timeout), faults, "" if devices == "all" else devices,
+                              max_peers)
         self.cache = cache
         self.checksums = bool(checksums)
         self._server: MetadataServer | None = None
@@ -211,21 +234,26 @@ class Agent:
 
     def metadata(self) -> bytes:
         """What a peer needs to reach this agent (``add_peer`` on its side): opaque bytes,
-        versioned and checksummed."""
-        return self._core.metadata()
+        versioned, and signed with the deployment key."""
+        return self.key.sign(self._core.metadata())
 
     def add_peer(self, metadata: bytes) -> str:
         """Adds the agent that ``metadata`` describes as a peer; returns its name.
+
+        The signature is checked first: metadata not signed with this agent's deployment key
+        never reaches the core or UCX.
 
         A peer of that name that comes back with new metadata (it restarted) replaces the
         old one: the old connection is closed first (its remote key dropped before it), and
         whatever was in flight with it fails with ``PeerError``.
 
         Raises:
-            MetadataError: truncated, corrupted or foreign metadata.
-            PeerError: the same peer is already added, or it cannot be reached.
+            MetadataError: not signed with this deployment's key; truncated, corrupted or
+                foreign metadata.
+            PeerError: the same peer is already added, an earlier run of it (a replay), the
+                agent has ``max_peers`` already, or the peer cannot be reached.
         """
-        return self._core.add_peer(metadata)
+        return self._core.add_peer(self.key.verify(metadata))
 
     def remove_peer(self, name: str) -> None:
         """Fails the peer's pending transfers and streams (``PeerError``), then closes its
@@ -266,13 +294,24 @@ class Agent:
         """
         return self._core.wait_notification(timeout)
 
-    def listen(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
-        """Serves metadata exchange on ``host:port`` (0 = any free port) until ``close()``.
+    def listen(self, host: str | None = None, port: int = 0) -> tuple[str, int]:
+        """Serves metadata exchange on ``host:port`` (default: the agent's ``host``; port 0 =
+        any free port) until ``close()``.
 
-        Each agent that ``connect``s becomes a peer here, and receives this agent's metadata.
+        Each agent that ``connect``s with metadata signed by this deployment's key becomes a
+        peer here, and receives this agent's metadata.
+
+        Raises:
+            ConfigError: closed, already listening, or a non-loopback address with only the
+                host key (it proves nothing to another host: give a deployment key).
         """
+        host = self.host if host is None else host
         if self.closed:
             raise ConfigError(f"agent {self.name!r} is closed")
+        if self.key.host_only and not is_loopback(host):
+            raise ConfigError(f"agent {self.name!r} cannot listen on {host!r} with only the "
+                              "host key: anyone reaching it could join. Give a deployment key "
+                              "(Agent(key=...), KVMOVE_KEY or KVMOVE_KEY_FILE)")
         if self._server is not None:
             raise ConfigError(f"agent {self.name!r} already listens on {self._server.address}")
         # The listener thread holds the agent only weakly, and is closed when the agent is
@@ -290,10 +329,16 @@ class Agent:
         """Exchanges metadata with an agent listening at ``host:port``; returns its name.
 
         Raises:
+            ConfigError: ``host`` is another host and this agent serves on loopback (its
+                ``host``): UCX could not reach it.
             PeerError: no answer within ``timeout`` seconds, or the other side refused us.
             MetadataError: its answer is not valid metadata.
         """
         require_positive_finite("connect timeout", timeout)
+        if is_loopback(self.host) and not is_loopback(host):
+            raise ConfigError(f"agent {self.name!r} serves on {self.host} (loopback) and cannot "
+                              f"reach {host!r}: create it with host=<an address of this host> "
+                              "on the network to use")
         return self.add_peer(exchange(self.metadata(), host, port, timeout))
 
     def stream_to(self, peer: str, local_ids: Sequence[int], remote_ids: Sequence[int],

@@ -5,25 +5,92 @@ then move blocks with UCX directly. We use ZeroMQ (as vLLM and SGLang do for the
 planes) rather than a hand-rolled socket protocol: framing, reconnects and timeouts are its
 job.
 
-Protocol: the connecting side sends its metadata; the listener adds it as a peer and answers
-``b"OK" + own metadata``, or ``b"ER" + message`` when the metadata was rejected.
+Protocol: the connecting side sends its signed metadata (``kvmove.auth``); the listener adds
+it as a peer (which checks the signature before anything reads it) and answers
+``b"OK" + own signed metadata``, or ``b"ER" + message`` when it was rejected. Messages over
+``MAX_MESSAGE_BYTES`` are dropped by ZeroMQ itself, and a listener answers at most
+``MAX_EXCHANGES_PER_SECOND`` exchanges a second (the rest are told to come back), so that
+no one reaching its port can keep it busy.
 """
 
 from __future__ import annotations
 
+import fcntl
+import ipaddress
 import logging
+import socket
+import struct
 import threading
+import time
 from collections.abc import Callable
 
 import zmq
 
-from kvmove.errors import KVMoveError, PeerError
+from kvmove.errors import ConfigError, KVMoveError, PeerError
 
-__all__ = ["MetadataServer", "exchange"]
+__all__ = ["MAX_EXCHANGES_PER_SECOND", "MAX_MESSAGE_BYTES", "MetadataServer", "exchange",
+           "is_loopback", "net_devices_for"]
 
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
+MAX_MESSAGE_BYTES = 1 << 20  # metadata is a few hundred bytes
+MAX_EXCHANGES_PER_SECOND = 100
+_SIOCGIFADDR = 0x8915
+
+
+def is_loopback(host: str) -> bool:
+    """True for a loopback address or name ("127.0.0.1", "::1", "localhost")."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host) if ":" not in host
+                                    else host).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def net_devices_for(host: str) -> str:
+    """The UCX device list that keeps UCX's network transports on ``host``'s interface: "lo"
+    for loopback, the interface holding ``host`` otherwise, "" (every device) for the wildcard
+    addresses. Shared memory and CUDA IPC are not network devices: they stay available.
+
+    Raises:
+        ConfigError: no interface holds ``host``.
+    """
+    if host in ("0.0.0.0", "::", ""):
+        return ""
+    if is_loopback(host):
+        return "lo"
+    try:
+        address = socket.gethostbyname(host)
+    except OSError as error:
+        raise ConfigError(f"cannot resolve host {host!r}: {error}") from None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR,
+                                     struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue  # no IPv4 address on it
+            if socket.inet_ntoa(packed[20:24]) == address:
+                return name
+    raise ConfigError(f"no network interface holds {host!r} ({address}): give the agent an "
+                      "address of this host, or net_devices")
+
+
+class _RateLimit:
+    """A token bucket: ``rate`` events a second, bursts up to ``rate``."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate, self.tokens, self.last = rate, rate, time.monotonic()
+
+    def allow(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.rate, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
 
 
 def _endpoint(host: str, port: int) -> str:
@@ -47,6 +114,8 @@ class MetadataServer:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.REP)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._limit = _RateLimit(MAX_EXCHANGES_PER_SECOND)
         if ":" in host:
             self._socket.setsockopt(zmq.IPV6, 1)
         try:
@@ -68,6 +137,9 @@ class MetadataServer:
             if not self._socket.poll(_POLL_MS):
                 continue
             request = self._socket.recv()
+            if not self._limit.allow():
+                self._socket.send(b"ER busy: too many metadata exchanges, try again")
+                continue
             try:
                 name = self._add_peer(request)
                 logger.info("metadata exchange: added peer %r", name)
@@ -98,6 +170,7 @@ def exchange(own_metadata: bytes, host: str, port: int, timeout: float) -> bytes
     context = zmq.Context()
     sock = context.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     if ":" in host:
         sock.setsockopt(zmq.IPV6, 1)
     try:

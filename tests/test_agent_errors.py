@@ -49,6 +49,7 @@ from kvmove.errors import (
 from helpers.checks import names, within
 from helpers.far import FarPeer
 from helpers.kv import make_cache, raw_view
+from helpers.wire import HEADER, build, parse
 
 # 4 layers, 2 KV heads x 16 dims, float16, 4 tokens per block: 512 B per block per layer.
 LAYOUT = dict(num_layers=4, num_kv_heads=2, head_dim=16, dtype="float16", block_size=4)
@@ -115,18 +116,33 @@ def pair() -> Iterator[Pair]:
         p.close()
 
 
+class Forger:
+    """A peerless agent, and a key holder who signs whatever bytes it is given: its add_peer
+    hands the core's decoder exactly those bytes. The decoder must stand on its own, whoever
+    signed (the signature itself is tests/test_security.py's)."""
+
+    def __init__(self, agent: kvmove.Agent) -> None:
+        self.agent = agent
+
+    def add_peer(self, blob: bytes) -> str:
+        return self.agent.add_peer(self.agent.key.sign(bytes(blob)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.agent, name)
+
+
 @pytest.fixture(scope="module")
-def lone() -> Iterator[kvmove.Agent]:
+def lone() -> Iterator[Forger]:
     """A peerless agent that only decodes metadata (module-scoped for hypothesis)."""
     with kvmove.Agent("lone", make_cache(LAYOUT, A_BLOCKS), **TCP) as agent:
-        yield agent
+        yield Forger(agent)
 
 
 @pytest.fixture(scope="module")
 def valid_metadata() -> Iterator[bytes]:
-    """Metadata of a live agent named "meta-src" (a cache of 8 blocks)."""
+    """The core's metadata (unsigned) of a live agent named "meta-src" (8 blocks)."""
     with kvmove.Agent("meta-src", make_cache(LAYOUT, 8), **TCP) as agent:
-        yield agent.metadata()
+        yield agent.key.verify(agent.metadata())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,48 +244,7 @@ def _assert_cache_still_usable(cache: kvmove.KVCache) -> None:
 # ---------------------------------------------------------------------------------------------
 # Metadata: every malformed blob is a MetadataError (a PeerError and a ValueError), no crash.
 #
-# Wire format (csrc/metadata.h), little-endian:
-#   "KVMV" | u16 version | u16 reserved | u32 body_nbytes | body | u64 xxh64(body)
-
-HEADER = struct.Struct("<4sHHI")
-# (field, struct format); blobs are (length format, bytes).
-BODY_FIELDS = [
-    ("name", "B*"), ("incarnation", "I"), ("worker_address", "I*"), ("region_addr", "Q"),
-    ("region_nbytes", "Q"),
-    ("packed_rkey", "I*"), ("num_layers", "I"), ("num_blocks", "I"), ("block_nbytes", "Q"),
-    ("num_kv_heads", "I"), ("head_dim", "I"), ("block_size", "I"), ("dtype", "B*"),
-]
-
-
-def parse(blob: bytes) -> dict[str, Any]:
-    """The fields of a valid blob (a test-side decoder, checked by a round trip below)."""
-    magic, version, reserved, body_nbytes = HEADER.unpack_from(blob)
-    body = blob[HEADER.size:HEADER.size + body_nbytes]
-    fields: dict[str, Any] = {"version": version, "reserved": reserved}
-    pos = 0
-    for name, fmt in BODY_FIELDS:
-        (value,) = struct.unpack_from("<" + fmt.rstrip("*"), body, pos)
-        pos += struct.calcsize(fmt.rstrip("*"))
-        if fmt.endswith("*"):
-            value, pos = body[pos:pos + value], pos + value
-        fields[name] = value
-    assert pos == len(body)
-    return fields
-
-
-def build(fields: dict[str, Any], body_suffix: bytes = b"") -> bytes:
-    """A blob of ``fields`` with a correct checksum (so only the field checks can reject it)."""
-    body = b""
-    for name, fmt in BODY_FIELDS:
-        value = fields[name]
-        if fmt.endswith("*"):
-            body += struct.pack("<" + fmt.rstrip("*"), len(value)) + value
-        else:
-            body += struct.pack("<" + fmt, value)
-    body += body_suffix
-    header = HEADER.pack(b"KVMV", fields["version"], fields["reserved"], len(body))
-    return header + body + struct.pack("<Q", _C.xxh64(body, 0))
-
+# Wire format: csrc/transport/metadata.h (helpers/wire.py builds blobs field by field).
 
 def test_metadata_codec_round_trips(valid_metadata):
     """The test-side parse/build matches the library's format exactly."""
@@ -756,7 +731,11 @@ def test_reject_transfer_to_a_removed_peer(pair, op):
     with pytest.raises(PeerError, match="unknown peer 'b'"):
         pair.a.remove_peer("b")
     np.testing.assert_array_equal(raw_view(pair.b_cache), pair.b_ref)
-    assert pair.a.add_peer(pair.b.metadata()) == "b"  # it can come back
+    # It can come back: an exchange both ways, as connect() does. (b still holds its old
+    # connection to a, and messages are known by their connection: one way is not enough.)
+    assert pair.a.add_peer(pair.b.metadata()) == "b"
+    pair.b.remove_peer("a")
+    assert pair.b.add_peer(pair.a.metadata()) == "a"
     pair.assert_untouched()
 
 
@@ -830,11 +809,11 @@ def test_listener_rejecting_our_metadata_is_a_peer_error(pair):
 
 def test_listener_survives_junk_requests(pair):
     """Whatever arrives on the side channel, the listener answers "ER" + the MetadataError and
-    keeps serving."""
+    keeps serving: unsigned bytes are refused before the decoder sees them."""
     host, port = pair.a.listen()
     ctx = zmq.Context()
     try:
-        for junk in [b"", b"junk", b"KVMV" + b"\0" * 40]:
+        for junk in [b"", b"junk", b"KVMV" + b"\0" * 40, b"KVMS" + b"\0" * 80]:
             sock = ctx.socket(zmq.REQ)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(f"tcp://{host}:{port}")
@@ -842,7 +821,7 @@ def test_listener_survives_junk_requests(pair):
             assert sock.poll(int(WAIT * 1000)), "listener did not answer"
             reply = sock.recv()
             sock.close()
-            assert reply.startswith(b"ER") and b"bad agent metadata" in reply, reply
+            assert reply.startswith(b"ER") and b"not signed" in reply, reply
     finally:
         ctx.term()
     assert pair.a.peers == ["b"]

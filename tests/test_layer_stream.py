@@ -56,6 +56,7 @@ from kvmove.errors import (
 from helpers.checks import Background, names, within
 from helpers.far import FarPeer
 from helpers.kv import layer_data, make_cache, pattern, raw_view, write_layer
+from helpers.serve import wait_until
 from helpers.stream_far import StreamFar
 
 # Two processes: 48 layers, 4 KV heads x 64 dims, float16, 16 tokens per block:
@@ -1238,6 +1239,9 @@ def test_load_waits_time_out_and_the_load_goes_on(pair):
 
 def test_cancel_wakes_waiters_and_refuses_start_load(pair):
     stream, load = pair.start("r")
+    stream.save_layer(0)  # the lease is engaged (a Cancel before the Begin is a Refuse)
+    load.wait_for_layer(0, WAIT)
+    pair.landed([1, 2, 3], [4, 5, 6], layers=0)
     waiter = Background(load.wait_for_layer, 1, LONG)
     assert waiter.pending()
     start = time.monotonic()
@@ -1257,6 +1261,7 @@ def test_cancel_wakes_waiters_and_refuses_start_load(pair):
         unstarted.start_load()
     names(excinfo, "'r-other'", "cancelled")
     # The sender was told: it stops, and the blocks are released once it answered.
+    wait_until(lambda: stream.state != StreamState.OPEN, WAIT, "the sender never heard")
     with pytest.raises(TransferError, match="cancelled by its receiver"):
         stream.wait_for_save(WAIT)
     assert stream.state == StreamState.ABORTED

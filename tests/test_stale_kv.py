@@ -218,12 +218,17 @@ def test_the_engine_worker_never_gives_a_reused_block_to_a_late_prefill():
     kwargs = {"num_blocks": 32, "block_size": 16,
               "agent_kwargs": {"transports": "tcp", "peer_timeout": 2.0}}
     prefill = Worker(model, role="prefill", name="p", **kwargs)
-    decode = Worker(model, role="decode", name="d", transfer_timeout=0.3, **kwargs)
+    # The timeout is what the late prefill misses; the new one's prefill must beat it, on a
+    # busy machine, so the model is warmed up first (a process's first forward is slow).
+    decode = Worker(model, role="decode", name="d", transfer_timeout=1.0, **kwargs)
     colocated = Worker(model, num_blocks=32, block_size=16)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    ref = Request("new", list(range(50, 90)), params)
+    colocated.add_request(ref)
+    colocated.run()
     try:
         prefill.agent.add_peer(decode.agent.metadata())
         decode.agent.add_peer(prefill.agent.metadata())
-        params = SamplingParams(max_tokens=6, ignore_eos=True)
         # Each worker has its own Request objects, as in separate processes.
         old = Request("old", list(range(1, 41)), params)
         old_at_prefill = Request("old", list(range(1, 41)), params)
@@ -262,9 +267,6 @@ def test_the_engine_worker_never_gives_a_reused_block_to_a_late_prefill():
             decode.run()
         finally:
             prefill_new.close()
-        ref = Request("new", list(range(50, 90)), params)
-        colocated.add_request(ref)
-        colocated.run()
         assert new.output == ref.output
         assert decode.agent.stats().begins_refused == 1
         assert decode.cache.pool.num_free == 32

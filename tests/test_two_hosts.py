@@ -1,11 +1,13 @@
 """Two "hosts": one agent per network namespace, joined only by a veth pair.
 
 Namespace A holds the sender (``helpers/two_hosts.py send``), namespace B the receiver
-(``helpers/two_hosts.py receive``), each started with ``ip netns exec``. UCX is confined to tcp
-on the veth (``UCX_TLS=tcp``, ``UCX_NET_DEVICES=<veth>``) so nothing can go over shared memory or
-loopback; the metadata side channel listens on B's veth address. The receiver reports the
-sha256 of its whole cache, which must equal the reference computed here, and B's veth must
-have received at least the bytes moved.
+(``helpers/two_hosts.py receive``), each started with ``ip netns exec`` and given its veth
+address as its agent's ``host``: that confines UCX's network transports to the veth (and
+``UCX_TLS=tcp`` keeps shared memory out), and the metadata side channel listens on it. They
+share a deployment key (``KVMOVE_KEY``); a third agent with another key is refused. The
+receiver reports the sha256 of its whole cache, which must equal the reference computed here,
+and the addresses it listens on (its veth address only); B's veth must have received at least
+the bytes moved.
 
 Needs root and ``ip netns``; skips cleanly otherwise. The namespaces (and the veth pair with
 them) are always deleted, and both processes always killed.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import select
 import shutil
 import subprocess
@@ -34,6 +37,7 @@ TESTS = Path(__file__).resolve().parent
 # Same geometry as helpers/two_hosts.py's defaults: 4 layers x 64 blocks x 512 B.
 NUM_LAYERS, NUM_BLOCKS, BLOCK = 4, 64, 512
 DEADLINE = 25.0  # the whole exchange, seconds
+KEY = secrets.token_hex(16)  # the deployment's
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -96,11 +100,10 @@ def namespaces():
 
 
 class NsProcess:
-    """``helpers/two_hosts.py ROLE ...`` inside a namespace, tcp on its veth only."""
+    """``helpers/two_hosts.py ROLE ...`` inside a namespace, over tcp, with ``key``."""
 
-    def __init__(self, ns: str, dev: str, role: str, *args: str) -> None:
-        env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": dev,
-               "PYTHONUNBUFFERED": "1"}
+    def __init__(self, ns: str, role: str, *args: str, key: str = KEY) -> None:
+        env = {**os.environ, "UCX_TLS": "tcp", "KVMOVE_KEY": key, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             ["ip", "netns", "exec", ns, sys.executable, "-m", "helpers.two_hosts", role, *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=TESTS)
@@ -158,21 +161,26 @@ def test_write_between_two_namespaces_over_veth(namespaces):
     nbytes = 48 * NUM_LAYERS * BLOCK
 
     rx_before = ns.rx_bytes_b()
-    receiver = NsProcess(ns.ns_b, ns.dev_b, "receive", "--host", ns.addr_b, "--port", "47001",
+    receiver = NsProcess(ns.ns_b, "receive", "--host", ns.addr_b, "--port", "47001",
                          "--timeout", "20")
-    sender = None
+    sender = stranger = None
+    args = ["--host", ns.addr_b, "--bind", ns.addr_a, "--seed", str(seed),
+            "--remote-ids", ",".join(map(str, remote_ids)), "--timeout", "15"]
     try:
         host, port = receiver.read_line("READY", deadline).split()
         assert (host, port) == (ns.addr_b, "47001")
-        sender = NsProcess(ns.ns_a, ns.dev_a, "send", "--host", ns.addr_b, "--port", port,
-                           "--seed", str(seed), "--remote-ids", ",".join(map(str, remote_ids)),
-                           "--timeout", "15")
+        # An agent that reaches the port but holds another key is refused, and nothing of
+        # it stays: the receiver still ends with exactly one peer.
+        stranger = NsProcess(ns.ns_a, "send", "--port", port, *args, key=secrets.token_hex(16))
+        with pytest.raises(AssertionError, match="not signed with this deployment's key"):
+            stranger.finish(deadline)
+        sender = NsProcess(ns.ns_a, "send", "--port", port, *args)
         sender.finish(deadline)
         receiver.finish(deadline)
     finally:
-        receiver.kill()
-        if sender is not None:
-            sender.kill()
+        for process in (receiver, sender, stranger):
+            if process is not None:
+                process.kill()
 
     assert field(sender.lines, "PEER") == "host-b"
     assert field(sender.lines, "STATE").endswith("DONE")
@@ -180,5 +188,6 @@ def test_write_between_two_namespaces_over_veth(namespaces):
     assert field(receiver.lines, "NOTIFY") == "host-a two-hosts"
     assert field(receiver.lines, "PEERS") == "host-a"
     assert field(receiver.lines, "SHA256") == hashlib.sha256(expected.tobytes()).hexdigest()
+    assert field(receiver.lines, "LISTENING") == ns.addr_b, "a socket open to other networks"
     # Everything crossed the veth: B received at least the KV bytes (plus headers).
     assert ns.rx_bytes_b() - rx_before >= nbytes

@@ -71,6 +71,9 @@ struct StreamStats {
     uint64_t begins_refused = 0;        // of those, Begins answered with Refuse
     uint64_t checksum_mismatches = 0;   // blocks (per layer) whose bytes did not match
     uint64_t acks_missed = 0;           // sender: Finals not acknowledged in time
+    // Filled by the transport (Agent): messages it dropped before the protocol saw them.
+    uint64_t unknown_senders = 0;        // from an endpoint that is no peer's
+    uint64_t messages_dropped = 0;       // rendezvous, oversize, or over a peer's queue cap
 };
 
 class StreamProtocol {

@@ -77,7 +77,9 @@ Agent::Agent(std::string name, KVCache& cache, BlockShape shape, AgentConfig con
         KVMOVE_CHECK(std::isfinite(value) && value > 0 && value <= kMaxTimeoutSeconds, Config,
                      what << " must be in (0, " << kMaxTimeoutSeconds << "] s, got " << value);
     }
-    context_ = make_context(config_.transports, config_.peer_timeout_seconds);
+    KVMOVE_CHECK(config_.max_peers >= 1, Config,
+                 "max_peers must be at least 1, got " << config_.max_peers);
+    context_ = make_context(config_.transports, config_.peer_timeout_seconds, config_.net_devices);
     worker_ = make_worker(context_.get());
     registration_ = std::make_unique<MemoryRegistration>(
         context_.get(), cache.region().data(), cache.region().nbytes(), cache.region().on_device());
@@ -94,8 +96,11 @@ Agent::Agent(std::string name, KVCache& cache, BlockShape shape, AgentConfig con
     am.cb = &Agent::on_stream_am;
     KVMOVE_UCX_CHECK(ucp_worker_set_am_recv_handler(worker_.get(), &am),
                      "cannot install the layer stream handler");
+    const auto started = std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::system_clock::now().time_since_epoch());
     AgentMetadata meta{name_,
                        incarnation_,
+                       static_cast<uint64_t>(started.count()),
                        worker_address(worker_.get()),
                        cache.region().addr(),
                        cache.region().nbytes(),
@@ -134,6 +139,7 @@ void Agent::close() {
     for (auto& [t, entry] : in_flight_) {
         t->fail(ErrorKind::Transfer, "agent '" + name_ + "' closed");
     }
+    by_ep_.clear();
     for (auto& [name, peer] : peers_) {
         double left =
             std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count();
@@ -163,9 +169,15 @@ std::string Agent::add_peer(const std::vector<uint8_t>& metadata) {
     auto old = peers_.find(meta.name);
     if (old != peers_.end()) {
         const AgentMetadata& known = old->second->meta;
-        KVMOVE_CHECK(!old->second->failure.empty() || known.incarnation != meta.incarnation ||
-                         known.worker_address != meta.worker_address,
-                     Peer, "peer '" << meta.name << "' is already added to agent '" << name_ << "'");
+        const bool same = known.incarnation == meta.incarnation &&
+                          known.worker_address == meta.worker_address;
+        KVMOVE_CHECK(!old->second->failure.empty() || !same, Peer,
+                     "peer '" << meta.name << "' is already added to agent '" << name_ << "'");
+        // An earlier run's metadata (a replay, or a stale copy) never displaces a later one.
+        KVMOVE_CHECK(same || meta.started_ns > known.started_ns, Peer,
+                     "metadata of '" << meta.name << "' is of a run that started before the one "
+                                     << "agent '" << name_ << "' knows (incarnation "
+                                     << meta.incarnation << " vs " << known.incarnation << ")");
         // It came back (a new incarnation), or reconnects after we cut it off: its old
         // connection goes first, and everything of the old one fails.
         drop_peer(old, true, ErrorKind::Peer,
@@ -173,6 +185,9 @@ std::string Agent::add_peer(const std::vector<uint8_t>& metadata) {
                       std::to_string(known.incarnation) + " -> " +
                       std::to_string(meta.incarnation) + ")");
     }
+    KVMOVE_CHECK(static_cast<int64_t>(peers_.size()) < config_.max_peers, Peer,
+                 "agent '" << name_ << "' has " << peers_.size() << " peers, its limit "
+                           << "(max_peers): cannot add '" << meta.name << "'");
     auto peer = std::make_unique<Peer>(this, meta);
     try {
         peer->endpoint =
@@ -187,6 +202,7 @@ std::string Agent::add_peer(const std::vector<uint8_t>& metadata) {
         KVMOVE_FAIL(Metadata, "bad agent metadata from '" << meta.name << "': " << e.what());
     }
     std::string peer_name = peer->meta.name;
+    by_ep_[peer->endpoint->get()] = peer.get();
     peers_.emplace(peer_name, std::move(peer));
     return peer_name;
 }
@@ -208,6 +224,7 @@ void Agent::drop_peer(std::map<std::string, std::unique_ptr<Peer>>::iterator it,
                       ErrorKind kind, const std::string& reason) {
     const std::string name = it->first;
     Peer& peer = *it->second;
+    by_ep_.erase(peer.endpoint->get());
     fail_peer_transfers(&peer, reason);
     peer.rkey.reset();
     peer.endpoint->close(force, kCloseSeconds);
@@ -435,12 +452,15 @@ void Agent::post_notification(InFlight* entry) {
         UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
     param.cb.send = &Agent::on_notify_sent;
     param.user_data = entry;
-    // Eager: the receiver's handler sees the whole payload at once, never a rendezvous.
-    param.flags = UCP_AM_SEND_FLAG_EAGER;
+    // Eager: the receiver's handler sees the whole payload at once. Reply: the receiver knows
+    // the message by our endpoint (the only thing it trusts), not by any name in it.
+    param.flags = (faults_ && faults_->rndv_message() ? UCP_AM_SEND_FLAG_RNDV
+                                                      : UCP_AM_SEND_FLAG_EAGER) |
+                  UCP_AM_SEND_FLAG_REPLY;
     const std::string& payload = *entry->notify;
     ucs_status_ptr_t request =
-        ucp_am_send_nbx(entry->peer->endpoint->get(), entry->am_id, name_.data(), name_.size(),
-                        payload.data(), payload.size(), &param);
+        ucp_am_send_nbx(entry->peer->endpoint->get(), entry->am_id, nullptr, 0, payload.data(),
+                        payload.size(), &param);
     if (request == nullptr || UCS_PTR_IS_ERR(request)) {
         finish(entry, UCS_PTR_STATUS(request));
     }
@@ -481,12 +501,44 @@ void Agent::fail_peer_transfers(const Peer* peer, const std::string& reason) {
     }
 }
 
-ucs_status_t Agent::on_notification(void* arg, const void* header, size_t header_nbytes, void* data,
-                                    size_t nbytes, const ucp_am_recv_param_t*) {
+const Agent::Peer* Agent::sender_of(const ucp_am_recv_param_t* param, size_t nbytes,
+                                    size_t limit) {
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || nbytes > limit) {
+        // A rendezvous message's data is a descriptor, not the message; kvmove sends neither
+        // that nor messages over the limit.
+        ++messages_dropped_;
+        KVMOVE_LOG(Warning, "agent", "agent '" << name_ << "' dropped a "
+                                                << (nbytes > limit ? "too large" : "rendezvous")
+                                                << " message of " << nbytes << " bytes");
+        return nullptr;
+    }
+    auto it = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? by_ep_.find(param->reply_ep)
+                                                                   : by_ep_.end();
+    if (it == by_ep_.end() || !it->second->failure.empty()) {
+        ++unknown_senders_;
+        KVMOVE_LOG(Warning, "agent", "agent '" << name_ << "' dropped a message of " << nbytes
+                                                << " bytes from an endpoint that is no peer's");
+        return nullptr;
+    }
+    return it->second;
+}
+
+ucs_status_t Agent::on_notification(void* arg, const void*, size_t, void* data, size_t nbytes,
+                                    const ucp_am_recv_param_t* param) {
     auto agent = static_cast<Agent*>(arg);
+    const Peer* peer = agent->sender_of(param, nbytes, kMaxNotifyBytes);
+    if (peer == nullptr) {
+        return UCS_OK;
+    }
     {
         std::lock_guard<std::mutex> lock(agent->notify_mu_);
-        agent->received_.emplace_back(std::string(static_cast<const char*>(header), header_nbytes),
+        size_t& queued = agent->queued_[peer->meta.name];
+        if (queued >= kMaxQueuedNotifications) {
+            ++agent->messages_dropped_;
+            return UCS_OK;  // its consumer is not keeping up: the peer may not fill our memory
+        }
+        ++queued;
+        agent->received_.emplace_back(peer->meta.name,
                                       std::string(static_cast<const char*>(data), nbytes));
     }
     agent->notify_cv_.notify_all();
@@ -497,6 +549,7 @@ std::vector<std::pair<std::string, std::string>> Agent::notifications() {
     std::lock_guard<std::mutex> lock(notify_mu_);
     std::vector<std::pair<std::string, std::string>> out(received_.begin(), received_.end());
     received_.clear();
+    queued_.clear();
     return out;
 }
 
@@ -510,6 +563,7 @@ std::pair<std::string, std::string> Agent::wait_notification(double timeout_seco
                                                << (closed_ ? " (agent closed)" : ""));
     auto out = std::move(received_.front());
     received_.pop_front();
+    --queued_[out.first];
     return out;
 }
 
@@ -570,7 +624,10 @@ void Agent::disconnect(const std::string& peer, const std::string& reason) {
 }
 
 StreamStats Agent::stream_stats() const {
-    return streams_.stats();
+    StreamStats stats = streams_.stats();
+    stats.unknown_senders = unknown_senders_;
+    stats.messages_dropped = messages_dropped_;
+    return stats;
 }
 
 void Agent::put_then_send(const std::string& peer_name, const std::vector<BlockId>& local_ids,
@@ -631,17 +688,13 @@ void Agent::send(const std::string& peer_name, std::string message, PortDone don
     send_notification(track(std::move(entry)));
 }
 
-ucs_status_t Agent::on_stream_am(void* arg, const void* header, size_t header_nbytes, void* data,
-                                 size_t nbytes, const ucp_am_recv_param_t* param) {
+ucs_status_t Agent::on_stream_am(void* arg, const void*, size_t, void* data, size_t nbytes,
+                                 const ucp_am_recv_param_t* param) {
     auto agent = static_cast<Agent*>(arg);
-    std::string sender(static_cast<const char*>(header), header_nbytes);
-    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
-        // A rendezvous AM's data is a descriptor, not the message: kvmove never sends one.
-        KVMOVE_LOG(Warning, "agent", "agent '" << agent->name_ << "' dropped a rendezvous "
-                                                  "stream message from '" << sender << "'");
-        return UCS_OK;
+    const Peer* peer = agent->sender_of(param, nbytes, kMaxStreamMessageBytes);
+    if (peer != nullptr) {
+        agent->streams_.on_message(peer->meta.name, data, nbytes);
     }
-    agent->streams_.on_message(sender, data, nbytes);
     return UCS_OK;  // the data was copied; UCX may release it
 }
 

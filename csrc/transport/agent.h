@@ -39,9 +39,15 @@ struct AgentConfig {
     double peer_timeout_seconds = 10;  // UCX keepalive: how long a silent peer lives
     StreamConfig streams;              // the streams' cancel and ack timeouts
     std::string faults;                // fault injection (transport/faults.h); "" for none
+    std::string net_devices;           // UCX_NET_DEVICES syntax; "" lets UCX choose
+    int64_t max_peers = 1024;
 };
 
 constexpr size_t kMaxNotifyBytes = 64 * 1024;
+// Received notifications wait for notifications() / wait_notification(), at most this many
+// from one peer (more are dropped and counted): a peer cannot fill this process's memory.
+constexpr size_t kMaxQueuedNotifications = 1024;
+constexpr size_t kMaxStreamMessageBytes = 64 * 1024 * 1024;
 
 class Agent : private StreamPort {
 public:
@@ -147,6 +153,9 @@ private:
                                         void* data, size_t nbytes,
                                         const ucp_am_recv_param_t* param);
     static void on_peer_error(void* arg, ucp_ep_h ep, ucs_status_t status);
+    // The peer an active message came from (by its reply endpoint), or null: then it is
+    // dropped. Rendezvous and oversize messages are dropped too.
+    const Peer* sender_of(const ucp_am_recv_param_t* param, size_t nbytes, size_t limit);
 
     const std::string name_;
     KVCache& cache_;
@@ -180,6 +189,8 @@ private:
         const Agent& agent_;
     };
     std::map<std::string, std::unique_ptr<Peer>> peers_;
+    // Each peer by its endpoint: how an incoming message is attributed (never by a name in it).
+    std::unordered_map<ucp_ep_h, Peer*> by_ep_;
     std::unordered_map<Transfer*, std::unique_ptr<InFlight>> in_flight_;
     std::vector<InFlight*> flushed_;  // flushes done, notification still to send
     std::deque<std::pair<double, InFlight*>> delayed_;  // notifications held back by a fault
@@ -188,6 +199,9 @@ private:
     std::mutex notify_mu_;
     std::condition_variable notify_cv_;
     std::deque<std::pair<std::string, std::string>> received_;
+    std::map<std::string, size_t> queued_;  // received_ per peer
+    std::atomic<uint64_t> unknown_senders_{0};
+    std::atomic<uint64_t> messages_dropped_{0};
 
     std::atomic<bool> stop_{false};
     std::atomic<bool> closed_{false};

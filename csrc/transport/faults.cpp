@@ -28,7 +28,7 @@ double parse_number(const std::string& key, const std::string& value, double max
 
 bool FaultConfig::any() const {
     return fail_post_every > 0 || delay_post_us > 0 || drop_message > 0 ||
-           delay_message_ms > 0 || corrupt_every > 0;
+           delay_message_ms > 0 || corrupt_every > 0 || rndv_messages;
 }
 
 FaultConfig parse_faults(const std::string& spec) {
@@ -42,7 +42,8 @@ FaultConfig parse_faults(const std::string& spec) {
         const size_t eq = entry.find('=');
         KVMOVE_CHECK(eq != std::string::npos, Config,
                      "fault '" << entry << "' must be key=value (seed, fail_post, "
-                               << "delay_post_us, drop_message, delay_message_ms, corrupt_every)");
+                               << "delay_post_us, drop_message, delay_message_ms, corrupt_every, "
+                               << "rndv_messages)");
         const std::string key = entry.substr(0, eq), value = entry.substr(eq + 1);
         if (key == "seed") {
             config.seed = static_cast<uint64_t>(parse_number(key, value, 1e18));
@@ -56,10 +57,13 @@ FaultConfig parse_faults(const std::string& spec) {
             config.delay_message_ms = parse_number(key, value, 1e5);
         } else if (key == "corrupt_every") {
             config.corrupt_every = static_cast<uint64_t>(parse_number(key, value, 1e12));
+        } else if (key == "rndv_messages") {
+            config.rndv_messages = parse_number(key, value, 1) == 1;
         } else {
             KVMOVE_FAIL(Config, "unknown fault '" << key << "': known are seed, fail_post, "
                                                   << "delay_post_us, drop_message, "
-                                                  << "delay_message_ms, corrupt_every");
+                                                  << "delay_message_ms, corrupt_every, "
+                                                  << "rndv_messages");
         }
     }
     return config;
@@ -116,6 +120,15 @@ bool FaultInjector::corrupt_layer() {
         return true;
     }
     return false;
+}
+
+bool FaultInjector::rndv_message() {
+    if (!config_.rndv_messages) {
+        return false;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    ++counts_["rndv_message"];
+    return true;
 }
 
 std::map<std::string, uint64_t> FaultInjector::counts() const {

@@ -13,6 +13,8 @@
 //   delay_message_ms=X  each stream message or notification goes out X milliseconds late
 //   corrupt_every=N     every Nth layer put lands with one byte flipped (after its own puts,
 //                       before its Layer message), which the checksums must catch
+//   rndv_messages=1     every stream message and notification goes as a rendezvous (a peer
+//                       that does not follow kvmove's protocol), which receivers must drop
 //
 // Counts of what was injected: counts().
 #pragma once
@@ -33,6 +35,7 @@ struct FaultConfig {
     double drop_message = 0;
     double delay_message_ms = 0;
     uint64_t corrupt_every = 0;
+    bool rndv_messages = false;
 
     bool any() const;
 };
@@ -50,6 +53,7 @@ public:
     bool drop_message();          // this message is dropped
     double message_delay_seconds();  // send this message this much later
     bool corrupt_layer();         // flip a byte of this layer's put
+    bool rndv_message();          // send this message as a rendezvous
     std::map<std::string, uint64_t> counts() const;
 
 private:

@@ -96,6 +96,7 @@ std::vector<uint8_t> encode(const AgentMetadata& meta) {
     Writer body;
     body.blob<uint8_t>(meta.name.data(), meta.name.size());
     body.put<uint32_t>(meta.incarnation);
+    body.put<uint64_t>(meta.started_ns);
     body.blob<uint32_t>(meta.worker_address.data(), meta.worker_address.size());
     body.put<uint64_t>(meta.region_addr);
     body.put<uint64_t>(meta.region_nbytes);
@@ -139,6 +140,7 @@ AgentMetadata decode(const std::vector<uint8_t>& bytes) {
     AgentMetadata m;
     m.name = text(r.blob<uint8_t>("name", 1, kMaxAgentNameBytes), "name");
     m.incarnation = r.get<uint32_t>("incarnation");
+    m.started_ns = r.get<uint64_t>("started_ns");
     KVMOVE_CHECK(m.incarnation != 0, Metadata, "bad agent metadata: incarnation is 0");
     m.worker_address = r.blob<uint32_t>("worker_address", 1, kMaxBlobBytes);
     m.region_addr = r.get<uint64_t>("region_addr");

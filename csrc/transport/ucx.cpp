@@ -48,7 +48,8 @@ std::string ucx_version() {
     return ucp_get_version_string();
 }
 
-ContextPtr make_context(const std::string& transports, double keepalive_seconds) {
+ContextPtr make_context(const std::string& transports, double keepalive_seconds,
+                        const std::string& net_devices) {
     static std::once_flag log_handler_installed;
     std::call_once(log_handler_installed, [] { ucs_log_push_handler(&log_to_kvmove); });
     ucp_config_t* raw = nullptr;
@@ -57,6 +58,10 @@ ContextPtr make_context(const std::string& transports, double keepalive_seconds)
     if (!transports.empty()) {
         KVMOVE_UCX_CHECK(ucp_config_modify(config.get(), "TLS", transports.c_str()),
                          "cannot select UCX transports '" << transports << "'");
+    }
+    if (!net_devices.empty()) {
+        KVMOVE_UCX_CHECK(ucp_config_modify(config.get(), "NET_DEVICES", net_devices.c_str()),
+                         "cannot restrict UCX to the devices '" << net_devices << "'");
     }
     std::ostringstream keepalive;
     keepalive << keepalive_seconds << "s";

@@ -41,8 +41,11 @@ using ContextPtr = std::unique_ptr<std::remove_pointer_t<ucp_context_h>, Context
 using WorkerPtr = std::unique_ptr<std::remove_pointer_t<ucp_worker_h>, WorkerDeleter>;
 using RkeyPtr = std::unique_ptr<std::remove_pointer_t<ucp_rkey_h>, RkeyDeleter>;
 
-// A UCP context with RMA and active messages. transports: UCX_TLS syntax, empty = UCX's choice.
-ContextPtr make_context(const std::string& transports, double keepalive_seconds);
+// A UCP context with RMA and active messages. transports: UCX_TLS syntax, empty = UCX's choice;
+// net_devices: UCX_NET_DEVICES syntax ("lo", "eth0,mlx5_0:1"), empty = every device (UCX's
+// tcp transport then listens on every interface).
+ContextPtr make_context(const std::string& transports, double keepalive_seconds,
+                        const std::string& net_devices = "");
 // A worker whose calls the caller serializes (UCS_THREAD_MODE_SERIALIZED).
 WorkerPtr make_worker(ucp_context_h context);
 std::vector<uint8_t> worker_address(ucp_worker_h worker);

@@ -3,6 +3,8 @@ returns in time (a hung call fails its test instead of hanging the run)."""
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -55,3 +57,31 @@ class Background:
         if self.error is not None:
             raise self.error
         return self.value
+
+
+def listening_addresses(pid: int | None = None) -> set[tuple[str, int]]:
+    """``(address, port)`` of each TCP socket process ``pid`` (default: this one) listens on,
+    read from /proc: ("127.0.0.1", 5555), ("0.0.0.0", 41000), ("::", 80)..."""
+    pid = pid or os.getpid()
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                    continue
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)
+                # /proc prints each 32-bit word in host (little-endian) order.
+                words = [raw[i:i + 4][::-1] for i in range(0, len(raw), 4)]
+                found.add((str(ipaddress.ip_address(b"".join(words))), int(port, 16)))
+    return found

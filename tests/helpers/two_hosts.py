@@ -1,9 +1,11 @@
 """One agent of ``test_two_hosts.py``, run as a script in a network namespace (``ip netns
 exec``): ``python -m helpers.two_hosts send|receive ...`` from ``tests/``.
 
-The receiver listens, says READY, waits for the sender's notification and prints the sha256
-of its whole cache; the sender fills its cache with ``pattern(seed)``, connects, writes its
-blocks ``0..n-1`` to ``--remote-ids`` with a notification and prints the transfer's stats.
+The receiver serves on ``--host`` (UCX and the metadata listener), says READY, waits for the
+sender's notification and prints the sha256 of its whole cache and the addresses its sockets
+listen on; the sender serves on ``--bind``, fills its cache with ``pattern(seed)``, connects,
+writes its blocks ``0..n-1`` to ``--remote-ids`` with a notification and prints the
+transfer's stats. Both take the deployment key from ``KVMOVE_KEY``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 from typing import Any
 
 import kvmove
+from helpers.checks import listening_addresses
 from helpers.kv import fill, sha256
 
 
@@ -27,13 +30,16 @@ def _receive(args: argparse.Namespace) -> int:
     """Listen on ``host:port``, say READY, wait for the sender's notification, print the sha256
     of the whole cache."""
     cache = _script_cache(args)
-    with kvmove.Agent("host-b", cache, transports="tcp", error_mode="peer") as agent:
-        host, port = agent.listen(args.host, args.port)
+    with kvmove.Agent("host-b", cache, transports="tcp", error_mode="peer",
+                      host=args.host) as agent:
+        host, port = agent.listen(port=args.port)
         print(f"READY {host} {port}", flush=True)
         sender, payload = agent.wait_notification(args.timeout)
         print(f"NOTIFY {sender} {bytes(payload).decode()}", flush=True)
         print(f"PEERS {','.join(agent.peers)}", flush=True)
         print(f"SHA256 {sha256(cache)}", flush=True)
+        hosts = sorted({host for host, _ in listening_addresses()})
+        print(f"LISTENING {','.join(hosts)}", flush=True)
     return 0
 
 
@@ -43,7 +49,8 @@ def _send(args: argparse.Namespace) -> int:
     cache = _script_cache(args)
     fill(cache, args.seed)
     remote_ids = [int(x) for x in args.remote_ids.split(",")]
-    with kvmove.Agent("host-a", cache, transports="tcp", error_mode="peer") as agent:
+    with kvmove.Agent("host-a", cache, transports="tcp", error_mode="peer",
+                      host=args.bind) as agent:
         peer = agent.connect(args.host, args.port, timeout=args.timeout)
         print(f"PEER {peer}", flush=True)
         t = agent.write(peer, list(range(len(remote_ids))), remote_ids, notify=b"two-hosts")
@@ -58,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("role", choices=["send", "receive"])
     parser.add_argument("--host", required=True)
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--bind", help="the sender's own address")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=16)
