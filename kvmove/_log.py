@@ -9,6 +9,7 @@ application's own logging configuration.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -22,6 +23,8 @@ LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNI
           "error": logging.ERROR}
 _POLL_SECONDS = 0.5
 _started = threading.Event()
+_stopping = threading.Event()
+_pump_thread: threading.Thread | None = None
 
 
 def set_level(level: str | int) -> None:
@@ -40,10 +43,24 @@ def _effective() -> int:
 
 
 def _pump() -> None:
-    while True:
+    while not _stopping.is_set():
         _C.set_log_level(_effective())
         for level, name, message in _C.take_log(_POLL_SECONDS, 1000):
             logging.getLogger(f"kvmove.{name}").log(level, message)
+
+
+def _stop_pump() -> None:
+    """Ends the pump before the interpreter finalizes (an ``atexit`` hook).
+
+    A daemon thread that comes back from ``take_log`` (which waits with the GIL released)
+    while the interpreter finalizes is ended by ``pthread_exit`` inside a pybind11 frame,
+    and the forced unwind through it calls ``std::terminate``: the process died of SIGABRT
+    at exit (exit code 134, every time torch was imported too: its finalization is long
+    enough for the 0.5 s poll to come back). Stopping it first costs at most one poll.
+    """
+    _stopping.set()
+    if _pump_thread is not None:
+        _pump_thread.join(_POLL_SECONDS * 4)
 
 
 def start() -> None:
@@ -54,4 +71,7 @@ def start() -> None:
     if os.environ.get("KVMOVE_LOG_LEVEL"):
         set_level(os.environ["KVMOVE_LOG_LEVEL"])
     _C.set_log_level(_effective())
-    threading.Thread(target=_pump, name="kvmove-log", daemon=True).start()
+    global _pump_thread
+    _pump_thread = threading.Thread(target=_pump, name="kvmove-log", daemon=True)
+    _pump_thread.start()
+    atexit.register(_stop_pump)
