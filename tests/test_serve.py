@@ -36,7 +36,6 @@ from urllib.parse import urlparse
 
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
 from kvmove.engine.request import Request, SamplingParams
@@ -390,22 +389,13 @@ def test_health_lists_every_worker(servers: ServerPool) -> None:
                "idle workers report every block free")
 
 
-def _samples(server: Server) -> dict[tuple[str, tuple], float]:
-    response = server.get("/metrics")
-    assert response.status_code == 200 and response.headers["content-type"].startswith(
-        "text/plain")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(response.text)
-            for s in family.samples}
-
-
 def test_metrics_count_latencies_queues_and_kv_bytes(servers: ServerPool) -> None:
     """Four requests through prefill and decode: one TTFT each, a gap per later token, and
     the KV of every prompt block handed over (``ceil(prompt / 16)`` blocks of K and V of
     every layer)."""
     server = servers.get("disagg")
     client = server.client()
-    before = _samples(server)
+    before = server.samples()
     prompts, m = PROMPTS[2:6], 6
     for prompt in prompts:
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=m, **GREEDY)
@@ -414,7 +404,7 @@ def test_metrics_count_latencies_queues_and_kv_bytes(servers: ServerPool) -> Non
 
     def delta(name: str, **labels: str) -> float:
         key = (name, tuple(sorted(labels.items())))
-        return _samples(server)[key] - before.get(key, 0.0)
+        return server.samples()[key] - before.get(key, 0.0)
 
     # the prefill worker's hand-off ends when decode acknowledges it: maybe after the response
     wait_until(lambda: delta("kvmove_kv_bytes_total") == kv_nbytes, 5.0,
@@ -427,16 +417,16 @@ def test_metrics_count_latencies_queues_and_kv_bytes(servers: ServerPool) -> Non
     assert delta("kvmove_generated_tokens_total") == len(prompts) * m
     assert delta("kvmove_requests_total", outcome="length") == len(prompts)
     queues = [("kvmove_pool_queue_length", (("pool", pool),)) for pool in ("prefill", "decode")]
-    wait_until(lambda: [_samples(server)[q] for q in queues] == [0, 0], 5.0,
+    wait_until(lambda: [server.samples()[q] for q in queues] == [0, 0], 5.0,
                "both pools' queues empty once every request is done")
-    after = _samples(server)
+    after = server.samples()
     for worker in ("prefill-0", "decode-0"):
         assert 0 < after["kvmove_worker_free_blocks", (("worker", worker),)] <= NUM_BLOCKS
         assert after["kvmove_worker_alive", (("worker", worker),)] == 1
 
 
 def _store_sample(server: Server, name: str, tier: str) -> float:
-    return _samples(server).get((name, (("tier", tier), ("worker", "prefill-0"))), 0.0)
+    return server.samples().get((name, (("tier", tier), ("worker", "prefill-0"))), 0.0)
 
 
 def test_a_restarted_server_loads_a_repeated_prompt_from_its_disk_store(

@@ -184,7 +184,8 @@ class Router:
                     pass
         deadline = time.monotonic() + 10.0
         for worker in self.workers.values():
-            await _end_process(worker.process, deadline)
+            if worker.process is not None:
+                await _end_process(worker.process, deadline)
         for task in [*self._tasks, *self._loops.values()]:
             task.cancel()
         for handle in list(self.handles.values()):

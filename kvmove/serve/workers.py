@@ -52,9 +52,9 @@ class WorkerInfo:
     peers: set[tuple[str, int]] = field(default_factory=set)
 
     @property
-    def pid(self) -> int:
-        assert self.process is not None
-        return self.process.pid
+    def pid(self) -> int | None:
+        """The current process's (None before the first start)."""
+        return self.process.pid if self.process is not None else None
 
     @property
     def load(self) -> int:
