@@ -58,23 +58,25 @@ class Model:
         return 1 if isinstance(self.tokenizer, ByteTokenizer) else MAX_BYTES_PER_TOKEN
 
 
-def _check_before_tokenizing(model: Model, body: CompletionBody, text: str, max_tokens: int,
-                             param: str) -> None:
-    """What is refused without tokenizing: another model, ``max_tokens`` that leaves no room
-    for a prompt, a prompt (``param``: its text) of more bytes than the context could hold."""
+def _check_before_tokenizing(model: Model, body: CompletionBody, text: str,
+                             limit: tuple[str, int], param: str) -> None:
+    """What is refused without tokenizing: another model, a ``max_tokens`` (``limit``: its
+    parameter's name and value) that leaves no room for a prompt, a prompt (``param``: its
+    text) of more bytes than the context could hold."""
+    name, max_tokens = limit
     if body.model != model.name:
         raise APIError(404, f"model {body.model!r} does not exist; this server serves "
                             f"{model.name!r}", param="model", code="model_not_found")
     if max_tokens >= model.max_positions:
-        raise APIError(400, f"max_tokens {max_tokens} leaves no room for a prompt in the "
+        raise APIError(400, f"{name} {max_tokens} leaves no room for a prompt in the "
                             f"model's context of {model.max_positions} tokens (at most "
-                            f"{model.max_positions - 1})", param="max_tokens",
+                            f"{model.max_positions - 1})", param=name,
                        code="context_length_exceeded")
-    nbytes, limit = len(text.encode("utf-8")), model.max_positions * model.bytes_per_token
-    if nbytes > limit:
+    nbytes, most = len(text.encode("utf-8")), model.max_positions * model.bytes_per_token
+    if nbytes > most:
         raise APIError(400, f"prompt of {nbytes} bytes cannot fit the model's context of "
                             f"{model.max_positions} tokens (at most {model.bytes_per_token} "
-                            f"bytes a token here: {limit} bytes)", param=param,
+                            f"bytes a token here: {most} bytes)", param=param,
                        code="context_length_exceeded")
 
 
@@ -224,9 +226,10 @@ def create_app(router: Router, tokenizer: Any, model_name: str, max_positions: i
     created = int(time.time())
     blocks = (config.block_size, config.num_blocks)
 
-    async def run(body: CompletionBody, max_tokens: int, chat: bool) -> Response:
+    async def run(body: CompletionBody, limit: tuple[str, int], chat: bool) -> Response:
         text = "".join(m.content for m in body.messages) if chat else body.prompt
-        _check_before_tokenizing(model, body, text, max_tokens, "messages" if chat else "prompt")
+        _check_before_tokenizing(model, body, text, limit, "messages" if chat else "prompt")
+        max_tokens = limit[1]
         if chat:
             prompt = await asyncio.to_thread(_chat_ids, model, body)
         else:
@@ -243,11 +246,13 @@ def create_app(router: Router, tokenizer: Any, model_name: str, max_positions: i
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody) -> Response:
-        return await run(body, body.max_tokens, chat=False)
+        return await run(body, ("max_tokens", body.max_tokens), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody) -> Response:
-        return await run(body, body.max_completion_tokens or body.max_tokens, chat=True)
+        limit = (("max_completion_tokens", body.max_completion_tokens)
+                 if body.max_completion_tokens else ("max_tokens", body.max_tokens))
+        return await run(body, limit, chat=True)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -13,7 +13,7 @@ CORPUS = ["the kv cache moves fast between prefill and decode workers",
           "system: you are terse. héllo wörld ✓ 日本語 🦙"] * 20
 
 
-def write_bpe_tokenizer(path: str, chat_template: str | None = None,
+def write_bpe_tokenizer(path: str, chat_template: str | list[dict] | None = None,
                         vocab_size: int = 300) -> None:
     """A byte-level BPE (every byte has a token: no unknown text) of ``vocab_size`` ids,
     trained on ``CORPUS``; BOS ``<s>``, EOS ``</s>``."""
