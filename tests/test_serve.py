@@ -518,9 +518,10 @@ def test_a_restarted_server_loads_a_repeated_prompt_from_its_disk_store(
             wait_until(lambda: _store_sample(server, "kvmove_store_blocks", "disk") >= usable,
                        5.0, "prefill-0's disk tier holds the prompt's blocks")
             if run == 1:
-                wait_until(lambda: _store_sample(server, "kvmove_store_served_blocks_total", "disk") > 0,
+                served = "kvmove_store_served_blocks_total"
+                wait_until(lambda: _store_sample(server, served, "disk") > 0,
                            5.0, "prefill-0 loaded blocks from its disk tier")
-                assert _store_sample(server, "kvmove_store_served_blocks_total", "disk") == usable
+                assert _store_sample(server, served, "disk") == usable
                 assert _store_sample(server, "kvmove_store_corrupt_blocks_total", "disk") == 0
         finally:
             server.close()
