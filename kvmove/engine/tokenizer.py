@@ -25,7 +25,8 @@ from kvmove.errors import ConfigError
 if TYPE_CHECKING:
     from kvmove.engine.model import ModelConfig
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "IncrementalDecoder", "Tokenizer", "load_tokenizer"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "IncrementalDecoder", "Tokenizer", "load_tokenizer",
+           "tokenizer_config"]
 
 NUM_BYTES = 256
 
@@ -191,7 +192,7 @@ class HFTokenizer(_Specials):
         return _HFStream(self._tok, self._vocab_size)
 
     def _special(self, kind: str, fallback: int | None) -> int:
-        token = _read_json(self.path, "tokenizer_config.json").get(f"{kind}_token")
+        token = tokenizer_config(self.path).get(f"{kind}_token")
         if isinstance(token, dict):
             token = token.get("content")
         if isinstance(token, str):
@@ -278,6 +279,16 @@ def _load_tokenizers_file(file: str) -> Any:
         return _Tokenizer.from_file(file)
     except Exception as error:  # tokenizers raises a bare Exception on malformed files
         raise ConfigError(f"cannot read {file!r}: {error}") from error
+
+
+def tokenizer_config(directory: str) -> dict[str, Any]:
+    """``directory/tokenizer_config.json`` (special tokens, chat template) as a dict; ``{}``
+    when the file is absent.
+
+    Raises:
+        ConfigError: the file is unreadable or not a JSON object.
+    """
+    return _read_json(directory, "tokenizer_config.json")
 
 
 def _read_json(directory: str, name: str) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from kvmove.engine.tokenizer import tokenizer_config
 from kvmove.errors import ConfigError
 
 __all__ = ["FALLBACK_TEMPLATE", "ChatTemplate", "TemplateError", "load_chat_template"]
@@ -135,7 +136,7 @@ def load_chat_template(tokenizer_dir: str | None) -> ChatTemplate:
         raise ConfigError("chat templates need jinja2: pip install 'kvmove[serve]'") from error
     if tokenizer_dir is None:
         return ChatTemplate(FALLBACK_TEMPLATE, "fallback", add_bos=True)
-    config = _read_config(tokenizer_dir)
+    config = tokenizer_config(tokenizer_dir)
     specials = {k: _token_text(config[k]) for k in SPECIAL_TOKENS if config.get(k)}
     jinja_file = os.path.join(tokenizer_dir, "chat_template.jinja")
     if os.path.isfile(jinja_file):
@@ -146,18 +147,6 @@ def load_chat_template(tokenizer_dir: str | None) -> ChatTemplate:
         return ChatTemplate(FALLBACK_TEMPLATE, "fallback", add_bos=True)
     return ChatTemplate(source, os.path.join(tokenizer_dir, "tokenizer_config.json"),
                         specials=specials)
-
-
-def _read_config(tokenizer_dir: str) -> dict[str, Any]:
-    path = os.path.join(tokenizer_dir, "tokenizer_config.json")
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"cannot read {path!r}: {error}") from error
-    return config if isinstance(config, dict) else {}
 
 
 def _token_text(token: Any) -> str:
