@@ -1,7 +1,13 @@
 """The core's log (``csrc/common/log.h``) in Python's ``logging``.
 
 C++ records wait in a bounded queue; a daemon thread takes them and emits them on
-``logging.getLogger("kvmove.<name>")`` ("kvmove.stream", "kvmove.agent", "kvmove.ucx"...).
+``logging.getLogger("kvmove.<name>")`` ("kvmove.stream", "kvmove.agent", "kvmove.ucx"...),
+and an exit handler stops it and emits what is left.
+
+The thread waits in Python (``Event.wait``) and takes records without blocking, and it is
+stopped before the interpreter finalizes: a daemon thread that takes the GIL back while the
+interpreter finalizes is ended by ``pthread_exit``, and inside a C++ frame that aborts the
+process ("terminate called without an active exception", exit status 134).
 The core's threshold follows the ``kvmove`` logger's effective level, so one setting governs
 C++ and Python alike: ``KVMOVE_LOG_LEVEL`` (debug, info, warning, error), or the
 application's own logging configuration.
@@ -9,10 +15,10 @@ application's own logging configuration.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
-import time
 
 from kvmove import _C
 from kvmove.errors import ConfigError
@@ -21,8 +27,9 @@ __all__ = ["LEVELS", "set_level", "start"]
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
           "error": logging.ERROR}
-_POLL_SECONDS = 0.2
+_POLL_SECONDS = 0.1
 _started = threading.Event()
+_stopping = threading.Event()
 
 
 def set_level(level: str | int) -> None:
@@ -40,14 +47,23 @@ def _effective() -> int:
     return logging.getLogger("kvmove").getEffectiveLevel()
 
 
+def _drain() -> None:
+    """Emits the records queued now (never waits in the core) and updates its threshold."""
+    _C.set_log_level(_effective())
+    for level, name, message in _C.take_log(1000):
+        logging.getLogger(f"kvmove.{name}").log(level, message)
+
+
 def _pump() -> None:
-    # It sleeps here, in Python, not inside the core: Python ends daemon threads at shutdown,
-    # which must not happen in C++ frames.
-    while True:
-        _C.set_log_level(_effective())
-        for level, name, message in _C.take_log(1000):
-            logging.getLogger(f"kvmove.{name}").log(level, message)
-        time.sleep(_POLL_SECONDS)
+    while not _stopping.wait(_POLL_SECONDS):
+        _drain()
+
+
+def _stop(thread: threading.Thread) -> None:
+    """At exit, before the interpreter finalizes: stop the pump, then emit what is left."""
+    _stopping.set()
+    thread.join()
+    _drain()
 
 
 def start() -> None:
@@ -58,4 +74,6 @@ def start() -> None:
     if os.environ.get("KVMOVE_LOG_LEVEL"):
         set_level(os.environ["KVMOVE_LOG_LEVEL"])
     _C.set_log_level(_effective())
-    threading.Thread(target=_pump, name="kvmove-log", daemon=True).start()
+    thread = threading.Thread(target=_pump, name="kvmove-log", daemon=True)
+    thread.start()
+    atexit.register(_stop, thread)

@@ -197,6 +197,27 @@ kvmove_kv_transfer_seconds_sum 0.25
     assert serve_load.metric_total(metrics, "kvmove_kv_transfer_seconds_count") == 0.0
 
 
+
+def test_parse_metrics_reads_what_prometheus_client_writes() -> None:
+    """The server's real output (typed families, ``_total`` and ``_created`` samples,
+    histogram buckets, escaped label values), through prometheus_client's own parser."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    registry = CollectorRegistry()
+    Counter("kvmove_kv_bytes", "KV bytes.", registry=registry).inc(4096)
+    Gauge("kvmove_pool_queue_length", "Queue.", ["pool"], registry=registry).labels(
+        pool='de"code,1').set(2)
+    hist = Histogram("kvmove_kv_transfer_seconds", "Transfer.", buckets=(0.1, 1.0),
+                     registry=registry)
+    hist.observe(0.05)
+    hist.observe(0.5)
+    metrics = parse_metrics(generate_latest(registry).decode())
+    assert serve_load.metric_total(metrics, "kvmove_kv_bytes_total") == 4096.0
+    assert serve_load.by_pool(metrics, "kvmove_pool_queue_length") == {'de"code,1': 2.0}
+    assert serve_load.metric_total(metrics, "kvmove_kv_transfer_seconds_count") == 2.0
+    assert serve_load.metric_total(metrics, "kvmove_kv_transfer_seconds_sum") == 0.55
+    assert ({"le": "0.1"}, 1.0) in metrics["kvmove_kv_transfer_seconds_bucket"]
+
 # --- the report -----------------------------------------------------------------------------
 
 

@@ -58,3 +58,18 @@ def test_the_core_type_stubs_name_exactly_what_the_core_has() -> None:
     actual = {name for name in dir(kvmove._C) if not name.startswith("_")}
     assert declared == actual, (f"missing from the stub: {sorted(actual - declared)}; "
                                 f"not in the module: {sorted(declared - actual)}")
+
+
+def test_a_process_that_imports_kvmove_and_torch_exits_cleanly() -> None:
+    """The core's log pump (``kvmove/_log.py``) is stopped before the interpreter finalizes:
+    a pump thread that came back from ``take_log`` during finalization aborted the process
+    (exit code 134), which every ``kvmove-serve`` shutdown hit (its processes import torch).
+    Five runs: the abort came from a race with the pump's 0.5 s poll."""
+    import pytest
+
+    pytest.importorskip("torch")
+    for _ in range(5):
+        result = subprocess.run([sys.executable, "-c", "import torch, kvmove"],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+        assert "terminate called" not in result.stderr

@@ -36,7 +36,6 @@ from urllib.parse import urlparse
 
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
 from kvmove.engine.request import Request, SamplingParams
@@ -71,6 +70,8 @@ SERVERS = {
     "single": ("--mode", "colocated", "--workers", "1", "--no-restart"),
     "disagg-restart": ("--mode", "disagg", "--prefill", "1", "--decode", "1",
                        "--chunk-size", str(CHUNK)),
+    "disagg-store": ("--mode", "disagg", "--chunk-size", str(CHUNK), "--store-host-gb", "0.01",
+                     "--no-restart"),
 }
 TOKENIZER = ByteTokenizer(TINY.bos_token_id, TINY.eos_token_id)
 T = TypeVar("T")
@@ -205,6 +206,23 @@ def test_chat_completion_streamed_and_not(servers: ServerPool,
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
 
 
+def test_stream_include_usage_sends_a_last_chunk_of_usage(servers: ServerPool) -> None:
+    """``stream_options.include_usage``, as OpenAI sends it: every chunk has ``usage`` null
+    but an extra last one, before ``[DONE]``, with no choices and the request's usage."""
+    client, m = servers.get("colocated").client(), 6
+    for create, kwargs in [(client.completions.create, {"prompt": PROMPTS[1]}),
+                           (client.chat.completions.create, {"messages": CHAT})]:
+        chunks = list(create(model=MODEL, max_tokens=m, stream=True,
+                             stream_options={"include_usage": True}, **kwargs, **GREEDY))
+        *tokens, last = chunks
+        assert len(tokens) == m + 1 and all(c.usage is None for c in tokens)
+        assert last.choices == [] and last.usage.completion_tokens == m
+        assert last.usage.total_tokens == last.usage.prompt_tokens + m
+    plain = list(client.completions.create(model=MODEL, prompt="hi", max_tokens=2, stream=True,
+                                           **GREEDY))
+    assert len(plain) == 3 and all(c.usage is None for c in plain)
+
+
 @pytest.mark.parametrize("mode", ["colocated", "disagg"])
 def test_seeded_sampling_reproduces(servers: ServerPool, reference: dict[str, list[int]],
                                     mode: str) -> None:
@@ -304,6 +322,8 @@ BAD_REQUESTS = {  # id: (path, body, status, param, code)
         COMPLETIONS, {**GOOD, "prompt": "x" * 4000, "max_tokens": 96}, 400, "prompt",
         "context_length_exceeded"),
     "unknown-model": (COMPLETIONS, {**GOOD, "model": "gpt-4"}, 404, "model", "model_not_found"),
+    "stream-options-without-stream": (COMPLETIONS, {**GOOD, "stream_options": {
+        "include_usage": True}}, 400, "stream_options", None),
 }
 
 
@@ -390,22 +410,13 @@ def test_health_lists_every_worker(servers: ServerPool) -> None:
                "idle workers report every block free")
 
 
-def _samples(server: Server) -> dict[tuple[str, tuple], float]:
-    response = server.get("/metrics")
-    assert response.status_code == 200 and response.headers["content-type"].startswith(
-        "text/plain")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(response.text)
-            for s in family.samples}
-
-
 def test_metrics_count_latencies_queues_and_kv_bytes(servers: ServerPool) -> None:
     """Four requests through prefill and decode: one TTFT each, a gap per later token, and
     the KV of every prompt block handed over (``ceil(prompt / 16)`` blocks of K and V of
     every layer)."""
     server = servers.get("disagg")
     client = server.client()
-    before = _samples(server)
+    before = server.samples()
     prompts, m = PROMPTS[2:6], 6
     for prompt in prompts:
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=m, **GREEDY)
@@ -414,7 +425,7 @@ def test_metrics_count_latencies_queues_and_kv_bytes(servers: ServerPool) -> Non
 
     def delta(name: str, **labels: str) -> float:
         key = (name, tuple(sorted(labels.items())))
-        return _samples(server)[key] - before.get(key, 0.0)
+        return server.samples()[key] - before.get(key, 0.0)
 
     # the prefill worker's hand-off ends when decode acknowledges it: maybe after the response
     wait_until(lambda: delta("kvmove_kv_bytes_total") == kv_nbytes, 5.0,
@@ -427,16 +438,66 @@ def test_metrics_count_latencies_queues_and_kv_bytes(servers: ServerPool) -> Non
     assert delta("kvmove_generated_tokens_total") == len(prompts) * m
     assert delta("kvmove_requests_total", outcome="length") == len(prompts)
     queues = [("kvmove_pool_queue_length", (("pool", pool),)) for pool in ("prefill", "decode")]
-    wait_until(lambda: [_samples(server)[q] for q in queues] == [0, 0], 5.0,
+    wait_until(lambda: [server.samples()[q] for q in queues] == [0, 0], 5.0,
                "both pools' queues empty once every request is done")
-    after = _samples(server)
+    after = server.samples()
     for worker in ("prefill-0", "decode-0"):
         assert 0 < after["kvmove_worker_free_blocks", (("worker", worker),)] <= NUM_BLOCKS
         assert after["kvmove_worker_alive", (("worker", worker),)] == 1
 
 
+METRIC_TYPES = {  # name: type, for what the router measures and what the workers report
+    "kvmove_requests": "counter", "kvmove_generated_tokens": "counter",
+    "kvmove_kv_bytes": "counter", "kvmove_worker_restarts": "counter",
+    "kvmove_ttft_seconds": "histogram", "kvmove_itl_seconds": "histogram",
+    "kvmove_kv_transfer_seconds": "histogram", "kvmove_kv_exposed_seconds": "histogram",
+    "kvmove_kv_handoff_ttft_ratio": "histogram",
+    "kvmove_pool_queue_length": "gauge", "kvmove_worker_free_blocks": "gauge",
+    "kvmove_http_pending_requests": "gauge", "kvmove_http_rejected_requests": "counter",
+    "kvmove_control_messages_dropped": "counter",
+    "kvmove_agent_leases_active": "gauge", "kvmove_agent_blocks_quarantined": "gauge",
+    "kvmove_agent_leases_expired": "counter", "kvmove_agent_checksum_mismatches": "counter",
+    "kvmove_agent_notifications_dropped": "counter",
+    "kvmove_store_blocks": "gauge", "kvmove_store_capacity_blocks": "gauge",
+    "kvmove_store_hits": "counter", "kvmove_store_served_blocks": "counter",
+    "kvmove_store_read_bytes": "counter", "kvmove_store_read_seconds": "counter",
+    "kvmove_store_decisions": "counter",
+}
+
+
+def test_metrics_follow_prometheus_conventions(servers: ServerPool) -> None:
+    """``/metrics`` through prometheus_client's parser: each family's type; counters are
+    ``_total`` (the workers' agent and store counters too, no longer gauges); base units
+    (no GB/s or per-second gauges: PromQL divides bytes by seconds); a share is a
+    ``_ratio``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server = servers.get("disagg-store")
+    server.client().completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=4, **GREEDY)
+
+    def families() -> dict:
+        text = server.get("/metrics").text
+        return {f.name: f for f in text_string_to_metric_families(text)}
+
+    wait_until(lambda: {"kvmove_agent_leases_active", "kvmove_store_blocks"} <= set(families()),
+               5.0, "the workers' agent and store families")
+    found = families()
+    assert {name: found[name].type for name in METRIC_TYPES if name in found} == METRIC_TYPES
+    for name, family in found.items():
+        if family.type == "counter":
+            assert {s.name for s in family.samples} <= {f"{name}_total", f"{name}_created"}
+        assert not any(word in name for word in ("gbps", "per_second", "share")), name
+    assert {s.labels["worker"] for s in found["kvmove_store_read_bytes"].samples} == {
+        "prefill-0"}  # a decode worker never prefills: no store
+    assert {s.labels["worker"] for s in found["kvmove_agent_leases_granted"].samples} == {
+        "prefill-0", "decode-0"}
+    decode = {s.name: s.value for s in found["kvmove_agent_leases_granted"].samples
+              if s.labels["worker"] == "decode-0"}
+    assert decode["kvmove_agent_leases_granted_total"] >= 1  # this test's request
+
+
 def _store_sample(server: Server, name: str, tier: str) -> float:
-    return _samples(server).get((name, (("tier", tier), ("worker", "prefill-0"))), 0.0)
+    return server.samples().get((name, (("tier", tier), ("worker", "prefill-0"))), 0.0)
 
 
 def test_a_restarted_server_loads_a_repeated_prompt_from_its_disk_store(
@@ -457,10 +518,11 @@ def test_a_restarted_server_loads_a_repeated_prompt_from_its_disk_store(
             wait_until(lambda: _store_sample(server, "kvmove_store_blocks", "disk") >= usable,
                        5.0, "prefill-0's disk tier holds the prompt's blocks")
             if run == 1:
-                wait_until(lambda: _store_sample(server, "kvmove_store_served", "disk") > 0,
+                served = "kvmove_store_served_blocks_total"
+                wait_until(lambda: _store_sample(server, served, "disk") > 0,
                            5.0, "prefill-0 loaded blocks from its disk tier")
-                assert _store_sample(server, "kvmove_store_served", "disk") == usable
-                assert _store_sample(server, "kvmove_store_corrupt", "disk") == 0
+                assert _store_sample(server, served, "disk") == usable
+                assert _store_sample(server, "kvmove_store_corrupt_blocks_total", "disk") == 0
         finally:
             server.close()
     assert texts == [text_of(reference[prompt])] * 2
@@ -517,6 +579,49 @@ def test_a_bad_option_exits_2_naming_it(args: list[str], words: list[str]) -> No
     for word in words:
         assert word in message, message
     assert "Traceback" not in result.stderr and "ready" not in result.stdout
+
+
+def test_version_prints_kvmoves_version() -> None:
+    import kvmove
+
+    result = subprocess.run([*_serve_command(), "--version"], capture_output=True, text=True,
+                            cwd=WORKDIR, timeout=START_SECONDS)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"kvmove-serve {kvmove.__version__}"
+
+
+def test_log_level_is_the_option_else_kvmove_log_level_else_info(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvmove.serve.cli import log_level
+
+    monkeypatch.delenv("KVMOVE_LOG_LEVEL", raising=False)
+    assert log_level(None) == "info"
+    monkeypatch.setenv("KVMOVE_LOG_LEVEL", "WARNING")
+    assert log_level(None) == "warning"
+    assert log_level("debug") == "debug"
+
+
+def test_a_bad_kvmove_log_level_refuses_to_start_naming_it() -> None:
+    """(``import kvmove`` itself refuses it, with a traceback: ``kvmove/_log.py``.)"""
+    result = subprocess.run([*_serve_command(), "--port", "0"], capture_output=True,
+                            text=True, cwd=WORKDIR, timeout=START_SECONDS,
+                            env={**os.environ, "KVMOVE_LOG_LEVEL": "loud"})
+    assert result.returncode != 0 and "loud" in result.stderr, result.stderr
+    assert "ready" not in result.stdout
+
+
+def test_the_default_log_shows_workers_by_name_and_uvicorns_access_lines(
+        servers: ServerPool) -> None:
+    """At the default level (info) the server's log holds each worker's lines under its name,
+    and uvicorn's access lines (its level follows the server's: it was fixed at warning)."""
+    server = servers.get("colocated")
+    _assert_served(server)
+    wait_until(lambda: '"POST /v1/completions HTTP/1.1" 200' in server.stderr_text(None),
+               5.0, "an access line")
+    log = server.stderr_text(None)
+    for name in ("worker-0", "worker-1"):
+        assert f"INFO kvmove.serve.worker: [{name}] kvmove.serve.worker_main: ready" in log
+    assert "command add" not in log  # a worker's debug line, not shown at info
 
 
 # --- failures: these damage or stop their server, so they come last ---------------------------

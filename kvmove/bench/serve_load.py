@@ -23,7 +23,6 @@ import asyncio
 import logging
 import os
 import random
-import re
 import string
 import time
 from collections.abc import Callable, Sequence
@@ -84,21 +83,18 @@ def _prompt(rng: random.Random, index: int, nbytes: int) -> str:
 
 # --- /metrics -------------------------------------------------------------------------------
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
 Metrics = dict[str, list[tuple[dict[str, str], float]]]
 
 
 def parse_metrics(text: str) -> Metrics:
-    """Prometheus text format: sample name -> [(labels, value)]; comments skipped."""
+    """Prometheus text format, read by ``prometheus_client``'s own parser: sample name (a
+    counter's ``..._total``, a histogram's ``..._sum``) -> [(labels, value)]."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out: Metrics = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match is None or line.startswith("#"):
-            continue
-        name, labels, value = match.groups()
-        out.setdefault(name, []).append((dict(_LABEL.findall(labels or "")), float(value)))
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
     return out
 
 

@@ -12,10 +12,14 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvmove.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvmove.engine.detokenizer import Detokenizer
 
 __all__ = ["FinishReason", "Request", "RequestState", "SamplingParams", "Timings"]
 
@@ -103,7 +107,8 @@ class Request:
         self.prompt = list(prompt)
         self.params = params or SamplingParams()
         self.output: list[int] = []
-        self.text = ""  # the decoded output, cut before a stop string
+        self.text = ""  # the decoded output, cut before a stop string (set once it ends)
+        self.detokenizer: Detokenizer | None = None  # its text so far (the worker's)
         self.state = RequestState.WAITING
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None

@@ -2,7 +2,8 @@
 checkpoints.
 
 Both tokenizers share one interface: ``encode(text, add_bos=True) -> list[int]``,
-``decode(ids) -> str``, and ``bos_token_id``, ``eos_token_id``, ``vocab_size`` (the smallest
+``decode(ids) -> str``, ``decode_stream()`` (the same text one token at a time, see
+``IncrementalDecoder``), and ``bos_token_id``, ``eos_token_id``, ``vocab_size`` (the smallest
 model vocabulary that holds every id the tokenizer can produce). ``load_tokenizer`` picks one
 for a model and checks that it fits the model's vocabulary.
 
@@ -13,6 +14,7 @@ for a model and checks that it fits the model's vocabulary.
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from collections.abc import Iterable
@@ -23,9 +25,22 @@ from kvmove.errors import ConfigError
 if TYPE_CHECKING:
     from kvmove.engine.model import ModelConfig
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "IncrementalDecoder", "Tokenizer", "load_tokenizer",
+           "tokenizer_config"]
 
 NUM_BYTES = 256
+
+
+class IncrementalDecoder(Protocol):
+    """A generation's text, one token at a time: the concatenation of every ``step`` and the
+    final ``flush`` is ``decode(ids)``. Each step costs the same whatever came before (where
+    decoding every prefix again costs O(n) a token). A character split across tokens comes
+    out whole with its last token; ``flush`` gives what an unfinished one decodes to (U+FFFD),
+    as ``decode`` does."""
+
+    def step(self, token: int) -> str: ...
+
+    def flush(self) -> str: ...
 
 
 class Tokenizer(Protocol):
@@ -43,6 +58,14 @@ class Tokenizer(Protocol):
     def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
 
     def decode(self, ids: Iterable[int]) -> str: ...
+
+    def decode_stream(self) -> IncrementalDecoder: ...
+
+
+def _check_id(token: int) -> int:
+    if token < 0:
+        raise ConfigError(f"token ids must be >= 0, got {token}")
+    return token
 
 
 def _check_ids(ids: Iterable[int]) -> list[int]:
@@ -104,6 +127,10 @@ class ByteTokenizer(_Specials):
         data = bytes(i for i in _check_ids(ids) if i < NUM_BYTES)
         return data.decode("utf-8", errors="replace")
 
+    def decode_stream(self) -> IncrementalDecoder:
+        """``decode``, one token at a time (an incremental UTF-8 decoder)."""
+        return _ByteStream()
+
     def __repr__(self) -> str:
         return f"ByteTokenizer(bos_token_id={self._bos}, eos_token_id={self._eos})"
 
@@ -156,8 +183,16 @@ class HFTokenizer(_Specials):
         """
         return self._tok.decode(_check_ids(ids), skip_special_tokens=True)
 
+    def decode_stream(self) -> IncrementalDecoder:
+        """``decode``, one token at a time (the ``tokenizers`` library's ``DecodeStream``).
+
+        Raises:
+            ConfigError: the installed ``tokenizers`` has no ``DecodeStream`` (before 0.21).
+        """
+        return _HFStream(self._tok, self._vocab_size)
+
     def _special(self, kind: str, fallback: int | None) -> int:
-        token = _read_json(self.path, "tokenizer_config.json").get(f"{kind}_token")
+        token = tokenizer_config(self.path).get(f"{kind}_token")
         if isinstance(token, dict):
             token = token.get("content")
         if isinstance(token, str):
@@ -180,6 +215,58 @@ class HFTokenizer(_Specials):
                 f"eos_token_id={self._eos}, vocab_size={self._vocab_size})")
 
 
+class _ByteStream:
+    """UTF-8 bytes in, text out: Python's incremental decoder, with ``decode``'s U+FFFD for
+    bytes that are not UTF-8, and ids past the bytes (specials) skipped."""
+
+    def __init__(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def step(self, token: int) -> str:
+        if _check_id(token) >= NUM_BYTES:
+            return ""
+        return self._utf8.decode(bytes((token,)))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+class _HFStream:
+    """``DecodeStream`` (special tokens skipped) plus the two things it lacks: ids past the
+    vocabulary are skipped, as ``decode`` does, and ``flush`` decodes the ids it still holds
+    (the start of a character that never finished) against the ids of the text before them,
+    once, at the end."""
+
+    def __init__(self, tok: Any, vocab_size: int) -> None:
+        try:
+            from tokenizers.decoders import DecodeStream
+        except ImportError as error:
+            raise ConfigError("incremental decoding needs tokenizers >= 0.21 (DecodeStream): "
+                              "pip install -U tokenizers") from error
+        self._tok, self._vocab_size = tok, vocab_size
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._held: list[int] = []     # stepped since the last text came out
+        self._context: list[int] = []  # the ids of that text
+
+    def step(self, token: int) -> str:
+        if _check_id(token) >= self._vocab_size:
+            return ""
+        text = self._stream.step(self._tok, token)
+        if text is None:
+            self._held.append(token)
+            return ""
+        self._context, self._held = [*self._held, token], []
+        return text
+
+    def flush(self) -> str:
+        if not self._held:
+            return ""
+        before = self._tok.decode(self._context, skip_special_tokens=True)
+        after = self._tok.decode(self._context + self._held, skip_special_tokens=True)
+        self._held = []
+        return after[len(before):]
+
+
 def _load_tokenizers_file(file: str) -> Any:
     try:
         from tokenizers import Tokenizer as _Tokenizer
@@ -192,6 +279,16 @@ def _load_tokenizers_file(file: str) -> Any:
         return _Tokenizer.from_file(file)
     except Exception as error:  # tokenizers raises a bare Exception on malformed files
         raise ConfigError(f"cannot read {file!r}: {error}") from error
+
+
+def tokenizer_config(directory: str) -> dict[str, Any]:
+    """``directory/tokenizer_config.json`` (special tokens, chat template) as a dict; ``{}``
+    when the file is absent.
+
+    Raises:
+        ConfigError: the file is unreadable or not a JSON object.
+    """
+    return _read_json(directory, "tokenizer_config.json")
 
 
 def _read_json(directory: str, name: str) -> dict[str, Any]:

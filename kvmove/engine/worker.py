@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvmove.agent import Agent
+from kvmove.engine.detokenizer import Detokenizer
 from kvmove.engine.model import LlamaForCausalLM, SeqChunk
 from kvmove.engine.prefix_store import PrefixStore
 from kvmove.engine.request import FinishReason, Request, RequestState
@@ -55,7 +56,7 @@ class Worker:
         role: one of ``ROLES``.
         num_blocks: KV cache size in blocks of ``block_size`` tokens.
         scheduler: batch limits, chunked prefill, prefix caching.
-        tokenizer: decodes output for stop strings (``decode(ids) -> str``); None: the byte
+        tokenizer: decodes output for stop strings (``decode_stream()``); None: the byte
             tokenizer when the model's special ids allow it (``load_tokenizer``), else none,
             and stop strings are refused.
         name: the kvmove agent's name (prefill and decode roles).
@@ -250,19 +251,32 @@ class Worker:
         return [request]
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        """Why ``token`` ends the request, if it does; a request that ends has its ``text``
+        (cut before a stop string). The text grows one token at a time (``Detokenizer``):
+        decoding the whole output again every step made a request's cost quadratic."""
         params = request.params
-        if self.tokenizer is not None:
-            request.text = self.tokenizer.decode(request.output)
-            for stop in params.stop:
-                cut = request.text.find(stop)
-                if cut >= 0:
-                    request.text = request.text[:cut]
-                    return FinishReason.STOP
+        texts = self._detokenizer(request)
+        if texts is not None:
+            texts.push(token)
+            if texts.stopped:
+                request.text = texts.text
+                return FinishReason.STOP
+        reason = None
         if not params.ignore_eos and token == self.model.config.eos_token_id:
-            return FinishReason.STOP
-        if len(request.output) >= params.max_tokens:
-            return FinishReason.LENGTH
-        return None
+            reason = FinishReason.STOP
+        elif len(request.output) >= params.max_tokens:
+            reason = FinishReason.LENGTH
+        if reason is not None and texts is not None:
+            texts.flush()
+            request.text = texts.text
+        return reason
+
+    def _detokenizer(self, request: Request) -> Detokenizer | None:
+        if self.tokenizer is None:
+            return None
+        if request.detokenizer is None:
+            request.detokenizer = Detokenizer(self.tokenizer, request.params.stop)
+        return request.detokenizer
 
     # --- KV hand-offs ---------------------------------------------------------------------
 

@@ -14,13 +14,20 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
 import sys
 
+import kvmove
+from kvmove import _log
 from kvmove.errors import ConfigError, KVMoveError
-from kvmove.serve.router import MODES, Router, ServeConfig
+from kvmove.serve.config import MODES, ServeConfig
+from kvmove.serve.router import Router
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_DEFAULTS = ServeConfig()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,8 +52,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64, help="batch size limit per worker")
     p.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port, 0 for any (default 8000)")
-    p.add_argument("--control-host", default="127.0.0.1",
-                   help="address of the router's ZeroMQ control plane")
     p.add_argument("--agent-host", default="127.0.0.1",
                    help="address the workers' kvmove agents listen on")
     p.add_argument("--transports", default=None, help="UCX transports for the KV (default: "
@@ -74,7 +79,32 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-restart", action="store_true",
                    help="a worker process that dies is not started again (default: it is, "
                    "and re-admitted once ready)")
+    p.add_argument("--max-pending", type=int, default=_DEFAULTS.max_pending,
+                   help="completions admitted at once, streams included; more are refused "
+                   f"with 429 and Retry-After (default {_DEFAULTS.max_pending})")
+    p.add_argument("--max-body-bytes", type=int, default=_DEFAULTS.max_body_bytes,
+                   help="the largest request body; larger ones are refused with 413 (default "
+                   f"{_DEFAULTS.max_body_bytes})")
+    p.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host header names served, '*' for any (default: "
+                   "localhost, 127.0.0.1, ::1 and --host); others are refused with 421, "
+                   "which stops DNS rebinding onto a loopback server")
+    p.add_argument("--log-level", choices=sorted(_log.LEVELS), default=None,
+                   help="the router's, uvicorn's and every worker's log level (default: "
+                   "KVMOVE_LOG_LEVEL, else info); workers' output is logged with their names")
+    p.add_argument("--version", action="version", version=f"kvmove-serve {kvmove.__version__}")
     return p
+
+
+def log_level(flag: str | None) -> str:
+    """``--log-level``, else ``KVMOVE_LOG_LEVEL``, else info."""
+    return (flag or os.environ.get("KVMOVE_LOG_LEVEL") or "info").lower()
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(format=LOG_FORMAT, stream=sys.stderr)
+    logging.getLogger().setLevel(_log.LEVELS[level])
+    _log.set_level(level)
 
 
 def _model_facts(model: str) -> tuple[object, int]:
@@ -131,9 +161,11 @@ async def _serve(config: ServeConfig) -> int:
     name = os.path.basename(config.model.rstrip("/"))
     listener = _listen(config.host, config.port)
     router = Router(config)
-    app = create_app(router, tokenizer, name, max_positions)
-    server = _server_class()(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                            timeout_graceful_shutdown=5))
+    app = create_app(router, tokenizer, name, max_positions,
+                     tokenizer_dir=getattr(tokenizer, "path", None))
+    # log_config None: uvicorn's loggers keep their level (ours) and use our handler and format
+    server = _server_class()(uvicorn.Config(app, log_config=None, log_level=config.log_level,
+                                            lifespan="on", timeout_graceful_shutdown=5))
 
     def shut_down() -> None:  # streams in flight get an error event instead of a long wait
         router.abort_all("the server is shutting down")
@@ -162,12 +194,17 @@ def main(argv: list[str] | None = None) -> int:
             mode=args.mode, workers=args.workers, prefill=args.prefill, decode=args.decode,
             model=args.model, chunk_size=args.chunk_size, num_blocks=args.num_blocks,
             block_size=args.block_size, max_num_seqs=args.max_num_seqs, host=args.host,
-            port=args.port, control_host=args.control_host, agent_host=args.agent_host,
+            port=args.port, agent_host=args.agent_host,
             transports=args.transports, request_timeout=args.request_timeout,
             transfer_timeout=args.transfer_timeout,
             pin_cpus=not args.no_pin_cpus, store_dir=args.store_dir,
             store_host_gb=args.store_host_gb, store_disk_gb=args.store_disk_gb,
-            checksums=not args.no_checksums, restart=not args.no_restart)
+            checksums=not args.no_checksums, restart=not args.no_restart,
+            log_level=log_level(args.log_level), max_pending=args.max_pending,
+            max_body_bytes=args.max_body_bytes,
+            allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(","))
+            if args.allowed_hosts is not None else None)
+        _setup_logging(config.log_level)
         return asyncio.run(_serve(config))
     except ConfigError as error:
         print(f"kvmove-serve: error: {error}", file=sys.stderr)

@@ -1,8 +1,26 @@
-"""The router's Prometheus metrics, in their own registry (one per router)."""
+"""The router's Prometheus metrics, in their own registry (one per router).
+
+Prometheus's conventions (``docs/serving.md`` lists every name): counters end in ``_total``,
+units are base units (``_seconds``, ``_bytes``), a share is a ``_ratio``. The workers' agent
+and store counters are exported as counters by a collector that reads, at scrape time, the
+last stats each worker reported (every 0.1 s: ``Agent.stats()`` and ``KVStore.stats()`` in
+the worker) through the same families ``kvmove.metrics`` gives an embedding engine, labelled
+``worker``. A worker that restarts starts its counters at 0 again: a counter reset, which
+Prometheus's ``rate()`` expects.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+
+from kvmove.metrics import agent_families, store_families
+
+if TYPE_CHECKING:
+    from kvmove.serve.workers import WorkerInfo
 
 __all__ = ["Metrics"]
 
@@ -10,21 +28,28 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
                     30.0)
 
 
-# A worker's kvmove agent (Agent.stats(), sent with its stats): leases and what they refused.
-AGENT_GAUGES = {
-    "leases_active": "Leases granted and not yet released.",
-    "blocks_quarantined": "Blocks of cancelled leases whose sender has not answered yet.",
-    "leases_expired": "Leases whose deadline passed before they completed.",
-    "cancels_sent": "Cancels sent to senders.",
-    "senders_disconnected": "Senders cut off for not answering a Cancel in time.",
-    "messages_refused": "Stream messages refused (no lease, another sender, other blocks).",
-    "checksum_mismatches": "Received blocks (per layer) whose bytes did not match.",
-    "acks_missed": "Sent Finals not acknowledged in time.",
-}
+class _WorkerCollector:
+    """Every worker's agent and store counters, from its last stats event."""
+
+    def __init__(self, workers: Mapping[str, WorkerInfo]) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterator[Any]:
+        stats = {n: w.stats for n, w in self._workers.items() if w.stats is not None}
+        yield from agent_families({n: s.agent for n, s in stats.items() if s.agent},
+                                  label="worker")
+        yield from store_families({n: s.store for n, s in stats.items() if s.store},
+                                  label="worker")
+        dropped = CounterMetricFamily(
+            "kvmove_agent_notifications_dropped", "Agent notifications a worker drained "
+            "unread (kvmove-serve uses none: a peer's are discarded).", labels=["worker"])
+        for name, s in stats.items():
+            dropped.add_metric([name], s.notifications_dropped)
+        yield dropped
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, workers: Mapping[str, WorkerInfo]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("kvmove_ttft_seconds", "Time to first token, at the router.",
@@ -42,8 +67,6 @@ class Metrics:
                            ["worker"], registry=r)
         self.restarts = Counter("kvmove_worker_restarts", "Worker processes started again "
                                 "after they died.", ["worker"], registry=r)
-        self.agent = {key: Gauge(f"kvmove_agent_{key}", text, ["worker"], registry=r)
-                      for key, text in AGENT_GAUGES.items()}
         self.kv_bytes = Counter("kvmove_kv_bytes", "KV bytes handed from prefill to decode.",
                                 registry=r)
         self.kv_seconds = Histogram("kvmove_kv_transfer_seconds",
@@ -54,52 +77,26 @@ class Metrics:
                                     "The part of the transfer after the prefill's last layer: "
                                     "its last layer posted to landed (what streaming leaves on "
                                     "TTFT).", buckets=_LATENCY_BUCKETS, registry=r)
-        self.kv_share = Histogram("kvmove_kv_transfer_ttft_share",
-                                  "Exposed KV transfer time over the request's TTFT.",
+        self.kv_ratio = Histogram("kvmove_kv_handoff_ttft_ratio",
+                                  "The KV hand-off's share of TTFT: exposed transfer seconds "
+                                  "over the request's TTFT seconds.",
                                   buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0),
                                   registry=r)
         self.requests = Counter("kvmove_requests", "Requests by outcome.", ["outcome"],
                                 registry=r)
         self.tokens = Counter("kvmove_generated_tokens", "Tokens sent to clients.", registry=r)
-        self.store = {key: Gauge(f"kvmove_store_{key}", text, ["worker", "tier"], registry=r)
-                      for key, text in _STORE_TIER_GAUGES.items()}
-        self.store_decisions = Gauge("kvmove_store_decisions",
-                                     "Store lookups by load-or-recompute decision (since the "
-                                     "worker started).", ["worker", "decision"], registry=r)
-        self.store_prefill = Gauge("kvmove_store_prefill_tokens_per_second",
-                                   "The prefill throughput the worker reports to its store "
-                                   "(the recompute side of the decision).", ["worker"],
-                                   registry=r)
-
-    def set_store(self, worker: str, stats: dict) -> None:
-        """A worker's store counters, as its last stats event gave them."""
-        for tier, values in stats["tiers"].items():
-            for key, gauge in self.store.items():
-                if values.get(key) is not None:
-                    gauge.labels(worker=worker, tier=tier).set(values[key])
-        for decision, count in stats["decisions"].items():
-            self.store_decisions.labels(worker=worker, decision=decision).set(count)
-        if stats.get("prefill_tokens_per_second") is not None:
-            self.store_prefill.labels(worker=worker).set(stats["prefill_tokens_per_second"])
-
-    def set_agent(self, worker: str, stats: dict) -> None:
-        for key, gauge in self.agent.items():
-            if key in stats:
-                gauge.labels(worker=worker).set(stats[key])
-
-
-# KVStore counters exported per worker and tier (values since the worker started).
-_STORE_TIER_GAUGES = {
-    "blocks": "KV blocks held.",
-    "capacity_blocks": "KV blocks the tier can hold.",
-    "hits": "Blocks lookups found in the tier.",
-    "misses": "Blocks lookups looked for in the tier and did not find.",
-    "served": "Blocks loaded back from the tier.",
-    "corrupt": "Blocks that failed their checksum: dropped, never served.",
-    "evicted": "Blocks pushed out of the tier (demoted, or dropped from the last).",
-    "write_errors": "Writes that failed (a full disk): those blocks were not stored.",
-    "bytes_read": "Bytes read from the tier.",
-    "bytes_written": "Bytes written to the tier.",
-    "read_gbps": "Recent read bandwidth, GB/s (the load side of the decision).",
-    "write_gbps": "Recent write bandwidth, GB/s.",
-}
+        self.pending = Gauge("kvmove_http_pending_requests",
+                             "Completions admitted and not finished (at most --max-pending).",
+                             registry=r)
+        self.rejected = Counter("kvmove_http_rejected_requests",
+                                "HTTP requests refused before the API: body too large (413), "
+                                "too many pending (429), Host not allowed (421).",
+                                ["status"], registry=r)
+        self.control_dropped = Counter("kvmove_control_messages_dropped",
+                                       "Control-channel messages the router dropped: from no "
+                                       "live worker (unknown_peer), malformed, or that failed "
+                                       "in handling (error).", ["reason"], registry=r)
+        self.commands_refused = Counter("kvmove_control_commands_refused",
+                                        "Router commands a worker answered with an error.",
+                                        ["worker"], registry=r)
+        r.register(_WorkerCollector(workers))

@@ -1,13 +1,18 @@
 """One engine instance as a process, driven by the router over ZeroMQ.
 
-``python -m kvmove.serve.worker_main --name W --role ROLE --router tcp://HOST:PORT ...``
+``python -m kvmove.serve.worker_main --name W --role ROLE --router ipc://DIR/control ...``,
+with its control identity in ``KVMOVE_SERVE_IDENTITY`` (``control.py``).
 
-The worker connects a DEALER socket (identity = its name) to the router's ROUTER socket.
-Commands in (JSON): ``add``, ``reserve`` (and lease), ``abort``, ``connect``, ``shutdown``. Events out:
-``ready`` (with its kvmove agent's listen address), ``reserved``, ``connected``, ``tokens``
-(every token sampled this step), ``ended``, ``stats`` (queue, running, free blocks, the
-KVStore's counters; also the router's heartbeat), ``error``. The KV never goes through here: prefill and decode workers
-move it between their own kvmove agents.
+The worker connects a DEALER socket to the router's ROUTER socket. Commands in
+(``messages.py``): ``add``, ``reserve`` (and lease), ``abort``, ``connect``, ``shutdown``.
+Events out: ``ready`` (with its kvmove agent's listen address), ``reserved``, ``connected``,
+``tokens`` (every token sampled this step), ``ended``, ``stats`` (queue, running, free blocks,
+the agent's and the KVStore's counters; also the router's heartbeat), ``error``. The KV never
+goes through here: prefill and decode workers move it between their own kvmove agents.
+
+A command that does not parse is answered with an ``error`` event and the worker goes on; a
+valid command that fails for a request ends that request (``ended``, abort). It logs to
+stderr in ``workers.LINE_FORMAT``, which the router relays into its own log.
 
 The process exits when told to, when its parent (the server) is gone, or on SIGTERM.
 """
@@ -15,23 +20,31 @@ The process exits when told to, when its parent (the server) is gone, or on SIGT
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
 import time
-from dataclasses import asdict
 from typing import Any
 
 import torch
 import zmq
 
+from kvmove import _log
 from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
-from kvmove.engine.request import Request, SamplingParams
+from kvmove.engine.request import Request
 from kvmove.engine.scheduler import SchedulerConfig
 from kvmove.engine.tokenizer import load_tokenizer
 from kvmove.engine.worker import ROLES, Worker
-from kvmove.errors import KVMoveError
+from kvmove.errors import KVMoveError, PeerError
+from kvmove.serve.control import IDENTITY_VARIABLE, worker_socket
+from kvmove.serve.messages import (
+    Abort, Add, Command, Connect, Connected, Ended, Failed, Ready, Reserve, Reserved, Shutdown,
+    Stats, Tokens, encode, parse_command)
+from kvmove.serve.workers import LINE_FORMAT
 from kvmove.store import DiskTier, HostTier, KVStore
+
+logger = logging.getLogger("kvmove.serve.worker_main")  # not __main__: under "kvmove"
 
 STATS_SECONDS = 0.1  # how often a worker reports its queue and free blocks
 IDLE_POLL_MS = 20
@@ -65,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--store-dir", default=None, help="KVStore disk tier directory")
     p.add_argument("--store-disk-gb", type=float, default=16.0)
     p.add_argument("--store-host-gb", type=float, default=0.0, help="KVStore host tier size")
+    p.add_argument("--log-level", choices=sorted(_log.LEVELS), default="info")
     p.add_argument("--cpus", default="", help="comma-separated CPU ids to run on (its own "
                    "cores, as an instance on a real cluster has its own GPU); torch uses "
                    "that many threads")
@@ -95,28 +109,29 @@ class WorkerServer:
             store=self.store)
         self.requests: dict[str, Request] = {}
         self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.IDENTITY, args.name.encode())
-        self.socket.setsockopt(zmq.LINGER, 500)
-        self.socket.connect(args.router)
+        self.socket = worker_socket(self.context, args.router,
+                                    os.environ[IDENTITY_VARIABLE].encode())
         self.parent = os.getppid()
         self.running = True
         self._last_stats = 0.0
+        self.notifications_dropped = 0
 
-    def send(self, event: dict) -> None:
-        self.socket.send_json(event)
+    def send(self, event: Any) -> None:
+        self.socket.send(encode(event))
 
     def serve(self) -> None:
         agent = self.worker.agent
-        address = list(agent.listen(self.args.agent_host)) if agent is not None else None
-        self.send({"ev": "ready", "name": self.args.name, "role": self.args.role,
-                   "agent": address, "num_blocks": self.worker.cache.num_blocks,
-                   "block_size": self.args.block_size, "pid": os.getpid()})
+        address = tuple(agent.listen(self.args.agent_host)) if agent is not None else None
+        self.send(Ready(name=self.args.name, role=self.args.role, agent=address,
+                        num_blocks=self.worker.cache.num_blocks,
+                        block_size=self.args.block_size, pid=os.getpid()))
+        logger.info("ready: %s, %d blocks, agent %s", self.args.role,
+                    self.worker.cache.num_blocks, address)
         while self.running:
             timeout = 0 if self.worker.has_work else IDLE_POLL_MS
             if self.socket.poll(timeout):
-                while self.socket.poll(0):
-                    self.handle(self.socket.recv_json())
+                while self.running and self.socket.poll(0):
+                    self.receive(self.socket.recv_multipart())
             if not self.running:
                 break
             if self.worker.has_work:
@@ -131,67 +146,90 @@ class WorkerServer:
     def send_stats(self) -> None:
         scheduler = self.worker.scheduler
         agent = self.worker.agent
-        self.send({"ev": "stats", "free_blocks": self.worker.cache.pool.num_free,
-                   "waiting": len(scheduler.waiting), "running": len(scheduler.running),
-                   "loading": len(self.worker.loading), "sending": len(self.worker.sending),
-                   "store": _store_stats(self.store),
-                   "agent": asdict(agent.stats()) if agent is not None else None,
-                   "faults": agent.faults_injected() if agent is not None else None})
+        if agent is not None:  # serve sends no notifications: a peer's would pile up
+            self.notifications_dropped += len(agent.notifications())
+        self.send(Stats(free_blocks=self.worker.cache.pool.num_free,
+                        waiting=len(scheduler.waiting), running=len(scheduler.running),
+                        loading=len(self.worker.loading), sending=len(self.worker.sending),
+                        store=self.store.stats() if self.store is not None else None,
+                        agent=agent.stats() if agent is not None else None,
+                        faults=agent.faults_injected() if agent is not None else None,
+                        notifications_dropped=self.notifications_dropped))
 
     def report(self, ended: list[Request]) -> None:
         if self.tokens:
-            self.send({"ev": "tokens", "items": self.tokens})
+            self.send(Tokens(items=[tuple(item) for item in self.tokens]))
             self.tokens = []
         for request in ended:
             self.requests.pop(request.id, None)
-            self.send({"ev": "ended", "rid": request.id, "reason": request.finish_reason.value,
-                       "error": request.error, "text": request.text,
-                       "num_output": len(request.output), "num_cached": request.num_cached,
-                       "num_stored": request.num_stored,
-                       "kv_bytes": request.kv_bytes, "kv_seconds": request.kv_seconds,
-                       "kv_exposed_seconds": request.kv_exposed_seconds})
+            self.send(Ended(rid=request.id, reason=request.finish_reason.value,
+                            error=request.error, text=request.text,
+                            num_output=len(request.output), num_cached=request.num_cached,
+                            num_stored=request.num_stored, kv_bytes=request.kv_bytes,
+                            kv_seconds=request.kv_seconds,
+                            kv_exposed_seconds=request.kv_exposed_seconds))
 
-    def handle(self, message: dict) -> None:
-        op, rid = message.get("op"), message.get("rid")
+    def receive(self, frames: list[bytes]) -> None:
+        """One message from the router: a command that does not parse gets an ``error``
+        event (the worker goes on), one that fails for a request ends the request."""
         try:
-            if op == "add":
-                request = self._request(message)
-                self.worker.add_request(request, decode_peer=message.get("decode_peer"),
-                                        remote_blocks=message.get("remote_blocks"),
-                                        epoch=message.get("epoch"))
-            elif op == "reserve":  # blocks, leased to the prefill worker at once
-                request = self._request(message)
+            if len(frames) != 1:
+                raise PeerError(f"a command is one frame, got {len(frames)}")
+            command = parse_command(frames[0])
+        except PeerError as error:
+            logger.warning("refused a command: %s", error)
+            self.send(Failed(op=None, error=str(error)))
+            return
+        logger.debug("command %s", command.op)
+        try:
+            self.handle(command)
+        except Exception as error:  # the router reports it to the request's client
+            rid = getattr(command, "rid", None)
+            logger.warning("%s command failed: %s: %s", command.op, type(error).__name__,
+                           error)
+            text = f"{type(error).__name__}: {error}"
+            if rid is None:
+                self.send(Failed(op=command.op, error=text))
+                return
+            self.requests.pop(rid, None)
+            self.send(Ended(rid=rid, reason="abort", error=text))
+
+    def handle(self, command: Command) -> None:
+        match command:
+            case Add():
+                self.worker.add_request(self._request(command),
+                                        decode_peer=command.decode_peer,
+                                        remote_blocks=command.remote_blocks,
+                                        epoch=command.epoch)
+            case Reserve():  # blocks, leased to the prefill worker at once
+                request = self._request(command)
                 blocks = self.worker.reserve(request)
                 epoch = None
                 if blocks is None:
-                    self.requests.pop(rid)
+                    self.requests.pop(command.rid)
                 else:
-                    epoch = self.worker.start_load(request, message["peer"])
-                self.send({"ev": "reserved", "rid": rid, "blocks": blocks, "epoch": epoch})
-            elif op == "abort":  # the client is gone, or another worker ended the request
-                self.worker.abort(rid)
-                self.requests.pop(rid, None)
-            elif op == "connect":
-                try:
-                    peer = self.worker.agent.connect(message["host"], message["port"])
-                except KVMoveError as error:  # the router tries again
-                    self.send({"ev": "connected", "peer": None, "error": str(error)})
-                else:
-                    self.send({"ev": "connected", "peer": peer})
-            elif op == "shutdown":
+                    epoch = self.worker.start_load(request, command.peer)
+                self.send(Reserved(rid=command.rid, blocks=blocks, epoch=epoch))
+            case Abort():  # the client is gone, or another worker ended the request
+                self.worker.abort(command.rid)
+                self.requests.pop(command.rid, None)
+            case Connect():
+                self.connect(command)
+            case Shutdown():
                 self.running = False
-            else:
-                raise KVMoveError(f"unknown command {op!r}")
-        except Exception as error:  # the router reports it to the request's client
-            self.requests.pop(rid, None)
-            self.send({"ev": "ended", "rid": rid, "reason": "abort", "op": op,
-                       "error": f"{type(error).__name__}: {error}", "text": "",
-                       "num_output": 0, "num_cached": 0, "kv_bytes": 0, "kv_seconds": None,
-                       "kv_exposed_seconds": None})
 
-    def _request(self, message: dict) -> Request:
-        request = Request(message["rid"], message["prompt"],
-                          SamplingParams(**message["params"]))
+    def connect(self, command: Connect) -> None:
+        if self.worker.agent is None:
+            raise KVMoveError(f"worker {self.args.name} ({self.args.role}) has no kvmove agent")
+        try:
+            peer = self.worker.agent.connect(command.host, command.port)
+        except KVMoveError as error:  # the router tries again
+            self.send(Connected(peer=None, error=str(error)))
+        else:
+            self.send(Connected(peer=peer))
+
+    def _request(self, command: Add | Reserve) -> Request:
+        request = Request(command.rid, command.prompt, command.params)
         self.requests[request.id] = request
         return request
 
@@ -217,19 +255,10 @@ def _open_store(args: argparse.Namespace, model: LlamaForCausalLM) -> KVStore | 
                    namespace=f"{args.model}:seed={args.seed}")
 
 
-def _store_stats(store: KVStore | None) -> dict | None:
-    if store is None:
-        return None
-    stats = store.stats()
-    tiers = {name: {**asdict(t), "blocks": stats.blocks[name],
-                    "capacity_blocks": stats.capacity_blocks[name]}
-             for name, t in stats.tiers.items()}
-    return {"tiers": tiers, "decisions": stats.decisions,
-            "prefill_tokens_per_second": stats.prefill_tokens_per_second}
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    logging.basicConfig(format=LINE_FORMAT, stream=sys.stderr)  # the router relays stderr
+    _log.set_level(args.log_level)
     server = WorkerServer(args)
 
     def stop(*_: object) -> None:

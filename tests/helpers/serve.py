@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import httpx
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 READY_PREFIX = "kvmove-serve ready on "
 TAG_VARIABLE = "KVMOVE_SERVE_TEST_TAG"  # inherited by the workers
@@ -126,9 +127,12 @@ class Server:
             if line.startswith(READY_PREFIX):
                 return line[len(READY_PREFIX):].split()[0]
 
-    def stderr_text(self) -> str:
+    def stderr_text(self, tail: int | None = 4000) -> str:
+        """The server's stderr (its log, its workers' relayed): the last ``tail`` characters,
+        or all of it."""
         self.stderr.seek(0)
-        return self.stderr.read()[-4000:]
+        text = self.stderr.read()
+        return text[-tail:] if tail is not None else text
 
     def __repr__(self) -> str:
         return f"Server({' '.join(self.args)})"
@@ -157,6 +161,22 @@ class Server:
 
     def worker(self, name: str) -> dict:
         return next(w for w in self.health()["workers"] if w["name"] == name)
+
+    def samples(self) -> dict[tuple[str, tuple], float]:
+        """``/metrics`` through prometheus_client's parser: (sample name, sorted labels) ->
+        value."""
+        response = self.get("/metrics")
+        assert response.status_code == 200 and response.headers["content-type"].startswith(
+            "text/plain")
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(response.text)
+                for s in family.samples}
+
+    def control_address(self) -> str:
+        """The router's control endpoint, from a worker's command line (``--router``)."""
+        with open(f"/proc/{self.worker_pids[0]}/cmdline", "rb") as f:
+            args = f.read().decode().split("\0")
+        return args[args.index("--router") + 1]
 
     # --- shutdown -------------------------------------------------------------------------
 

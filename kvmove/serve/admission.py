@@ -1,0 +1,146 @@
+"""Which HTTP requests get in, decided before the API sees them: the Host header, the body's
+size and the number of completions in flight. Each refusal is OpenAI's error body.
+
+* **Host** (421): only the names in ``ServeConfig.hosts()`` (by default the loopback names and
+  the address the server is bound to). A web page can make a browser send requests to
+  127.0.0.1 by pointing its own name there (DNS rebinding); those carry the page's name in
+  ``Host`` and are refused. A request without a Host header is refused with 400.
+* **Body** (413): at most ``max_body_bytes``; a ``Content-Length`` over it is refused before a
+  byte is read, a body without one (chunked) once it passes the limit.
+* **Pending** (429 with ``Retry-After``): at most ``max_pending`` completions admitted and not
+  finished (streams included, until their last byte); ``/health``, ``/metrics`` and
+  ``/v1/models`` are never refused for it, so an overloaded server can still be watched.
+
+A pure ASGI middleware rather than a FastAPI dependency: the size check has to sit between the
+socket and FastAPI's body parsing, and the count has to last until a stream's end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from starlette.exceptions import HTTPException
+
+from kvmove.serve.api import APIError, error_response
+from kvmove.serve.metrics import Metrics
+
+__all__ = ["Admission", "COMPLETION_PATHS", "RETRY_AFTER_SECONDS"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+COMPLETION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+RETRY_AFTER_SECONDS = 1  # completions of the demo's models take about that long
+
+
+class Admission:
+    """The middleware (``app.add_middleware(Admission, hosts=..., ...)``).
+
+    Args:
+        app: the ASGI app it guards.
+        hosts: Host names served (lower case, no port); None: any.
+        max_body_bytes: the largest request body.
+        max_pending: completions admitted at once.
+        metrics: where refusals and the pending count are recorded.
+    """
+
+    def __init__(self, app: ASGIApp, *, hosts: frozenset[str] | None, max_body_bytes: int,
+                 max_pending: int, metrics: Metrics) -> None:
+        self.app, self.hosts, self.metrics = app, hosts, metrics
+        self.max_body_bytes, self.max_pending = max_body_bytes, max_pending
+        self.pending = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refusal = self._host_refusal(scope) or self._length_refusal(scope)
+        if refusal is None and scope["path"] in COMPLETION_PATHS and \
+                self.pending >= self.max_pending:
+            refusal = APIError(429, f"{self.pending} requests are in progress, the limit "
+                                    f"(--max-pending) is {self.max_pending}: retry later",
+                               kind="requests", code="rate_limit_exceeded")
+        if refusal is not None:
+            await self._refuse(refusal, scope, receive, send)
+            return
+        if scope["path"] not in COMPLETION_PATHS:
+            await self.app(scope, self._bounded(receive), send)
+            return
+        self._count(+1)
+        try:
+            await self.app(scope, self._bounded(receive), send)
+        finally:
+            self._count(-1)
+
+    def _count(self, step: int) -> None:
+        self.pending += step
+        self.metrics.pending.set(self.pending)
+
+    async def _refuse(self, error: APIError, scope: Scope, receive: Receive,
+                      send: Send) -> None:
+        self.metrics.rejected.labels(status=str(error.status)).inc()
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if error.status == 429 else None
+        await error_response(error, headers)(scope, receive, send)
+
+    def _host_refusal(self, scope: Scope) -> APIError | None:
+        if self.hosts is None:
+            return None
+        value = _header(scope, b"host")
+        if value is None:
+            return APIError(400, "the request has no Host header")
+        if _host_name(value) not in self.hosts:
+            return APIError(421, f"Host {value!r} is not served here (allowed: "
+                                 f"{', '.join(sorted(self.hosts))}; --allowed-hosts adds "
+                                 "names)", param="Host")
+        return None
+
+    def _length_refusal(self, scope: Scope) -> APIError | None:
+        value = _header(scope, b"content-length")
+        if value is None:
+            return None
+        if not value.isdigit():
+            return APIError(400, f"Content-Length {value!r} is not a number of bytes")
+        if int(value) > self.max_body_bytes:
+            return _too_large(int(value), self.max_body_bytes)
+        return None
+
+    def _bounded(self, receive: Receive) -> Receive:
+        """``receive``, raising 413 (through the app's error handler) once the body passes
+        the limit: a chunked body announces no length."""
+        seen = 0
+
+        async def bounded() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_body_bytes:
+                self.metrics.rejected.labels(status="413").inc()
+                raise HTTPException(413, str(_too_large(seen, self.max_body_bytes, "at least")))
+            return message
+
+        return bounded
+
+
+def _too_large(nbytes: int, limit: int, qualifier: str = "") -> APIError:
+    of = f"{qualifier} {nbytes}".strip()
+    return APIError(413, f"the request body of {of} bytes is over the limit (--max-body-bytes) "
+                         f"of {limit} bytes")
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _host_name(value: str) -> str:
+    """``Host``'s name without its port, lower case (``[::1]:8000`` -> ``::1``)."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1:value.find("]")]
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value

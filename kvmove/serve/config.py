@@ -1,0 +1,101 @@
+"""What ``kvmove-serve`` runs: the mode, the workers, the engine, and the HTTP limits."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from kvmove._log import LEVELS
+from kvmove.errors import ConfigError
+
+__all__ = ["LOOPBACK_HOSTS", "MODES", "ServeConfig"]
+
+MODES = ("colocated", "chunked", "disagg")
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """``kvmove-serve``'s options (``kvmove-serve --help`` says what each one does)."""
+
+    mode: str = "disagg"
+    workers: int = 2        # colocated / chunked: engine instances
+    prefill: int = 1        # disagg
+    decode: int = 1         # disagg
+    model: str = "tiny"
+    chunk_size: int = 512   # chunked (and the prefill workers of disagg)
+    num_blocks: int = 2048
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    host: str = "127.0.0.1"          # the HTTP server
+    port: int = 8000
+    agent_host: str = "127.0.0.1"    # where workers' kvmove agents listen
+    transports: str | None = None
+    request_timeout: float = 120.0
+    transfer_timeout: float = 60.0  # a KV hand-off's lease (disagg), before it is given up
+    start_timeout: float = 120.0
+    pin_cpus: bool = True   # each worker on its own cores when there are enough
+    store_dir: str | None = None  # a KVStore disk tier per prefill/colocated worker, in here
+    store_host_gb: float = 0.0    # and a host tier of this size (0: none)
+    store_disk_gb: float = 16.0   # the disk tier's size per worker
+    checksums: bool = True        # per-block checksums on every KV hand-off (disagg)
+    restart: bool = True          # a dead worker is started again and re-admitted
+    log_level: str = "info"       # the router's, uvicorn's and every worker's
+    max_pending: int = 256        # completions admitted at once (more: 429)
+    max_body_bytes: int = 4 * 2**20  # a request body (more: 413)
+    allowed_hosts: tuple[str, ...] | None = None  # Host headers served (None: loopback + host)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("workers", "prefill", "decode", "chunk_size", "num_blocks", "block_size",
+                     "max_num_seqs", "max_num_batched_tokens", "max_pending",
+                     "max_body_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("request_timeout", "transfer_timeout", "start_timeout"):
+            if not 0 < getattr(self, name) < 1e6:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if not 0 <= self.store_host_gb < 1e6:
+            raise ConfigError(f"store_host_gb must be >= 0, got {self.store_host_gb!r}")
+        if not 0 < self.store_disk_gb < 1e6:
+            raise ConfigError(f"store_disk_gb must be positive, got {self.store_disk_gb!r}")
+        if self.log_level not in LEVELS:
+            raise ConfigError(f"log_level must be one of {sorted(LEVELS)}, "
+                              f"got {self.log_level!r}")
+        if self.allowed_hosts is not None and not all(self.allowed_hosts):
+            raise ConfigError(f"allowed_hosts must be host names, got {self.allowed_hosts!r}")
+
+    def hosts(self) -> frozenset[str] | None:
+        """The Host header names served (lower case, no port); None: any (``*``). By default
+        the loopback names and the address the server is bound to: a page elsewhere that
+        points its own name at 127.0.0.1 (DNS rebinding) sends its own name, and is refused."""
+        names = self.allowed_hosts or (*LOOPBACK_HOSTS, self.host)
+        if "*" in names:
+            return None
+        return frozenset(n.lower().strip("[]") for n in names)
+
+    def store_args(self, name: str, role: str) -> list[str]:
+        """A worker's KVStore options: prefill and colocated workers only (decode workers
+        never prefill), each with its own directory (a disk tier is one process's)."""
+        if role == "decode" or (self.store_dir is None and not self.store_host_gb):
+            return []
+        args = ["--store-host-gb", str(self.store_host_gb)]
+        if self.store_dir is not None:
+            args += ["--store-dir", os.path.join(self.store_dir, name),
+                     "--store-disk-gb", str(self.store_disk_gb)]
+        return args
+
+    def roles(self) -> list[tuple[str, str]]:
+        """(worker name, role) for every worker process."""
+        if self.mode == "disagg":
+            return ([(f"prefill-{i}", "prefill") for i in range(self.prefill)] +
+                    [(f"decode-{i}", "decode") for i in range(self.decode)])
+        return [(f"worker-{i}", "colocated") for i in range(self.workers)]
+
+    def pools(self) -> tuple[str, ...]:
+        return ("prefill", "decode") if self.mode == "disagg" else ("colocated",)

@@ -1,0 +1,193 @@
+"""What the router and its workers say to each other over the control channel: every command
+and event as a strict schema, and the one place a message is parsed.
+
+A message is one ZeroMQ frame of JSON (the ROUTER socket adds the sender's identity frame in
+front). Parsing checks everything a peer controls: one JSON object, a known ``op`` (commands,
+router → worker) or ``ev`` (events, worker → router), every field present with its type (no
+bool for an int, no string for a number), nothing extra. A message that fails is refused with
+``PeerError`` naming the first fault; the caller logs it and drops it: a malformed message
+never ends a receive loop.
+
+We use pydantic (already the HTTP API's) in strict mode rather than hand-written checks:
+one declaration per message is both the producer's constructor and the consumer's check,
+so the two sides cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from kvmove.agent import AgentStats
+from kvmove.engine.request import SamplingParams
+from kvmove.errors import PeerError
+from kvmove.store.store import StoreStats
+
+__all__ = ["Abort", "Add", "Command", "Connect", "Connected", "Ended", "Event", "Failed",
+           "Ready", "Reserve", "Reserved", "Shutdown", "Stats", "Tokens", "encode",
+           "parse_command", "parse_event"]
+
+Count = Annotated[int, Field(ge=0)]
+BlockIds = list[Count]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+# --- commands: router -> worker ---------------------------------------------------------------
+
+class Add(_Message):
+    """A request to compute (colocated, prefill); a prefill worker also gets where its KV
+    goes: the decode worker's agent, the blocks leased to it and the lease's epoch."""
+
+    op: Literal["add"] = "add"
+    rid: str
+    prompt: Annotated[list[Count], Field(min_length=1)]
+    params: SamplingParams
+    decode_peer: str | None = None
+    remote_blocks: BlockIds | None = None
+    epoch: Count | None = None
+
+
+class Reserve(_Message):
+    """Decode: reserve the request's blocks and lease them to the prefill worker ``peer``."""
+
+    op: Literal["reserve"] = "reserve"
+    rid: str
+    prompt: Annotated[list[Count], Field(min_length=1)]
+    params: SamplingParams
+    peer: str
+
+
+class Abort(_Message):
+    op: Literal["abort"] = "abort"
+    rid: str
+
+
+class Connect(_Message):
+    """Decode: become a kvmove peer of the agent listening at ``host:port``."""
+
+    op: Literal["connect"] = "connect"
+    host: str
+    port: Annotated[int, Field(ge=1, le=65535)]
+
+
+class Shutdown(_Message):
+    op: Literal["shutdown"] = "shutdown"
+
+
+Command = Annotated[Union[Add, Reserve, Abort, Connect, Shutdown], Field(discriminator="op")]
+
+
+# --- events: worker -> router -----------------------------------------------------------------
+
+class Ready(_Message):
+    """The worker's engine is built and its agent listens at ``agent`` (None: colocated)."""
+
+    ev: Literal["ready"] = "ready"
+    name: str
+    role: str
+    agent: tuple[str, int] | None
+    num_blocks: Count
+    block_size: Count
+    pid: int
+
+
+class Stats(_Message):
+    """Sent every 0.1 s (also the worker's heartbeat): its queues, free blocks, and the
+    counters of its store and agent as their ``stats()`` give them."""
+
+    ev: Literal["stats"] = "stats"
+    free_blocks: Count
+    waiting: Count
+    running: Count
+    loading: Count
+    sending: Count
+    store: StoreStats | None
+    agent: AgentStats | None
+    faults: dict[str, int] | None
+    notifications_dropped: Count  # the agent's notifications, drained unread (serve uses none)
+
+
+class Connected(_Message):
+    ev: Literal["connected"] = "connected"
+    peer: str | None  # None: the connect failed (``error``), the router tries again
+    error: str | None = None
+
+
+class Reserved(_Message):
+    ev: Literal["reserved"] = "reserved"
+    rid: str
+    blocks: BlockIds | None  # None: no room now (back-pressure: ask again)
+    epoch: Count | None
+
+
+class Tokens(_Message):
+    """Every token this step sampled, as (request id, token id)."""
+
+    ev: Literal["tokens"] = "tokens"
+    items: list[tuple[str, Count]]
+
+
+class Ended(_Message):
+    ev: Literal["ended"] = "ended"
+    rid: str
+    reason: Literal["stop", "length", "abort", "handed_off"]
+    error: str | None = None
+    text: str = ""
+    num_output: Count = 0
+    num_cached: Count = 0
+    num_stored: Count = 0
+    kv_bytes: Count = 0
+    kv_seconds: float | None = None
+    kv_exposed_seconds: float | None = None
+
+
+class Failed(_Message):
+    """A command the worker could not take (malformed, or for no request): the worker goes
+    on; a failed command *for a request* ends that request instead (``Ended``, abort)."""
+
+    ev: Literal["error"] = "error"
+    op: str | None
+    error: str
+
+
+Event = Annotated[Union[Ready, Stats, Connected, Reserved, Tokens, Ended, Failed],
+                  Field(discriminator="ev")]
+
+_COMMANDS: TypeAdapter[Command] = TypeAdapter(Command)
+_EVENTS: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+def encode(message: _Message) -> bytes:
+    return message.model_dump_json().encode()
+
+
+def parse_command(payload: bytes) -> Command:
+    """A command from the router.
+
+    Raises:
+        PeerError: not one JSON object of a known ``op`` with every field of its type.
+    """
+    return _parse(_COMMANDS, payload, "command")
+
+
+def parse_event(payload: bytes) -> Event:
+    """An event from a worker.
+
+    Raises:
+        PeerError: not one JSON object of a known ``ev`` with every field of its type.
+    """
+    return _parse(_EVENTS, payload, "event")
+
+
+def _parse(adapter: TypeAdapter, payload: bytes, what: str) -> object:
+    try:
+        return adapter.validate_json(payload)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "the message"
+        raise PeerError(f"malformed control {what} ({len(payload)} bytes): {where}: "
+                        f"{first['msg']}") from None

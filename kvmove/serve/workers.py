@@ -1,0 +1,127 @@
+"""The router's worker processes: how one is started (its command line, cores and control
+identity), what the router knows of it, and its output, relayed into the router's log.
+
+A worker's stdout and stderr were thrown away (``subprocess.DEVNULL``), so a worker that
+failed said nothing. Now a thread per stream reads them line by line and logs each line on
+the ``kvmove.serve.worker`` logger with the worker's name in it. Workers log in
+``LINE_FORMAT``; a line in that form keeps its level, any other line (a print, a traceback)
+is logged at INFO from stdout and WARNING from stderr.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import IO
+
+from kvmove.serve.config import ServeConfig
+from kvmove.serve.control import IDENTITY_VARIABLE, new_identity
+from kvmove.serve.messages import Stats
+
+__all__ = ["LINE_FORMAT", "WorkerInfo", "cpu_shares", "worker_command"]
+
+LINE_FORMAT = "%(levelname)s %(name)s: %(message)s"
+MAX_LINE_BYTES = 64 * 1024  # a longer line is logged in pieces
+_LEVELS = {name: getattr(logging, name) for name in ("DEBUG", "INFO", "WARNING", "ERROR",
+                                                      "CRITICAL")}
+output_logger = logging.getLogger("kvmove.serve.worker")
+
+
+@dataclass(eq=False)
+class WorkerInfo:
+    """One worker as the router sees it (across restarts: one name, a process after
+    another, each with its own identity)."""
+
+    name: str
+    role: str
+    command: list[str]
+    process: subprocess.Popen | None = None
+    identity: bytes = b""   # the current process's, on the control channel
+    agent: tuple[str, int] | None = None
+    ready: bool = False
+    alive: bool = False
+    registered: bool = False  # its "ready" event came: its agent listens
+    stats: Stats | None = None
+    requests: set[str] = field(default_factory=set)
+    restarts: int = 0
+    # (name, pid) of the other pool's workers this one is a kvmove peer of, each incarnation
+    peers: set[tuple[str, int]] = field(default_factory=set)
+
+    @property
+    def pid(self) -> int | None:
+        """The current process's (None before the first start)."""
+        return self.process.pid if self.process is not None else None
+
+    @property
+    def load(self) -> int:
+        return len(self.requests)
+
+    def stat(self, name: str) -> int:
+        """A number of its last stats event (0 before the first)."""
+        return getattr(self.stats, name) if self.stats is not None else 0
+
+    def start(self) -> None:
+        """Starts its process (again: then everything its last one reported is forgotten)
+        under a new identity, and relays its output into the log."""
+        self.ready, self.registered, self.agent, self.stats = False, False, None, None
+        self.peers.clear()
+        self.identity = new_identity(self.name)
+        # PYTHONSAFEPATH: run from a source checkout, `-m` would import the checkout's kvmove
+        # (without its compiled core) instead of the installed one
+        self.process = subprocess.Popen(
+            self.command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, env={**os.environ, "PYTHONSAFEPATH": "1",
+                                         IDENTITY_VARIABLE: self.identity.decode()})
+        for stream, level in ((self.process.stdout, logging.INFO),
+                              (self.process.stderr, logging.WARNING)):
+            threading.Thread(target=_relay, args=(stream, self.name, level),
+                             name=f"{self.name}-output", daemon=True).start()
+        self.alive = True
+
+
+def _relay(stream: IO[bytes], name: str, default: int) -> None:
+    """Logs ``stream``'s lines until its end (the process exited)."""
+    with stream:
+        for raw in iter(lambda: stream.readline(MAX_LINE_BYTES), b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            level_name, _, rest = line.partition(" ")
+            level = _LEVELS.get(level_name)
+            output_logger.log(level or default, "[%s] %s", name, rest if level else line)
+
+
+def worker_command(config: ServeConfig, name: str, role: str, cpus: list[int],
+                   address: str) -> list[str]:
+    """The command line of worker ``name`` (role ``role``, pinned to ``cpus``), which
+    connects to the router's control socket at ``address``."""
+    c = config
+    command = [sys.executable, "-m", "kvmove.serve.worker_main", "--name", name,
+               "--role", role, "--router", address, "--model", c.model,
+               "--num-blocks", str(c.num_blocks), "--block-size", str(c.block_size),
+               "--chunk-size", str(c.chunk_size if c.mode != "colocated" else 0),
+               "--max-num-seqs", str(c.max_num_seqs),
+               "--max-num-batched-tokens", str(c.max_num_batched_tokens),
+               "--agent-host", c.agent_host, "--transfer-timeout", str(c.transfer_timeout),
+               "--log-level", c.log_level]
+    if c.transports:
+        command += ["--transports", c.transports]
+    if c.checksums and role == "prefill":
+        command += ["--checksums"]
+    command += c.store_args(name, role)
+    if cpus:
+        command += ["--cpus", ",".join(map(str, cpus))]
+    return command
+
+
+def cpu_shares(num_workers: int) -> list[list[int]]:
+    """Disjoint CPU sets, one per worker, when every worker can have at least one core (an
+    engine instance on a real cluster has its own GPU; here its own cores); otherwise no
+    pinning (empty sets) and the OS shares the cores."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if num_workers > len(cpus):
+        return [[] for _ in range(num_workers)]
+    each = len(cpus) // num_workers
+    return [cpus[i * each:(i + 1) * each] for i in range(num_workers)]
