@@ -32,7 +32,7 @@ from pathlib import Path
 
 from kvmove.errors import ConfigError, MetadataError
 
-__all__ = ["DeploymentKey", "MIN_KEY_BYTES", "resolve_key"]
+__all__ = ["DeploymentKey", "MIN_KEY_BYTES", "key_from_file", "resolve_key"]
 
 MIN_KEY_BYTES = 16
 _MAGIC = b"KVMS"  # signed metadata: magic | blob | HMAC-SHA256(key, context | blob)
@@ -102,13 +102,21 @@ def resolve_key(key: bytes | str | None = None) -> DeploymentKey:
     if os.environ.get("KVMOVE_KEY"):
         return DeploymentKey(_checked(os.environ["KVMOVE_KEY"], "KVMOVE_KEY"), "KVMOVE_KEY")
     if os.environ.get("KVMOVE_KEY_FILE"):
-        path = os.environ["KVMOVE_KEY_FILE"]
-        try:
-            data = Path(path).read_bytes().strip()
-        except OSError as error:
-            raise ConfigError(f"cannot read KVMOVE_KEY_FILE {path!r}: {error.strerror}") from None
-        return DeploymentKey(_checked(data, f"the key in {path!r}"), "KVMOVE_KEY_FILE")
+        return key_from_file(os.environ["KVMOVE_KEY_FILE"])
     return DeploymentKey(_host_key(), "host key")
+
+
+def key_from_file(path: str) -> DeploymentKey:
+    """The key a file holds (surrounding whitespace stripped), as ``KVMOVE_KEY_FILE`` reads it.
+
+    Raises:
+        ConfigError: the file cannot be read, or holds fewer than ``MIN_KEY_BYTES``.
+    """
+    try:
+        data = Path(path).read_bytes().strip()
+    except OSError as error:
+        raise ConfigError(f"cannot read KVMOVE_KEY_FILE {path!r}: {error.strerror}") from None
+    return DeploymentKey(_checked(data, f"the key in {path!r}"), "KVMOVE_KEY_FILE")
 
 
 def _checked(key: bytes | str, what: str) -> bytes:

@@ -2,8 +2,8 @@
 that it fails now. Each test is named after its finding's number in the review's table.
 
 The HTTP and router findings (6, 9, and the server's part of 8) are tested against a real
-``kvmove-serve`` in tests/test_serve_security.py; the sanitizer build and the fuzz targets
-(finding 13's other half) run in ``.ci/run`` (fuzz/README.md).
+``kvmove-serve`` in tests/test_serve_control.py and tests/test_serve_http.py; the sanitizer
+build and the fuzz targets (finding 13's other half) run in ``.ci/hardening``.
 
 The agents here share this user's host key (the default) unless a test gives one another key:
 a "stranger" is an agent of another deployment, an "impostor" one that holds the key but was

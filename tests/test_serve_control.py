@@ -22,6 +22,7 @@ import pytest
 import zmq
 
 from kvmove.engine.request import SamplingParams
+from kvmove.errors import ConfigError
 from kvmove.serve.config import ServeConfig
 from kvmove.serve.control import IDENTITY_VARIABLE, MAX_MESSAGE_BYTES, ControlEndpoint
 from kvmove.serve.messages import Tokens, encode
@@ -309,3 +310,49 @@ def test_finding_6_the_control_directory_is_removed_on_exit(server: Server) -> N
     assert os.path.isdir(directory)
     server.close()
     assert not os.path.exists(directory)
+
+
+# --- the deployment key (issue 15 #1, the server's part) --------------------------------------
+
+def test_finding_1_workers_share_the_key_file_they_are_given(tmp_path) -> None:
+    """``--key-file``: every worker is told the file (its command line names it, never the
+    key), and the disaggregated workers' agents peer under it: a KV hand-off completes."""
+    key = tmp_path / "deployment.key"
+    key.write_text(os.urandom(32).hex() + "\n")
+    key.chmod(0o600)
+    server = Server("--mode", "disagg", "--no-restart", "--key-file", str(key))
+    try:
+        reply = server.client().completions.create(model=MODEL, prompt="a key", max_tokens=4,
+                                                    **GREEDY)
+        assert len(reply.choices[0].text) > 0 and reply.usage.completion_tokens == 4
+        assert len(server.worker_pids) == 2
+        for pid in server.worker_pids:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+            assert args[args.index(b"--key-file") + 1] == str(key).encode()
+            assert key.read_text().strip().encode() not in b" ".join(args)
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("content, message", [(b"short", "at least 16 bytes"),
+                                              (None, "cannot read KVMOVE_KEY_FILE")])
+def test_finding_1_a_bad_key_file_is_refused_before_anything_starts(tmp_path, content,
+                                                                     message) -> None:
+    path = tmp_path / "k"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ConfigError, match=message):
+        ServeConfig(key_file=str(path))
+
+
+def test_finding_1_agents_beyond_loopback_need_a_deployment_key(monkeypatch, tmp_path) -> None:
+    for name in ("KVMOVE_KEY", "KVMOVE_KEY_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    with pytest.raises(ConfigError, match="not loopback") as excinfo:
+        ServeConfig(agent_host="10.1.2.3")
+    assert "--key-file" in str(excinfo.value)
+    key = tmp_path / "k"
+    key.write_bytes(os.urandom(32))
+    assert ServeConfig(agent_host="10.1.2.3", key_file=str(key)).key_file == str(key)

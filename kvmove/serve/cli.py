@@ -53,7 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port, 0 for any (default 8000)")
     p.add_argument("--agent-host", default="127.0.0.1",
-                   help="address the workers' kvmove agents listen on")
+                   help="address the workers' kvmove agents serve on (default 127.0.0.1)")
+    p.add_argument("--key-file", default=None,
+                   help="the deployment key the workers' agents share (docs/security.md; it "
+                   "also keys the prefix cache's block hashes). Default: KVMOVE_KEY_FILE or "
+                   "KVMOVE_KEY, else this user's host key (loopback only)")
     p.add_argument("--transports", default=None, help="UCX transports for the KV (default: "
                    "UCX's choice)")
     p.add_argument("--no-pin-cpus", action="store_true",
@@ -194,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             mode=args.mode, workers=args.workers, prefill=args.prefill, decode=args.decode,
             model=args.model, chunk_size=args.chunk_size, num_blocks=args.num_blocks,
             block_size=args.block_size, max_num_seqs=args.max_num_seqs, host=args.host,
-            port=args.port, agent_host=args.agent_host,
+            port=args.port, agent_host=args.agent_host, key_file=args.key_file,
             transports=args.transports, request_timeout=args.request_timeout,
             transfer_timeout=args.transfer_timeout,
             pin_cpus=not args.no_pin_cpus, store_dir=args.store_dir,

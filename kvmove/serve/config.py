@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 
 from kvmove._log import LEVELS
+from kvmove.auth import key_from_file, resolve_key
+from kvmove.bootstrap import is_loopback
 from kvmove.errors import ConfigError
 
 __all__ = ["LOOPBACK_HOSTS", "MODES", "ServeConfig"]
@@ -31,6 +33,7 @@ class ServeConfig:
     host: str = "127.0.0.1"          # the HTTP server
     port: int = 8000
     agent_host: str = "127.0.0.1"    # where workers' kvmove agents listen
+    key_file: str | None = None      # the deployment key (docs/security.md); None: host key
     transports: str | None = None
     request_timeout: float = 120.0
     transfer_timeout: float = 60.0  # a KV hand-off's lease (disagg), before it is given up
@@ -67,6 +70,13 @@ class ServeConfig:
         if self.log_level not in LEVELS:
             raise ConfigError(f"log_level must be one of {sorted(LEVELS)}, "
                               f"got {self.log_level!r}")
+        if self.key_file is not None:
+            key_from_file(self.key_file)  # readable and long enough, or ConfigError now
+        if not is_loopback(self.agent_host) and self.key_file is None and \
+                resolve_key().host_only:
+            raise ConfigError(f"agent_host {self.agent_host!r} is not loopback: give the "
+                              "workers a deployment key (--key-file, or KVMOVE_KEY_FILE / "
+                              "KVMOVE_KEY), the host key proves nothing to another host")
         if self.allowed_hosts is not None and not all(self.allowed_hosts):
             raise ConfigError(f"allowed_hosts must be host names, got {self.allowed_hosts!r}")
 

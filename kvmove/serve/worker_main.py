@@ -31,6 +31,7 @@ import torch
 import zmq
 
 from kvmove import _log
+from kvmove.auth import key_from_file, resolve_key
 from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
 from kvmove.engine.request import Request
 from kvmove.engine.scheduler import SchedulerConfig
@@ -70,6 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--agent-host", default="127.0.0.1")
+    p.add_argument("--key-file", default=None, help="the deployment key (else as kvmove.auth "
+                   "resolves it)")
     p.add_argument("--transports", default=None)
     p.add_argument("--error-mode", default="peer")
     p.add_argument("--transfer-timeout", type=float, default=60.0)
@@ -95,15 +98,21 @@ class WorkerServer:
         model, path = load_model(args.model, args.seed)
         self.tokenizer = load_tokenizer(path, model.config)
         self.tokens: list[list[Any]] = []
+        key = key_from_file(args.key_file) if args.key_file else resolve_key()
+        # A deployment's key also keys the prefix cache's hashes (the host key does not: it
+        # differs between hosts, which must agree on a prefix's hashes).
         scheduler = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            chunk_size=args.chunk_size or None)
+            chunk_size=args.chunk_size or None,
+            hash_seed=0 if key.host_only else key.hash_seed())
         self.store = _open_store(args, model)
         self.worker = Worker(
             model, role=args.role, num_blocks=args.num_blocks, block_size=args.block_size,
             scheduler=scheduler, tokenizer=self.tokenizer, name=args.name,
             agent_kwargs={"transports": args.transports, "error_mode": args.error_mode,
-                          "checksums": args.checksums},
+                          "checksums": args.checksums,
+                          "key": None if key.host_only else key.secret,
+                          "host": args.agent_host},
             transfer_timeout=args.transfer_timeout,
             on_token=lambda request, token: self.tokens.append([request.id, token]),
             store=self.store)
@@ -121,7 +130,7 @@ class WorkerServer:
 
     def serve(self) -> None:
         agent = self.worker.agent
-        address = tuple(agent.listen(self.args.agent_host)) if agent is not None else None
+        address = tuple(agent.listen()) if agent is not None else None
         self.send(Ready(name=self.args.name, role=self.args.role, agent=address,
                         num_blocks=self.worker.cache.num_blocks,
                         block_size=self.args.block_size, pid=os.getpid()))

@@ -108,6 +108,8 @@ def worker_command(config: ServeConfig, name: str, role: str, cpus: list[int],
                "--log-level", c.log_level]
     if c.transports:
         command += ["--transports", c.transports]
+    if c.key_file:
+        command += ["--key-file", os.path.abspath(c.key_file)]
     if c.checksums and role == "prefill":
         command += ["--checksums"]
     command += c.store_args(name, role)
