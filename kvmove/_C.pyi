@@ -560,6 +560,10 @@ def cuda_status() -> tuple[bool, int, str]:
     """
     (built with CUDA, device count, reason when 0).
     """
+def log_dropped() -> int:
+    """
+    Core log records dropped on a full queue.
+    """
 def pack_blocks(cache: KVCache, block_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], layers: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], staging_addr: typing.SupportsInt | typing.SupportsIndex, staging_nbytes: typing.SupportsInt | typing.SupportsIndex) -> None:
     """
     Copies blocks of layers into a contiguous [layers, blocks, block_nbytes] buffer.
@@ -567,6 +571,14 @@ def pack_blocks(cache: KVCache, block_ids: collections.abc.Sequence[typing.Suppo
 def runs(ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> list[tuple[int, int]]:
     """
     Consecutive ascending ids as ``(first, count)`` runs, in order: ``[4, 5, 6, 9, 2, 3] -> [(4, 3), (9, 1), (2, 2)]``.
+    """
+def set_log_level(level: typing.SupportsInt | typing.SupportsIndex) -> None:
+    """
+    The core's records below this logging level are dropped where they are made.
+    """
+def take_log(timeout: typing.SupportsFloat | typing.SupportsIndex, max_records: typing.SupportsInt | typing.SupportsIndex = 1000) -> list[tuple[int, str, str]]:
+    """
+    (level, logger, message) records of the core, waiting up to timeout for one.
     """
 def ucx_version() -> str:
     """

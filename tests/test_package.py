@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import kvmove
 
 
@@ -58,3 +60,35 @@ def test_the_core_type_stubs_name_exactly_what_the_core_has() -> None:
     actual = {name for name in dir(kvmove._C) if not name.startswith("_")}
     assert declared == actual, (f"missing from the stub: {sorted(actual - declared)}; "
                                 f"not in the module: {sorted(declared - actual)}")
+
+
+def test_the_version_has_one_source() -> None:
+    """kvmove/_version.py is the one place: kvmove.__version__ imports it, setuptools reads it
+    (statically, the way pyproject's dynamic version says) and the installed metadata carries
+    what setuptools read."""
+    import importlib.metadata
+    import tomllib
+
+    from kvmove._version import __version__
+
+    assert kvmove.__version__ == __version__
+    root = Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())
+    assert project["project"]["dynamic"] == ["version"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {
+        "attr": "kvmove._version.__version__"}
+    try:
+        dist = importlib.metadata.distribution("kvmove")
+    except importlib.metadata.PackageNotFoundError:
+        dist = None
+    if dist is None or Path(dist.locate_file("kvmove/__init__.py")) != Path(kvmove.__file__):
+        pytest.skip("this kvmove is a source tree without metadata of its own; an installed "
+                    "package (CI's pip install) checks its metadata")
+    assert dist.version == kvmove.__version__
+
+
+def test_the_license_file_is_the_declared_apache_2() -> None:
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License\n                           Version 2.0")
+    assert "END OF TERMS AND CONDITIONS" in text
