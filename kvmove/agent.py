@@ -24,7 +24,15 @@ from kvmove.validation import require_positive_finite
 __all__ = ["Agent", "AgentStats", "Transfer", "TransferState", "TransferStats"]
 
 TransferState = _C.TransferState
-"""PENDING, then DONE or FAILED."""
+"""PENDING, then DONE or FAILED.
+
+Example:
+    >>> transfer = agent.write(peer, ids, remote_ids)
+    >>> transfer.state                    # TransferState.PENDING while ops are in flight
+    >>> transfer.wait(timeout=5.0)        # raises instead of ending FAILED
+    >>> transfer.state is kvmove.TransferState.DONE
+    True
+"""
 
 ERROR_MODES = ("peer", "none")
 
@@ -46,6 +54,11 @@ class AgentStats:
         begins_refused: of those, senders told no (they wrote nothing).
         checksum_mismatches: received blocks (per layer) whose bytes did not match.
         acks_missed: sent Finals not acknowledged in time (those streams failed).
+
+    Example:
+        >>> stats = agent.stats()
+        >>> stats.leases_active, stats.blocks_quarantined    # both 0 when the agent is idle
+        (0, 0)
     """
 
     leases_granted: int
@@ -69,6 +82,11 @@ class TransferStats:
         num_ops: RMA operations posted, after coalescing adjacent blocks.
         post_seconds: time spent posting them.
         complete_seconds: from the first post to completion (0 while pending).
+
+    Example:
+        >>> s = agent.write(peer, ids, remote_ids).stats   # after wait(): complete
+        >>> s.nbytes / s.complete_seconds / 1e9            # GB/s of this transfer
+        >>> s.num_ops      # 32 for Llama-3.1-8B's 250 contiguous blocks: one op per layer
     """
 
     nbytes: int
@@ -78,7 +96,14 @@ class TransferStats:
 
 
 class Transfer:
-    """One batch of block copies to or from a peer (made by ``Agent.write`` / ``read``)."""
+    """One batch of block copies to or from a peer (made by ``Agent.write`` / ``read``).
+
+    Example:
+        >>> transfer = agent.read(peer, local_ids, remote_ids)   # remote blocks -> local ones
+        >>> transfer.wait(timeout=5.0)     # every byte is in place, or it raised
+        >>> transfer.stats.nbytes == len(local_ids) * cache.layout.bytes_per_block
+        True
+    """
 
     __slots__ = ("_core",)
 
