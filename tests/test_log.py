@@ -125,3 +125,17 @@ def test_bench_rejects_a_bad_log_level(capsys: pytest.CaptureFixture[str]) -> No
         main(["--log-level", "loud", "plan"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'loud'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--log-level", "info", "--tokens", "64"], ["--log-level", "info", "transfer", "--tokens",
+                                                 "64"]),
+    (["--log-level=info"], ["--log-level=info", "transfer"]),
+    (["--log-level", "info", "plan"], ["--log-level", "info", "plan"]),
+    (["--version"], ["--version"]),
+])
+def test_bench_log_level_before_the_default_command(argv: list[str],
+                                                    expected: list[str]) -> None:
+    from kvmove.bench.cli import _with_default_command
+
+    assert _with_default_command(argv) == expected

@@ -62,14 +62,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _with_default_command(argv: list[str]) -> list[str]:
-    """Insert ``DEFAULT_COMMAND`` after the leading ``--log-level`` unless what follows is a
+    """Insert ``DEFAULT_COMMAND`` after a leading ``--log-level`` unless what follows is a
     subcommand or asks for help or the version."""
-    head = 2 if argv[:1] == ["--log-level"] else int(argv[:1] != [] and
-                                                    argv[0].startswith("--log-level="))
+    head = _log_level_prefix(argv)
     rest = argv[head:]
     if not rest or (rest[0].startswith("-") and rest[0] not in ("-h", "--help", "--version")):
         return [*argv[:head], DEFAULT_COMMAND, *rest]
     return list(argv)
+
+
+def _log_level_prefix(argv: list[str]) -> int:
+    """How many leading items of ``argv`` are ``--log-level LEVEL`` (or ``--log-level=LEVEL``)."""
+    if argv[:1] == ["--log-level"]:
+        return 2
+    return 1 if argv and argv[0].startswith("--log-level=") else 0
 
 
 def _parser() -> argparse.ArgumentParser:
