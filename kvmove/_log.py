@@ -11,6 +11,7 @@ when the interpreter finalizes is killed as it takes the GIL back, in a C++ dest
 exit status 134). Measured with the blocking wait: 2 of 4 ``kvmove-bench plan`` runs and 3
 of 4 runs of ``import kvmove; time.sleep(0.2)`` ended that way; with this one, none of 200
 of the latter. Records reach ``logging`` at most ``_POLL_SECONDS`` after they are made.
+
 The core's threshold follows the ``kvmove`` logger's effective level, so one setting governs
 C++ and Python alike: ``KVMOVE_LOG_LEVEL`` (debug, info, warning, error), or the
 application's own logging configuration.
