@@ -45,8 +45,7 @@ from kvmove.region import Region  # noqa: E402
 from kvmove.store import DiskTier, HostTier, KVStore, Lookup, StoreHandle  # noqa: E402
 from kvmove.stream import LoadStream, SaveStream, StreamState  # noqa: E402
 from kvmove.runtime import CudaStatus, cuda_available, cuda_status, ucx_version  # noqa: E402
-
-__version__ = "0.1.0"
+from kvmove._version import __version__  # noqa: E402
 
 _log.start()  # the core's log records reach Python's logging (KVMOVE_LOG_LEVEL)
 

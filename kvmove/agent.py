@@ -25,7 +25,15 @@ from kvmove.validation import require_positive_finite, require_positive_int
 __all__ = ["Agent", "AgentStats", "Transfer", "TransferState", "TransferStats"]
 
 TransferState = _C.TransferState
-"""PENDING, then DONE or FAILED."""
+"""PENDING, then DONE or FAILED.
+
+Example:
+    >>> transfer = agent.write(peer, ids, remote_ids)
+    >>> transfer.state                    # TransferState.PENDING while ops are in flight
+    >>> transfer.wait(timeout=5.0)        # raises instead of ending FAILED
+    >>> transfer.state is kvmove.TransferState.DONE
+    True
+"""
 
 ERROR_MODES = ("peer", "none")
 
@@ -51,6 +59,11 @@ class AgentStats:
             (dropped: an agent must be added as a peer before it is heard).
         messages_dropped: messages dropped for their form: rendezvous (too large to arrive
             eagerly), over the size bound, or over a peer's notification queue cap.
+
+    Example:
+        >>> stats = agent.stats()
+        >>> stats.leases_active, stats.blocks_quarantined    # both 0 when the agent is idle
+        (0, 0)
     """
 
     leases_granted: int
@@ -76,6 +89,11 @@ class TransferStats:
         num_ops: RMA operations posted, after coalescing adjacent blocks.
         post_seconds: time spent posting them.
         complete_seconds: from the first post to completion (0 while pending).
+
+    Example:
+        >>> s = agent.write(peer, ids, remote_ids).stats   # after wait(): complete
+        >>> s.nbytes / s.complete_seconds / 1e9            # GB/s of this transfer
+        >>> s.num_ops      # 32 for Llama-3.1-8B's 250 contiguous blocks: one op per layer
     """
 
     nbytes: int
@@ -85,7 +103,14 @@ class TransferStats:
 
 
 class Transfer:
-    """One batch of block copies to or from a peer (made by ``Agent.write`` / ``read``)."""
+    """One batch of block copies to or from a peer (made by ``Agent.write`` / ``read``).
+
+    Example:
+        >>> transfer = agent.read(peer, local_ids, remote_ids)   # remote blocks -> local ones
+        >>> transfer.wait(timeout=5.0)     # every byte is in place, or it raised
+        >>> transfer.stats.nbytes == len(local_ids) * cache.layout.bytes_per_block
+        True
+    """
 
     __slots__ = ("_core",)
 

@@ -5,6 +5,14 @@ Every error names what failed, the offending value and the limit, e.g.
 here as the class of the same name (one translator in ``bindings/module.cpp``).
 
 Running out of room *right now* is not an error: ``BlockPool.allocate`` returns ``None``.
+
+Example:
+    >>> try:
+    ...     transfer.wait(timeout=5.0)
+    ... except kvmove.errors.PeerError:       # the peer died: its transfers failed at once
+    ...     reschedule(request)
+    ... except kvmove.errors.KVMoveError as error:
+    ...     log.error("hand-off failed: %s", error)   # names the value and the limit
 """
 
 from __future__ import annotations

@@ -47,6 +47,13 @@ class KVLayout:
         dtype: element type, one of ``DTYPE_BYTES`` ("float16", "bfloat16", "float8",
             "float32").
         block_size: tokens per block, a power of two (16 as in vLLM).
+
+    Example:
+        >>> layout = kvmove.KVLayout.preset("llama-3.1-8b")   # 32 layers, 8 KV heads of 128
+        >>> layout.bytes_per_token                  # 2 (K, V) * 8 * 128 * 2 B * 32 layers
+        131072
+        >>> layout.bytes_for(4000), layout.blocks_for(4000)   # a 4,000-token prompt
+        (524288000, 250)
     """
 
     num_layers: int

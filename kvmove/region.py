@@ -24,6 +24,12 @@ class Region:
         huge_pages: align to 2 MiB and ask for transparent huge pages (host).
         device: -1 for host memory, else the CUDA device (needs a CUDA build).
         pin: page-lock host memory for DMA (cudaHostRegister), where a GPU is usable.
+
+    Example:
+        >>> region = kvmove.Region(64 << 20, huge_pages=True)   # 64 MiB of host memory
+        >>> view = numpy.asarray(region)       # [67108864] uint8, no copy
+        >>> region.addr % (2 << 20), region.device
+        (0, -1)
     """
 
     __slots__ = ("_core", "_owner")

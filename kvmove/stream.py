@@ -37,6 +37,15 @@ from kvmove.errors import ConfigError, PeerError, TransferError
 __all__ = ["LoadStream", "SaveStream", "StreamState"]
 
 StreamState = _C.StreamState
+"""A layer stream's state: OPEN, then DONE, ABORTED (by its sender) or FAILED.
+
+Example:
+    >>> load = agent.expect(peer, "req-42", ids).start_load()
+    >>> load.state                        # StreamState.OPEN until the final message
+    >>> load.wait_all(timeout=5.0)        # the payload; raises if ABORTED or FAILED
+    >>> load.state is kvmove.StreamState.DONE
+    True
+"""
 
 DEFAULT_TIMEOUT = 60.0
 _MAX_HANDLE = 2**64 - 1  # a cudaEvent_t is a pointer
@@ -107,6 +116,14 @@ class SaveStream(_Stream):
 
     A stream dropped while still open is aborted, so its receiver is told instead of waiting
     for a final message that will never come.
+
+    Example:
+        >>> stream = agent.stream_to(peer, ids, remote_ids, "req-42")
+        >>> for i, layer in enumerate(model.layers):
+        ...     hidden = layer(hidden)          # writes layer i's KV into the cache
+        ...     stream.save_layer(i)            # queued: posted while layer i+1 computes
+        >>> stream.finish(payload=first_token)  # bytes, sent once every layer landed
+        >>> stream.wait_for_save(timeout=5.0)
     """
 
     def __init__(self, core: _C.SaveStream, agent: Any) -> None:
@@ -209,6 +226,11 @@ class LoadStream(_Stream):
     ``Agent.expect``).
 
     A load dropped while still open is cancelled.
+
+    Example:
+        >>> load = agent.expect(peer, "req-42", ids).start_load()
+        >>> load.wait_for_layer(0, timeout=5.0)   # layer 0 of every block in ids is there
+        >>> first_token = load.wait_all(timeout=5.0)
     """
 
     def __init__(self, core: _C.LoadStream, agent: Any) -> None:

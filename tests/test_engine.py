@@ -10,6 +10,8 @@ no token, reuse skips the cached blocks, a cache too small for the load finishes
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
@@ -175,9 +177,10 @@ def test_prefix_reuse_changes_no_token_and_skips_cached_blocks(model) -> None:
     assert all(c >= 25 * BLOCK for c in cached[1:]), cached
 
 
-def test_out_of_blocks_every_request_finishes(model, reference) -> None:
+def test_out_of_blocks_every_request_finishes(model, reference, caplog) -> None:
     # 24 blocks of 4 tokens: the 150-token prompt alone needs 41 with its output... so use a
     # cache that fits each request alone but not all at once.
+    caplog.set_level(logging.INFO, logger="kvmove.engine.scheduler")
     lengths_ok = [p for p in prompts() if len(p) <= 63]
     want = [out for p, out in zip(prompts(), reference) if len(p) <= 63]
     many = lengths_ok * 3
@@ -187,6 +190,8 @@ def test_out_of_blocks_every_request_finishes(model, reference) -> None:
     assert all(r.finish_reason is FinishReason.LENGTH for r in requests)
     assert worker.scheduler.num_preemptions > 0
     assert worker.cache.pool.num_free == 24
+    preempted = [r for r in caplog.records if r.getMessage().startswith("preempted request")]
+    assert len(preempted) == worker.scheduler.num_preemptions  # each one logged, at info
 
 
 def test_a_request_that_can_never_fit_is_refused(model) -> None:

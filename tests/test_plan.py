@@ -35,6 +35,8 @@ from kvmove.bench.plan import (
     verdict_for,
 )
 
+from helpers.plan import write_llama_8b_config
+
 LLAMA_8B_4000_BYTES = 524_288_000
 
 Bench = Callable[..., subprocess.CompletedProcess[str]]
@@ -323,3 +325,94 @@ def test_cli_bad_input_exits_2(bench: Bench, args: list[str], value: str) -> Non
     assert value in result.stderr
     assert "Traceback" not in result.stderr
     assert result.stdout == ""
+
+
+# --- the prefill it compares against, and --model config.json -------------------------------
+
+def _plan_json(*args: str) -> dict:
+    result = subprocess.run([sys.executable, "-m", "kvmove.bench.cli", "plan", "--json", *args],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_main_estimates_the_prefill_from_flops(capsys: pytest.CaptureFixture[str]) -> None:
+    """No --prefill-ms: the FLOPs of this model and prompt on --gpu (tests/test_prefill.py
+    checks the count by hand), with the peak and the assumed utilisation printed beside it."""
+    assert main(["plan", "--gpu", "h200", "--tp", "2", "--utilization", "0.5"]) == 0
+    out = capsys.readouterr().out
+    expected_ms = 60_030_978_097_152 / (2 * 989.5e12 * 0.5) * 1e3  # 60.66 ms
+    assert f"prefill {expected_ms:.4g} ms (estimated: 6e+13 FLOPs on 2 x H200 SXM at " \
+           "989.5 TFLOP/s dense bf16 peak, 50% utilisation assumed)" in out
+
+
+def test_main_says_a_given_prefill_was_given(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--prefill-ms", "200", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["prefill_ms"] == 200.0
+    assert data["prefill"] == {"ms": 200.0, "source": "given", "basis": "given"}
+
+
+def test_main_uses_this_machines_engine_report(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from dataclasses import asdict
+
+    from kvmove.engine.config import MODEL_PRESETS
+
+    report = tmp_path / "engine.json"
+    report.write_text(json.dumps({"model": asdict(MODEL_PRESETS["small"]), "prefill": {
+        "prompt_tokens": 2000, "median_seconds": 2.18}}))
+    assert main(["plan", "--engine-report", str(report), "--json"]) == 0
+    prefill = json.loads(capsys.readouterr().out)["prefill"]
+    assert prefill["source"] == "engine" and prefill["engine_seconds"] == 2.18
+    assert "this machine's engine prefill (2,000 tokens in 2,180 ms" in prefill["basis"]
+
+
+@pytest.mark.parametrize(("tokens", "verdict"), [(1000, "too_slow"), (128_000, "marginal")])
+def test_the_verdict_changes_with_the_prompt_length(tokens: int, verdict: str) -> None:
+    """KV bytes grow with the prompt, the prefill's attention with its square: over Ethernet
+    25G an H100's 8B prefill of 1,000 tokens takes less time than sending its KV (too slow),
+    one of 128,000 tokens about twice as long as the transfer (marginal)."""
+    data = _plan_json("--tokens", str(tokens))
+    ethernet = next(link for link in data["links"] if link["name"] == "Ethernet 25G")
+    assert ethernet["verdict"] == verdict, ethernet
+
+
+def test_plan_model_config_json_equals_the_preset(tmp_path: Path) -> None:
+    """``--model config.json`` (or its directory) goes through the engine's parser: the same
+    shape as the preset gives the same KV bytes and the same estimated prefill."""
+    config = write_llama_8b_config(tmp_path / "Llama-3.1-8B")
+    preset = _plan_json("--tokens", "4000")
+    for where in (config, config.parent):
+        data = _plan_json("--model", str(where), "--tokens", "4000", "--dtype", "float16")
+        assert data["model"] == str(config.parent if where == config.parent else config)
+        assert data["kv_bytes"] == LLAMA_8B_4000_BYTES
+        assert data["prefill_ms"] == pytest.approx(preset["prefill_ms"], rel=1e-12)
+        assert data["links"] == preset["links"]
+
+
+def test_plan_stays_torch_free(tmp_path: Path) -> None:
+    """A preset or a config.json: kvmove-bench plan imports no torch (it may not be there)."""
+    config = write_llama_8b_config(tmp_path)
+    check = ("import sys; from kvmove.bench.cli import main; "
+             f"assert main(['plan']) == main(['plan', '--model', {str(config)!r}]) == 0; "
+             "assert 'torch' not in sys.modules, 'torch was imported'")
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "value"),
+    [(["--model", "no/such/config.json"], "no/such/config.json"),
+     (["--gpu", "h900"], "h900"),
+     (["--tp", "0"], "got 0"),
+     (["--utilization", "2"], "got 2.0"),
+     (["--prefill-ms", "100", "--engine-report", "x.json"], "not allowed with"),
+     (["--engine-report", "missing.json"], "missing.json")],
+)
+def test_cli_bad_prefill_input_exits_2(bench: Bench, args: list[str], value: str) -> None:
+    result = bench("plan", *args)
+    assert result.returncode == 2
+    assert value in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""

@@ -17,6 +17,9 @@ Subcommands:
 
 With no subcommand, or options only, ``DEFAULT_COMMAND`` runs. Bad input exits with status 2
 and a message on stderr naming the value; a failed or unverified transfer exits with 1.
+``--version`` prints ``kvmove.__version__``; ``--log-level`` (before or after the subcommand)
+sets kvmove's log level, C++ core included, and sends its records to stderr. Progress goes
+to stderr too (``kvmove.bench.progress``), so stdout holds the report alone.
 
 Each subcommand is its benchmark's module: its ``add_parser`` registers it and sets ``run``,
 which this module calls.
@@ -28,6 +31,8 @@ import argparse
 import os
 import sys
 
+import kvmove
+from kvmove import _log
 from kvmove.bench import engine, plan, serve, store, stream, transfer
 from kvmove.errors import ConfigError, KVMoveError
 
@@ -42,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``kvmove-bench``; returns the exit status (argparse errors raise ``SystemExit(2)``)."""
     parser = _parser()
     args = parser.parse_args(_with_default_command(sys.argv[1:] if argv is None else argv))
+    _log.configure_cli(args.log_level)
     try:
         return args.run(args)
     except ConfigError as error:
@@ -56,10 +62,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _with_default_command(argv: list[str]) -> list[str]:
-    """Prepend ``DEFAULT_COMMAND`` unless ``argv`` starts with a subcommand or asks for help."""
-    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
-        return [DEFAULT_COMMAND, *argv]
+    """Insert ``DEFAULT_COMMAND`` after a leading ``--log-level`` unless what follows is a
+    subcommand or asks for help or the version."""
+    head = _log_level_prefix(argv)
+    rest = argv[head:]
+    if not rest or (rest[0].startswith("-") and rest[0] not in ("-h", "--help", "--version")):
+        return [*argv[:head], DEFAULT_COMMAND, *rest]
     return list(argv)
+
+
+def _log_level_prefix(argv: list[str]) -> int:
+    """How many leading items of ``argv`` are ``--log-level LEVEL`` (or ``--log-level=LEVEL``)."""
+    if argv[:1] == ["--log-level"]:
+        return 2
+    return 1 if argv and argv[0].startswith("--log-level=") else 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,10 +84,21 @@ def _parser() -> argparse.ArgumentParser:
         description="Plan and measure KV-cache hand-offs between prefill and decode nodes.",
         epilog=f"With no subcommand, '{DEFAULT_COMMAND}' runs.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {kvmove.__version__}")
+    _add_log_level(parser, None)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for benchmark in SUBCOMMANDS:
         benchmark.add_parser(commands)
+    for sub in commands.choices.values():
+        # SUPPRESS: a subcommand's default must not overwrite a --log-level given before it.
+        _add_log_level(sub, argparse.SUPPRESS)
     return parser
+
+
+def _add_log_level(parser: argparse.ArgumentParser, default: object) -> None:
+    parser.add_argument("--log-level", choices=list(_log.LEVELS), default=default,
+                        help="kvmove's log level, C++ core included, on stderr (default: "
+                        "$KVMOVE_LOG_LEVEL, else warning)")
 
 
 if __name__ == "__main__":

@@ -31,17 +31,16 @@ import argparse
 import json
 import statistics
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvmove.bench.progress import bar
 from kvmove.bench.report import aligned, ms
+from kvmove.engine.config import MODEL_PRESETS, ModelConfig
 from kvmove.errors import ConfigError
 from kvmove.validation import require_positive_int
 
-if TYPE_CHECKING:
-    from kvmove.engine.model import ModelConfig
-
 __all__ = ["DecodeRow", "EngineConfig", "EngineReport", "PrefillRow", "add_parser",
-           "format_engine", "run_command"]
+           "count_steps", "format_engine", "run_command"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,10 +73,9 @@ class EngineConfig:
     block_size: int = 16
 
     def __post_init__(self) -> None:
-        presets = _model_presets()
-        if self.model not in presets:
+        if self.model not in MODEL_PRESETS:
             raise ConfigError(f"unknown model preset {self.model!r}; known: "
-                              f"{', '.join(presets)}")
+                              f"{', '.join(MODEL_PRESETS)}")
         for name in ("prompt_tokens", "decode_steps", "context_tokens", "batch_prompt_tokens",
                      "iters"):
             require_positive_int(name, getattr(self, name))
@@ -100,14 +98,12 @@ class EngineConfig:
 
     @property
     def model_config(self) -> ModelConfig:
-        return _model_presets()[self.model]
+        return MODEL_PRESETS[self.model]
 
 
-def _model_presets() -> dict[str, ModelConfig]:
-    """``kvmove.engine.model.MODEL_PRESETS``, imported on first use: it needs torch."""
-    from kvmove.engine.model import MODEL_PRESETS
-
-    return MODEL_PRESETS
+def count_steps(config: EngineConfig) -> int:
+    """How many times ``engine_rig.run`` calls ``progress``: one per row."""
+    return 1 + len(config.prefill_batch_sizes) + len(config.decode_batch_sizes)
 
 
 def _check_batch_sizes(name: str, sizes: tuple[int, ...]) -> None:
@@ -319,6 +315,7 @@ def run_command(args: argparse.Namespace) -> int:
         model=args.model, prompt_tokens=args.prompt_tokens,
         decode_batch_sizes=tuple(args.decode_batch_sizes), context_tokens=args.context_tokens,
         iters=args.iters)
-    report = engine_rig.run(config)
+    with bar(args, count_steps(config)) as progress:
+        report = engine_rig.run(config, progress)
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_engine(report))
     return 0

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kvmove.bench.engine import DecodeRow, EngineConfig, EngineReport, PrefillRow
+from kvmove.bench.progress import Progress
 from kvmove.engine.model import LlamaForCausalLM, SeqChunk
 from kvmove.kv_cache import KVCache
 
@@ -102,22 +103,28 @@ def time_calls(fn: Callable[[], Any], iters: int, calls: int = 1) -> tuple[float
     return tuple(out)
 
 
-def run(config: EngineConfig) -> EngineReport:
-    """Measures every row of ``config`` (see ``engine``'s docstring); about 35 s by default on
-    two CPU cores."""
+def run(config: EngineConfig, progress: Progress = lambda _: None) -> EngineReport:
+    """Measures every row of ``config`` (see ``engine``'s docstring), calling
+    ``progress(label)`` after each (``count_steps``); about 35 s by default on two CPU
+    cores."""
     start = time.perf_counter()
     rig = EngineRig(config)
     prefill = PrefillRow(1, config.prompt_tokens,
                          time_calls(rig.prefill(1, config.prompt_tokens), config.iters))
     logger.info("prefill of %d tokens: %.0f tokens/s", prefill.num_tokens, prefill.tokens_per_s)
-    batches = tuple(PrefillRow(b, config.batch_prompt_tokens,
-                               time_calls(rig.prefill(b, config.batch_prompt_tokens), config.iters))
-                    for b in config.prefill_batch_sizes)
-    decode = tuple(DecodeRow(b, config.context_tokens, config.decode_steps,
-                             time_calls(rig.decode(b), config.iters, config.decode_steps))
-                   for b in config.decode_batch_sizes)
+    progress(f"prefill {config.prompt_tokens} tokens")
+    batches = []
+    for b in config.prefill_batch_sizes:
+        seconds = time_calls(rig.prefill(b, config.batch_prompt_tokens), config.iters)
+        batches.append(PrefillRow(b, config.batch_prompt_tokens, seconds))
+        progress(f"prefill batch {b}")
+    decode = []
+    for b in config.decode_batch_sizes:
+        seconds = time_calls(rig.decode(b), config.iters, config.decode_steps)
+        decode.append(DecodeRow(b, config.context_tokens, config.decode_steps, seconds))
+        progress(f"decode batch {b}")
     return EngineReport(
         config=config, num_params=sum(p.numel() for p in rig.model.parameters()),
         num_threads=torch.get_num_threads(), torch_version=torch.__version__,
-        prefill=prefill, prefill_batches=batches, decode=decode,
+        prefill=prefill, prefill_batches=tuple(batches), decode=tuple(decode),
         wall_seconds=time.perf_counter() - start)

@@ -13,10 +13,20 @@ from kvmove.layout import PRESETS
 __all__ = ["add_agent_args", "add_output_args", "add_prompt_args", "check_plot"]
 
 
-def add_prompt_args(sub: argparse.ArgumentParser) -> None:
-    """The model and prompt both subcommands describe: --model, --tokens, --block-size."""
-    sub.add_argument("--model", choices=list(PRESETS), default="llama-3.1-8b", metavar="NAME",
-                     help=f"model preset, one of: {', '.join(PRESETS)} (default %(default)s)")
+def add_prompt_args(sub: argparse.ArgumentParser, model_paths: bool = False) -> None:
+    """The model and prompt the subcommands describe: --model, --tokens, --block-size.
+
+    ``model_paths``: --model may also be a Hugging Face ``config.json`` or a directory holding
+    one (checked where it is read, ``kvmove.bench.model_shapes``).
+    """
+    presets = f"model preset, one of: {', '.join(PRESETS)}"
+    if model_paths:
+        sub.add_argument("--model", default="llama-3.1-8b", metavar="NAME|PATH",
+                         help=f"{presets}; or a Hugging Face config.json, or a directory "
+                         "holding one (default %(default)s)")
+    else:
+        sub.add_argument("--model", choices=list(PRESETS), default="llama-3.1-8b",
+                         metavar="NAME", help=f"{presets} (default %(default)s)")
     sub.add_argument("--tokens", type=int, default=4000, help="prompt length (default 4000)")
     sub.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
 

@@ -1,7 +1,8 @@
 """Disaggregation planner: what moving one prompt's KV cache costs on each link, and the advice.
 
 Pure arithmetic, no I/O (the ``kvmove-bench plan`` subcommand at the end prints it). For a
-model layout, a prompt length and a prefill time, ``plan`` gives per link the transfer time,
+model layout, a prompt length and a prefill time (given, or estimated by ``prefill.py`` from
+the model's FLOPs), ``plan`` gives per link the transfer time,
 its share of the prefill, the part still exposed when layers are streamed as they are
 computed, a ``Verdict``, and advice lines that follow DESIGN.md §1's "when to disaggregate"
 table. Llama-3.1-8B, 4,000 tokens, 200 ms prefill::
@@ -20,8 +21,12 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvmove.bench import prefill as prefill_estimate
+from kvmove.bench.model_shapes import resolve_model
 from kvmove.bench.options import add_prompt_args
+from kvmove.bench.prefill import PrefillEstimate
 from kvmove.bench.report import aligned, human_bytes, ms
+from kvmove.engine.config import ModelConfig
 from kvmove.errors import ConfigError
 from kvmove.layout import DTYPE_BYTES, KVLayout
 from kvmove.validation import require_positive_finite, require_positive_int
@@ -170,13 +175,14 @@ class Plan:
     """What moving one prompt's KV cache costs on each link, and what to do about it.
 
     ``kv_bytes`` counts the prompt's tokens exactly (``layout.bytes_for``), not the padding of
-    its last, partly filled block.
+    its last, partly filled block. ``prefill`` says where ``prefill_ms`` came from.
     """
 
     model: str | None
     layout: KVLayout
     num_tokens: int
     prefill_ms: float
+    prefill: PrefillEstimate
     kv_bytes: int
     bytes_per_token: int
     num_blocks: int
@@ -198,6 +204,7 @@ class Plan:
             "layout": asdict(self.layout),
             "num_tokens": self.num_tokens,
             "prefill_ms": self.prefill_ms,
+            "prefill": self.prefill.to_dict(),
             "kv_bytes": self.kv_bytes,
             "bytes_per_token": self.bytes_per_token,
             "num_blocks": self.num_blocks,
@@ -215,6 +222,7 @@ def plan(
     links: tuple[Link, ...] | list[Link] = DEFAULT_LINKS,
     *,
     model: str | None = None,
+    prefill: PrefillEstimate | None = None,
 ) -> Plan:
     """Cost each link for moving ``num_tokens`` tokens of KV cache after a ``prefill_ms`` prefill.
 
@@ -224,6 +232,7 @@ def plan(
         prefill_ms: time the prefill takes, > 0 and finite.
         links: links to compare, names unique.
         model: the model's name, only for display.
+        prefill: where ``prefill_ms`` came from (``kvmove.bench.prefill``); default: given.
 
     Raises:
         ConfigError: naming the bad value.
@@ -238,6 +247,7 @@ def plan(
         layout=layout,
         num_tokens=num_tokens,
         prefill_ms=float(prefill_ms),
+        prefill=prefill or prefill_estimate.given(prefill_ms),
         kv_bytes=kv_bytes,
         bytes_per_token=layout.bytes_per_token,
         num_blocks=layout.blocks_for(num_tokens),
@@ -259,7 +269,7 @@ def _advice(rows: tuple[LinkRow, ...], prefill_ms: float) -> tuple[str, ...]:
     lines = []
     if slow := by_verdict[Verdict.TOO_SLOW]:
         lines.append(f"don't disaggregate over {_names(slow)}: the transfer eats the gain "
-                     f"against a {prefill_ms:g} ms prefill (streaming hides latency, not "
+                     f"against a {prefill_ms:.4g} ms prefill (streaming hides latency, not "
                      f"bandwidth)")
     if marginal := by_verdict[Verdict.MARGINAL]:
         lines.append(f"{_names(marginal)}: marginal — disaggregate only with layer-wise "
@@ -308,7 +318,7 @@ def format_plan(result: Plan) -> str:
         f"KV heads, head_dim {layout.head_dim}, {layout.dtype}), {result.num_tokens:,} tokens: "
         f"KV {result.kv_bytes:,} B ({human_bytes(result.kv_bytes)}), "
         f"{result.bytes_per_token:,} B/token, {result.num_blocks:,} blocks of "
-        f"{layout.block_size}; prefill {result.prefill_ms:g} ms"
+        f"{layout.block_size}; prefill {result.prefill_ms:.4g} ms ({result.prefill.basis})"
     )
     advice = [f"  - {line}" for line in result.advice]
     return "\n".join([header, "", *_table(result), "", "advice:", *advice])
@@ -327,28 +337,59 @@ def _table(result: Plan) -> list[str]:
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     sub = commands.add_parser("plan", help="cost of one prompt's KV hand-off on each link")
-    add_prompt_args(sub)
-    sub.add_argument("--prefill-ms", type=float, default=200.0,
-                     help="prefill time of that prompt in ms (default 200)")
-    sub.add_argument("--link", type=_link_arg, action="append", default=[], metavar="NAME=GBps",
+    add_prompt_args(sub, model_paths=True)
+    source = sub.add_mutually_exclusive_group()
+    source.add_argument("--prefill-ms", type=float, default=None,
+                        help="prefill time of that prompt in ms (default: estimated from the "
+                        "model's FLOPs on --gpu)")
+    source.add_argument("--engine-report", metavar="JSON", default=None,
+                        help="estimate the prefill from this machine's measured engine rate: "
+                        "a `kvmove-bench engine --json` report")
+    sub.add_argument("--gpu", type=_typed(prefill_estimate.parse_accelerator),
+                     default=prefill_estimate.DEFAULT_GPU, metavar="NAME",
+                     help=f"accelerator of the FLOPs estimate: "
+                     f"{', '.join(prefill_estimate.ACCELERATORS)} or NAME=TFLOPS (dense bf16 "
+                     f"peak; default %(default)s)")
+    sub.add_argument("--tp", type=int, default=1,
+                     help="tensor-parallel GPUs sharing the prefill (default 1)")
+    sub.add_argument("--utilization", type=float, default=prefill_estimate.DEFAULT_UTILIZATION,
+                     help="share of the peak the prefill reaches, assumed (default %(default)s)")
+    sub.add_argument("--link", type=_typed(parse_link), action="append", default=[],
+                     metavar="NAME=GBps",
                      help="add a link (repeatable); a default's name replaces that default")
-    sub.add_argument("--dtype", choices=list(DTYPE_BYTES), default="float16",
-                     help="KV element type (default float16)")
+    sub.add_argument("--dtype", choices=list(DTYPE_BYTES), default=None,
+                     help="KV element type (default: float16 for a preset, the checkpoint's "
+                     "dtype for a config.json)")
     sub.add_argument("--json", action="store_true", help="print the plan as JSON only")
     sub.set_defaults(run=run_command)
 
 
-def _link_arg(text: str) -> Link:
-    # argparse would turn a ValueError into "invalid _link_arg value"; keep our message.
-    try:
-        return parse_link(text)
-    except ConfigError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+def _typed(parse: Any) -> Any:
+    """``parse`` as an argparse type that keeps our ConfigError message (argparse would say
+    "invalid parse_link value")."""
+    def parse_arg(text: str) -> Any:
+        try:
+            return parse(text)
+        except ConfigError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return parse_arg
 
 
 def run_command(args: argparse.Namespace) -> int:
-    layout = KVLayout.preset(args.model, dtype=args.dtype, block_size=args.block_size)
+    choice = resolve_model(args.model, args.block_size, args.dtype)
+    estimate = _prefill(args, choice.shape)
     links = merge_links(DEFAULT_LINKS, args.link)
-    result = plan(layout, args.tokens, args.prefill_ms, links, model=args.model)
+    result = plan(choice.layout, args.tokens, estimate.ms, links, model=choice.name,
+                  prefill=estimate)
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))
     return 0
+
+
+def _prefill(args: argparse.Namespace, shape: ModelConfig) -> PrefillEstimate:
+    """--prefill-ms as given, else this machine's engine rate, else FLOPs on --gpu."""
+    if args.prefill_ms is not None:
+        return prefill_estimate.given(args.prefill_ms)
+    if args.engine_report is not None:
+        return prefill_estimate.from_engine_report(shape, args.tokens, args.engine_report)
+    return prefill_estimate.on_accelerator(shape, args.tokens, args.gpu, args.tp,
+                                           args.utilization)

@@ -54,11 +54,12 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from kvmove.bench.options import check_plot
+from kvmove.bench.progress import Progress, bar
 from kvmove.bench.serve_load import TraceRequest, make_trace, replay
 from kvmove.bench.serve_report import ModeResult, ServeReport, format_serve, plot_serve
 from kvmove.bench.serve_server import ServerProcess
@@ -71,8 +72,6 @@ logger = logging.getLogger(__name__)
 
 MODES = ("colocated", "chunked", "disagg")
 KINDS = ("long", "short")  # summarisation-like, chat-like
-
-Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,7 +290,8 @@ def run_command(args: argparse.Namespace) -> int:
     except ImportError:
         raise ConfigError("kvmove-bench serve needs the openai client: pip install openai "
                           "kvmove[serve]") from None
-    report = run(config)
+    with bar(args, count_steps(config)) as progress:
+        report = run(config, progress)
     if args.plot:
         plot_serve(report, args.plot)
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_serve(report))

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from kvmove.bench.options import add_prompt_args
+from kvmove.bench.progress import Progress, bar
 from kvmove.bench.report import aligned, human_bytes, ms
 from kvmove.errors import ConfigError
 from kvmove.kv_cache import KVCache
@@ -44,8 +45,8 @@ from kvmove.layout import DTYPE_BYTES, KVLayout
 from kvmove.store import DiskTier, HostTier, KVStore
 from kvmove.validation import require_positive_int
 
-__all__ = ["StoreBenchConfig", "StoreReport", "TierRow", "TtftRow", "add_parser", "format_store",
-           "run", "run_command"]
+__all__ = ["StoreBenchConfig", "StoreReport", "TierRow", "TtftRow", "add_parser", "count_steps",
+           "format_store", "run", "run_command"]
 
 _DD_BLOCK = 16 << 20
 _WAIT = 600.0
@@ -143,15 +144,16 @@ class StoreReport:
                 "wall_seconds": self.wall_seconds}
 
 
-def run(config: StoreBenchConfig, progress: Callable[[str], None] = lambda _: None) -> StoreReport:
+def run(config: StoreBenchConfig, progress: Progress = lambda _: None) -> StoreReport:
+    """The tiers, then (with ``engine_model``) the TTFT rows; ``progress(label)`` after each
+    of ``count_steps(config)`` steps."""
     start = time.perf_counter()
     root = tempfile.mkdtemp(prefix="kvmove-bench-store-", dir=config.directory)
     try:
-        progress("tiers")
-        report = _measure_tiers(config, root)
+        report = _measure_tiers(config, root, progress)
         if config.engine_model is not None:
-            progress("time to first token")
             report.ttft = _measure_ttft(config, root)
+            progress("time to first token")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report.wall_seconds = time.perf_counter() - start
@@ -160,7 +162,12 @@ def run(config: StoreBenchConfig, progress: Callable[[str], None] = lambda _: No
 
 # --- tiers ------------------------------------------------------------------------------------
 
-def _measure_tiers(config: StoreBenchConfig, root: str) -> StoreReport:
+def count_steps(config: StoreBenchConfig) -> int:
+    """How many times ``run`` calls ``progress``."""
+    return 4 + (config.engine_model is not None)
+
+
+def _measure_tiers(config: StoreBenchConfig, root: str, progress: Progress) -> StoreReport:
     layout = config.layout
     n = layout.blocks_for(config.tokens)
     src, dst = KVCache(layout, n), KVCache(layout, n)
@@ -174,15 +181,19 @@ def _measure_tiers(config: StoreBenchConfig, root: str) -> StoreReport:
         rows += [TierRow("host", "write", put, "memcpy", copy, nbytes),
                  TierRow("host", "read", get, "memcpy", copy, nbytes)]
     _check_equal(src, dst)
+    progress("host tier")
     with KVStore(layout, [DiskTier(os.path.join(root, "tier"), nbytes)]) as store:
         direct = store._tiers[0].file.direct
         put, get = _time_store(store, src, dst, ids, config.iters)
     _check_equal(src, dst)
+    progress("disk tier")
     path = os.path.join(root, "baseline.dat")
     dd_write = _time(lambda: _dd(f"if=/dev/zero of={path} oflag=direct", nbytes), config.iters)
     dd_read = _time(lambda: _dd(f"if={path} of=/dev/null iflag=direct", nbytes), config.iters)
+    progress("dd")
     file_write = _time(lambda: _file_write(path, _bytes(src)), config.iters)
     file_read = _time(lambda: _file_read(path, _bytes(dst)), config.iters)
+    progress("plain file")
     rows += [TierRow("disk", "write", put, "dd oflag=direct", dd_write, nbytes,
                      "write+fsync", file_write),
              TierRow("disk", "read", get, "dd iflag=direct", dd_read, nbytes,
@@ -406,6 +417,7 @@ def run_command(args: argparse.Namespace) -> int:
         iters=args.iters, directory=args.dir,
         engine_model=None if args.no_ttft else args.engine_model,
         prompt_tokens=args.prompt_tokens)
-    report = run(config)
+    with bar(args, count_steps(config)) as progress:
+        report = run(config, progress)
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_store(report))
     return 0

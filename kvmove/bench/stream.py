@@ -27,7 +27,6 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +34,7 @@ import numpy as np
 
 from kvmove.bench.options import add_agent_args, add_output_args, add_prompt_args, check_plot
 from kvmove.bench.peer import FAR, Peer, connect_pair
+from kvmove.bench.progress import Progress, bar
 from kvmove.bench.report import BenchError
 from kvmove.bench.stream_report import (MATMUL_N, Iteration, StreamConfig, StreamReport,
                                         format_stream, plot_stream)
@@ -43,8 +43,6 @@ __all__ = ["Bulk", "StreamPair", "Streamed", "add_parser", "count_steps", "run",
 
 _CALIBRATION_BATCHES = 7
 _CALIBRATION_BATCH = 100
-
-Progress = Callable[[str], None]
 
 
 class _Compute:
@@ -302,7 +300,8 @@ def run_command(args: argparse.Namespace) -> int:
         timeout=args.timeout, checksums=args.checksums)
     if args.plot:
         check_plot(args.plot)
-    report = run(config)
+    with bar(args, count_steps(config)) as progress:
+        report = run(config, progress)
     if args.plot:
         plot_stream(report, args.plot)
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_stream(report))

@@ -45,6 +45,7 @@ import numpy as np
 from kvmove.bench import perftest
 from kvmove.bench.options import add_agent_args, add_output_args, add_prompt_args, check_plot
 from kvmove.bench.peer import FAR, Peer, Side, connect_pair, ping, stop_echo
+from kvmove.bench.progress import Progress, bar
 from kvmove.bench.transfer_report import (PERFTEST_TEST, SWEEP_BLOCK_SIZES, BenchConfig,
                                           BenchReport, RoundTrip, TransferRow,
                                           format_transfer, plot_transfer)
@@ -53,8 +54,6 @@ from kvmove.layout import KVLayout
 __all__ = ["add_parser", "count_steps", "memcpy_gbytes_per_s", "run", "run_command"]
 
 _ROUND_TRIP_WARMUP = 20
-
-Progress = Callable[[str], None]
 
 
 # --- measuring ------------------------------------------------------------------------------
@@ -282,7 +281,8 @@ def run_command(args: argparse.Namespace) -> int:
     config = _transfer_config(args)
     if args.plot:
         check_plot(args.plot)
-    report = _run_with_progress(config, show=args.sweep)
+    with bar(args, count_steps(config)) as progress:
+        report = run(config, progress)
     if args.plot:
         plot_transfer(report, args.plot)
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_transfer(report))
@@ -306,21 +306,3 @@ def _transfer_config(args: argparse.Namespace) -> BenchConfig:
         perftest_sizes=SWEEP_MESSAGE_SIZES if args.sweep else (), timeout=args.timeout)
 
 
-def _run_with_progress(config: BenchConfig, show: bool) -> BenchReport:
-    """``run`` with a tqdm bar on stderr when ``show`` and tqdm is installed."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        show = False
-    if not show:
-        return run(config)
-    with tqdm(total=count_steps(config), file=sys.stderr, unit="step",
-              desc="kvmove-bench transfer") as bar:
-        return run(config, _bar_progress(bar))
-
-
-def _bar_progress(bar: object) -> Callable[[str], None]:
-    def progress(label: str) -> None:
-        bar.set_postfix_str(label)  # type: ignore[attr-defined]
-        bar.update()  # type: ignore[attr-defined]
-    return progress

@@ -20,116 +20,17 @@ import json
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvmove.engine.config import MODEL_PRESETS, ModelConfig
 from kvmove.errors import ConfigError
-from kvmove.layout import KVLayout
 
 __all__ = ["MODEL_PRESETS", "LlamaForCausalLM", "ModelConfig", "SeqChunk"]
-
-
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    """A Llama model's shape. ``head_dim`` defaults to ``hidden_size // num_heads``."""
-
-    vocab_size: int = 320
-    hidden_size: int = 64
-    intermediate_size: int = 172
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 0
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
-    max_position_embeddings: int = 4096
-    dtype: str = "float32"
-    bos_token_id: int = 256
-    eos_token_id: int = 257
-
-    def __post_init__(self) -> None:
-        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                  "num_kv_heads", "max_position_embeddings"):
-            value = getattr(self, f)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{f} must be a positive int, got {value!r}")
-        if self.head_dim == 0:
-            if self.hidden_size % self.num_heads:
-                raise ConfigError(f"hidden_size {self.hidden_size} is not a multiple of "
-                                  f"num_heads {self.num_heads}: give head_dim")
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-        if self.head_dim <= 0 or self.head_dim % 2:
-            raise ConfigError(f"head_dim must be positive and even (rotary), got {self.head_dim}")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"num_kv_heads {self.num_kv_heads} must divide num_heads "
-                              f"{self.num_heads}")
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ConfigError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
-        for f in ("bos_token_id", "eos_token_id"):
-            if not 0 <= getattr(self, f) < self.vocab_size:
-                raise ConfigError(f"{f} {getattr(self, f)} is outside the vocabulary "
-                                  f"[0, {self.vocab_size})")
-        if not (self.rope_theta > 0 and self.rms_norm_eps > 0):
-            raise ConfigError("rope_theta and rms_norm_eps must be positive")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    def kv_layout(self, block_size: int) -> KVLayout:
-        """The KVCache layout this model writes: one K and one V per layer, token and head."""
-        return KVLayout(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
-                        head_dim=self.head_dim, block_size=block_size, dtype=self.dtype)
-
-    # Hugging Face config.json <-> ModelConfig
-    _HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-                 "num_kv_heads": "num_key_value_heads"}
-
-    def to_hf(self) -> dict[str, Any]:
-        out = {self._HF_NAMES.get(k, k): v for k, v in asdict(self).items() if k != "dtype"}
-        return {**out, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                "torch_dtype": self.dtype, "hidden_act": "silu", "attention_bias": False,
-                "mlp_bias": False, "rope_scaling": None, "pad_token_id": None}
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        if hf.get("model_type", "llama") != "llama":
-            raise ConfigError(f"only Llama checkpoints are supported, got model_type "
-                              f"{hf.get('model_type')!r}")
-        if hf.get("rope_scaling"):
-            raise ConfigError(f"rope_scaling {hf['rope_scaling']!r} is not supported")
-        hf = {k: v for k, v in hf.items() if v is not None}  # null: the default applies
-        rope = hf.get("rope_parameters")  # transformers >= 5 keeps rope_theta in here
-        if rope:
-            if rope.get("rope_type", "default") != "default":
-                raise ConfigError(f"rope_parameters {rope!r}: only the default (unscaled) "
-                                  "rope is supported")
-            if "rope_theta" in rope:
-                hf["rope_theta"] = rope["rope_theta"]
-        inverse = {v: k for k, v in cls._HF_NAMES.items()}
-        known = {f.name for f in fields(cls)}
-        kwargs = {inverse.get(k, k): v for k, v in hf.items() if inverse.get(k, k) in known}
-        kwargs["dtype"] = hf.get("torch_dtype") or hf.get("dtype") or "float32"
-        for f in ("bos_token_id", "eos_token_id"):
-            if isinstance(kwargs.get(f), list):
-                kwargs[f] = kwargs[f][0]
-            if kwargs.get(f) is None:
-                kwargs.pop(f, None)
-        return cls(**kwargs)
-
-
-# A model that runs the whole engine test suite in seconds, and one big enough on two CPU
-# cores that a 2,000-token prefill takes visibly longer than a decode step.
-MODEL_PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(),
-    "small": ModelConfig(vocab_size=320, hidden_size=512, intermediate_size=1536, num_layers=8,
-                         num_heads=8, num_kv_heads=2, head_dim=64),
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,11 +167,9 @@ class LlamaForCausalLM(nn.Module):
         """A local Hugging Face Llama directory: ``config.json`` and ``*.safetensors``."""
         from safetensors.torch import load_file
 
-        config_path = os.path.join(path, "config.json")
-        if not os.path.isfile(config_path):
-            raise ConfigError(f"{path!r} has no config.json")
-        with open(config_path) as f:
-            config = ModelConfig.from_hf(json.load(f))
+        if not os.path.isdir(path):
+            raise ConfigError(f"{path!r} is not a checkpoint directory")
+        config = ModelConfig.from_hf_file(path)
         shards = sorted(p for p in os.listdir(path) if p.endswith(".safetensors"))
         if not shards:
             raise ConfigError(f"{path!r} has no *.safetensors weights")

@@ -19,6 +19,7 @@ their hashes (``BlockPool.commit``), so that a later request with the same prefi
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import Iterable
@@ -28,6 +29,8 @@ from kvmove.block_pool import BlockPool, block_hashes
 from kvmove.engine.prefix_store import PrefixStore
 from kvmove.engine.request import Request, RequestState
 from kvmove.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Scheduled", "Scheduler", "SchedulerConfig"]
 
@@ -203,6 +206,10 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+        # info, not warning: preemption is how a full cache makes room, but a stream of them
+        # means the cache is too small for the load (each one recomputes a prompt).
+        logger.info("preempted request %r to free its blocks (its preemption %d; %d in all)",
+                    request.id, request.num_preemptions, self.num_preemptions)
 
     def _match_prefix(self, request: Request) -> bool:
         """Takes the longest cached prefix, leaving at least one token to compute (its

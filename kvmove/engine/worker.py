@@ -23,6 +23,7 @@ own threads move the bytes.
 
 from __future__ import annotations
 
+import logging
 import struct
 import time
 from collections.abc import Callable
@@ -40,6 +41,8 @@ from kvmove.errors import ConfigError, KVMoveError
 from kvmove.kv_cache import KVCache
 from kvmove.store import KVStore
 from kvmove.stream import LoadStream, SaveStream, StreamState
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ROLES", "Worker"]
 
@@ -294,6 +297,7 @@ class Worker:
                                               epoch=epoch)
             except KVMoveError as error:
                 request.error = f"cannot stream to {peer!r}: {error}"
+                logger.warning("request %r: %s", request.id, request.error)
                 continue
             request.timings.kv_start = time.monotonic()
             self.sending[request.id] = (request, stream)
@@ -317,6 +321,8 @@ class Worker:
         for rid, (request, stream) in list(self.sending.items()):
             state = stream.state
             if state == StreamState.OPEN and now - request.timings.kv_start > self.transfer_timeout:
+                logger.warning("request %r: its KV hand-off passed transfer_timeout (%g s); "
+                               "aborting it", rid, self.transfer_timeout)
                 stream.abort(wait=False)
                 continue
             if state == StreamState.OPEN:
@@ -337,6 +343,7 @@ class Worker:
                 request.finish(FinishReason.HANDED_OFF)
             else:
                 request.finish(FinishReason.ABORT, stream.error or f"stream {state.name}")
+                logger.warning("request %r: KV hand-off failed: %s", rid, request.error)
             ended.append(request)
         return ended
 
@@ -361,11 +368,13 @@ class Worker:
                 self.cache.pool.free(request.blocks)
                 request.finish(FinishReason.ABORT, f"the KV of {rid!r} came with a "
                                f"{len(load.payload)}-byte first token, not {_TOKEN.size}")
+                logger.warning("request %r: %s", rid, request.error)
                 request.blocks = []
                 ended.append(request)
                 continue
             self._releasing.append((load, request.blocks))
             request.finish(FinishReason.ABORT, load.error or f"load {state.name}")
+            logger.warning("request %r: KV load failed: %s", rid, request.error)
             request.blocks = []
             ended.append(request)
         return ended

@@ -54,6 +54,11 @@ class Lookup:
 
     ``int(lookup)`` is ``num_blocks``. The decision is ``load_blocks``: load that many leading
     blocks and recompute the rest (0: recompute everything).
+
+    Example:
+        >>> found = store.lookup(kvmove.block_hashes(tokens, layout.block_size))
+        >>> found.tiers, found.decision       # e.g. (('host', 'host', 'disk'), 'load')
+        >>> store.get(hashes[:found.load_blocks], cache, ids[:found.load_blocks]).wait(5.0)
     """
 
     tiers: tuple[str, ...]            # the tier of each leading stored block
@@ -100,7 +105,13 @@ class StoreStats:
 
 class StoreHandle:
     """A ``put`` or ``get`` in flight. ``wait`` gives its result: blocks stored (put) or
-    leading blocks brought back intact (get)."""
+    leading blocks brought back intact (get).
+
+    Example:
+        >>> handle = store.put(hashes, cache, ids)   # returns at once; an I/O thread copies
+        >>> handle.wait(timeout=5.0) == len(ids)     # the blocks may be reused after this
+        True
+    """
 
     def __init__(self, future: Future) -> None:
         self._future = future
@@ -133,6 +144,14 @@ class KVStore:
     Raises:
         ConfigError: tiers missing, repeated or out of order; a capacity under one block.
         StoreError: a disk tier directory that cannot be used.
+
+    Example:
+        >>> store = kvmove.KVStore(layout, [kvmove.HostTier(8 << 30),
+        ...                                 kvmove.DiskTier("kv-store", 200 << 30)],
+        ...                        namespace="llama-3.1-8b@main")
+        >>> store.put(kvmove.block_hashes(tokens, 16), cache, ids).wait(timeout=5.0)
+        >>> store.lookup(kvmove.block_hashes(tokens, 16)).decision
+        'load'
     """
 
     def __init__(self, layout: KVLayout, tiers: Sequence[HostTier | DiskTier], *,

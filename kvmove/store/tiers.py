@@ -35,7 +35,11 @@ _EMA = 0.3  # weight of the newest measurement in a tier's read/write bandwidth
 
 @dataclass(frozen=True, slots=True)
 class HostTier:
-    """Host memory for ``capacity_bytes`` of blocks (rounded down to whole blocks)."""
+    """Host memory for ``capacity_bytes`` of blocks (rounded down to whole blocks).
+
+    Example:
+        >>> tier = kvmove.HostTier(8 << 30)   # 8 GiB: 4,096 blocks of Llama-3.1-8B (2 MiB each)
+    """
 
     capacity_bytes: int
 
@@ -50,6 +54,9 @@ class DiskTier:
     ``direct``: read and write with O_DIRECT, past the page cache (the host tier is the
     memory cache; the page cache would double it and make disk reads look faster than the
     disk). Falls back to buffered I/O where the file system refuses O_DIRECT.
+
+    Example:
+        >>> tier = kvmove.DiskTier("/mnt/nvme/kv-store", 200 << 30)   # 200 GiB, persistent
     """
 
     path: str
