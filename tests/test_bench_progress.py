@@ -19,6 +19,8 @@ import pytest
 
 from kvmove.bench import progress
 
+from helpers.checks import WORKDIR
+
 STREAM_TINY = ["stream", "--model", "llama-3.2-1b", "--tokens", "64", "--iters", "1"]
 RUN_SECONDS = 180
 
@@ -62,7 +64,7 @@ def _run_with_terminal_stderr(*args: str) -> tuple[int, str, str]:
     # A fresh pseudo-terminal is 0 columns wide, where tqdm draws nothing; a person's is not.
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
     child = subprocess.Popen([sys.executable, "-m", "kvmove.bench.cli", *args],
-                             stdout=subprocess.PIPE, stderr=slave, text=True)
+                             stdout=subprocess.PIPE, stderr=slave, text=True, cwd=WORKDIR)
     os.close(slave)
     shown: list[bytes] = []
     reader = threading.Thread(target=_read_all, args=(master, shown), daemon=True)
@@ -92,6 +94,7 @@ def test_json_to_a_pipe_is_silent_even_before_a_terminal() -> None:
 
 def test_everything_piped_is_silent() -> None:
     result = subprocess.run([sys.executable, "-m", "kvmove.bench.cli", *STREAM_TINY, "--json"],
-                            capture_output=True, text=True, timeout=RUN_SECONDS)
+                            capture_output=True, text=True, cwd=WORKDIR,
+                            timeout=RUN_SECONDS)
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""

@@ -20,6 +20,8 @@ import pytest
 
 from kvmove.bench.cli import main
 
+from helpers.checks import WORKDIR
+
 CHILD = textwrap.dedent("""
     import logging, sys
     import kvmove
@@ -40,7 +42,7 @@ BOGUS = "transport 'bogus' is not available"
 def _child(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("KVMOVE_LOG", "UCX_LOG"))}
     return subprocess.run([sys.executable, "-c", CHILD, *args], capture_output=True, text=True,
-                          timeout=120, env={**environ, **env})
+                          cwd=WORKDIR, timeout=120, env={**environ, **env})
 
 
 def _records(result: subprocess.CompletedProcess[str]) -> list[tuple[str, str, str]]:
@@ -84,7 +86,7 @@ def test_processes_exit_cleanly_with_the_log_thread_running() -> None:
     (std::terminate, status 134) in 3 of 4 such runs. Ten in a row must exit 0."""
     for _ in range(10):
         result = subprocess.run([sys.executable, "-c", "import time, kvmove; time.sleep(0.2)"],
-                                capture_output=True, text=True, timeout=60)
+                                capture_output=True, text=True, cwd=WORKDIR, timeout=60)
         assert (result.returncode, result.stderr) == (0, "")
 
 
@@ -103,7 +105,7 @@ def test_bench_log_level_option(where: str, level: str, shown: bool) -> None:
     args = (["--log-level", level, *STREAM_BOGUS] if where == "before"
             else [*STREAM_BOGUS, "--log-level", level])
     result = subprocess.run([sys.executable, "-m", "kvmove.bench.cli", *args],
-                            capture_output=True, text=True, timeout=180,
+                            capture_output=True, text=True, cwd=WORKDIR, timeout=180,
                             env={**os.environ, "KVMOVE_LOG_LEVEL": "debug"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.lstrip().startswith("{")

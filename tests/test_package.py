@@ -12,6 +12,8 @@ import pytest
 
 import kvmove
 
+from helpers.checks import WORKDIR
+
 
 def test_importing_a_checkout_without_the_compiled_core_says_so(tmp_path: Path) -> None:
     """A source tree imported instead of the installed package (e.g. ``python -m pytest`` from
@@ -98,7 +100,8 @@ def test_a_process_that_imports_kvmove_and_torch_exits_cleanly() -> None:
     pytest.importorskip("torch")
     for _ in range(5):
         result = subprocess.run([sys.executable, "-c", "import torch, kvmove"],
-                                capture_output=True, text=True, timeout=120)
+                                capture_output=True, text=True, cwd=WORKDIR,
+                                timeout=120)
         assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
         assert "terminate called" not in result.stderr
 

@@ -35,6 +35,7 @@ from kvmove.bench.plan import (
     verdict_for,
 )
 
+from helpers.checks import WORKDIR
 from helpers.plan import write_llama_8b_config
 
 LLAMA_8B_4000_BYTES = 524_288_000
@@ -331,7 +332,7 @@ def test_cli_bad_input_exits_2(bench: Bench, args: list[str], value: str) -> Non
 
 def _plan_json(*args: str) -> dict:
     result = subprocess.run([sys.executable, "-m", "kvmove.bench.cli", "plan", "--json", *args],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, cwd=WORKDIR, timeout=120)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -398,7 +399,7 @@ def test_plan_stays_torch_free(tmp_path: Path) -> None:
              f"assert main(['plan']) == main(['plan', '--model', {str(config)!r}]) == 0; "
              "assert 'torch' not in sys.modules, 'torch was imported'")
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
-                            timeout=120)
+                            cwd=WORKDIR, timeout=120)
     assert result.returncode == 0, result.stderr
 
 

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+
+# Child Pythons run from a neutral directory: from the repository root (where `pytest` runs),
+# `python -c` and `python -m` put the source tree first on sys.path and import its kvmove (no
+# compiled core in a non-editable install) instead of the installed one.
+WORKDIR = tempfile.gettempdir()
 
 
 def names(excinfo: pytest.ExceptionInfo, *values: object) -> None:

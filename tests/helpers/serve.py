@@ -28,6 +28,8 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from helpers.checks import WORKDIR
+
 READY_PREFIX = "kvmove-serve ready on "
 TAG_VARIABLE = "KVMOVE_SERVE_TEST_TAG"  # inherited by the workers
 WORKER_MARKER = "kvmove.serve.worker_main"
@@ -36,9 +38,6 @@ STOP_SECONDS = 30.0     # graceful: the router tells each worker to exit, then w
 GONE_SECONDS = 10.0     # once the server has exited, no process of it is left
 HTTP_SECONDS = 30.0     # one request, or the gap between two stream chunks
 POLL_SECONDS = 0.05
-# Servers run from a neutral directory: from the repository root, `python -m` would import the
-# source tree's kvmove (no compiled core in a non-editable install) instead of the installed one.
-WORKDIR = tempfile.gettempdir()
 
 
 def process_alive(pid: int, marker: str = WORKER_MARKER) -> bool:
