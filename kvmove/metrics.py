@@ -46,6 +46,10 @@ AGENT_METRICS = {
                        "nothing)."),
     "checksum_mismatches": ("counter", "Received blocks (per layer) whose bytes did not match."),
     "acks_missed": ("counter", "Sent Finals not acknowledged in time."),
+    "unknown_senders": ("counter", "Messages and notifications from an endpoint that is no "
+                        "peer's (dropped unheard)."),
+    "messages_dropped": ("counter", "Messages dropped for their form: rendezvous, over the size "
+                         "bound, or over a peer's notification queue cap."),
 }
 
 # TierStats field -> (metric name after kvmove_store_, help); all counters.
