@@ -189,6 +189,8 @@ public:
     bool layer_verified(int64_t layer, const std::vector<size_t>& bad);
     // Protocol: the Final arrived with payload.
     bool final_arrived(const std::string& payload);
+    // Protocol: no byte can land any more. Called before the end it comes with, so a waiter
+    // woken by that end already sees the blocks released.
     void set_released();
 
 private:

@@ -410,6 +410,9 @@ void StreamProtocol::cancel_load(LoadStream& load) {
 // engaged it; else the sender is asked to stop, and they are released when it answers.
 void StreamProtocol::end_lease(Lease& lease, StreamState state, ErrorKind kind,
                                const std::string& error) {
+    if (lease.phase == Lease::Phase::Granted) {
+        lease.load->set_released();  // nobody engaged it; before the end wakes the waiters
+    }
     lease.load->complete(state, kind, error);
     if (lease.phase == Lease::Phase::Granted) {
         release(lease.load->epoch());
@@ -503,8 +506,9 @@ void StreamProtocol::on_final(Lease& lease, const StreamMessage& m) {
     const std::shared_ptr<LoadStream>& load = lease.load;
     post_message(load->peer(), StreamMessage{MessageKind::Ack, m.request_id, 0, m.epoch,
                                              m.ids_hash, {}, ""});
+    load->set_released();  // the sender flushed every put before its Final
     load->final_arrived(m.payload);
-    release(m.epoch);  // the sender flushed every put before its Final
+    release(m.epoch);
 }
 
 void StreamProtocol::verify_loop() {
@@ -577,8 +581,9 @@ void StreamProtocol::on_message(const std::string& sender, const void* data, siz
     } else if (m.kind == MessageKind::Final) {
         on_final(*lease, m);
     } else if (m.kind == MessageKind::Abort) {
+        lease->load->set_released();  // the sender flushed every put before its Abort
         lease->load->complete(StreamState::Aborted);
-        release(m.epoch);  // the sender flushed every put before its Abort
+        release(m.epoch);
     }
 }
 
@@ -657,10 +662,10 @@ void StreamProtocol::peer_failed(const std::string& peer, ErrorKind kind,
     for (auto it = leases_.begin(); it != leases_.end();) {
         if (it->second.load->peer() == peer) {
             const std::shared_ptr<LoadStream>& load = it->second.load;
+            load->set_released();  // the connection is gone: nothing more lands
             load->complete(StreamState::Failed, kind,
                            "load of " + describe(load->request_id(), peer) + " failed: " +
                                reason);
-            load->set_released();  // the connection is gone: nothing more lands
             it = leases_.erase(it);
         } else {
             ++it;
@@ -699,11 +704,11 @@ void StreamProtocol::close(const std::string& reason) {
                                      " failed: " + reason);
     }
     for (auto& [epoch, lease] : leases_) {
+        lease.load->set_released();  // the agent's connections are closed
         lease.load->complete(StreamState::Failed, ErrorKind::Transfer,
                              "load of " + describe(lease.load->request_id(),
                                                    lease.load->peer()) +
                                  " failed: " + reason);
-        lease.load->set_released();  // the agent's connections are closed
     }
     sending_.clear();
     leases_.clear();
