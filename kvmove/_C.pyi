@@ -9,7 +9,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['Agent', 'BlockFile', 'BlockPool', 'BlockShape', 'DType', 'KVCache', 'LoadStream', 'Region', 'SaveStream', 'StreamState', 'StreamStats', 'Transfer', 'TransferState', 'TransferStats', 'block_hashes', 'check_timeout', 'convert_blocks', 'copy_blocks', 'cuda_status', 'log_dropped', 'pack_blocks', 'runs', 'set_log_level', 'take_log', 'ucx_version', 'unpack_blocks', 'xxh64']
+__all__: list[str] = ['Agent', 'BlockFile', 'BlockPool', 'BlockShape', 'DType', 'KVCache', 'LoadStream', 'Region', 'SaveStream', 'StreamState', 'StreamStats', 'Transfer', 'TransferState', 'TransferStats', 'block_hashes', 'check_timeout', 'convert_blocks', 'copy_blocks', 'cuda_status', 'decode_metadata', 'decode_stream_message', 'encode_stream_message', 'log_dropped', 'pack_blocks', 'runs', 'set_log_level', 'take_log', 'ucx_version', 'unpack_blocks', 'xxh64']
 class BlockPool:
     """
     Fixed pool of ``num_blocks`` equal blocks with ids ``0..num_blocks-1``: reference counts,
@@ -566,6 +566,18 @@ def copy_blocks(src: KVCache, src_ids: collections.abc.Sequence[typing.SupportsI
 def cuda_status() -> tuple[bool, int, str]:
     """
     (built with CUDA, device count, reason when 0).
+    """
+def decode_metadata(data: bytes) -> dict:
+    """
+    Decodes unsigned agent metadata (the core's wire format); raises MetadataError naming the field that is wrong.
+    """
+def decode_stream_message(data: bytes) -> dict:
+    """
+    Decodes a stream message as an agent does when it arrives; raises MetadataError naming what is wrong.
+    """
+def encode_stream_message(kind: str, request_id: str, epoch: typing.SupportsInt | typing.SupportsIndex, layer: typing.SupportsInt | typing.SupportsIndex = 0, ids_hash: typing.SupportsInt | typing.SupportsIndex = 0, checksums: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], payload: bytes = b'') -> bytes:
+    """
+    A stream message's bytes (kind: 'Begin', 'Go', 'Layer'...), as a peer sends them.
     """
 def log_dropped() -> int:
     """
