@@ -10,6 +10,9 @@ Environment switches:
     KVMOVE_CUDA_ARCHS    semicolon list of SM versions for nvcc (default "90"); SASS for each,
                          plus PTX for the last so newer GPUs can JIT it.
     CUDA_HOME            where the CUDA toolkit lives (default: /usr/local/cuda, else from nvcc).
+    KVMOVE_SANITIZE      sanitizers to build with, e.g. "address,undefined" (gcc's ASan and
+                         UBSan; -O1, frame pointers kept). The module then needs the ASan
+                         runtime loaded first: ``.ci/hardening`` shows how it runs the tests.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
 
 CUDA_ENABLED = os.environ.get("KVMOVE_CUDA", "0") == "1"
+SANITIZE = os.environ.get("KVMOVE_SANITIZE", "").strip()
 
 # Compile the C++ sources in parallel (all cores unless KVMOVE_BUILD_JOBS says otherwise).
 ParallelCompile("KVMOVE_BUILD_JOBS").install()
@@ -108,6 +112,11 @@ def extension() -> Pybind11Extension:
         library_dirs += [os.path.join(cuda, "lib64"), os.path.join(cuda, "lib")]
         libraries += ["cudart_static", "dl", "rt", "pthread"]
         macros.append(("KVMOVE_WITH_CUDA", "1"))
+    compile_args, link_args = ["-O3", "-Wall", "-Wextra"], []
+    if SANITIZE:
+        flags = [f"-fsanitize={SANITIZE}", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer",
+                 "-g"]
+        compile_args, link_args = ["-O1", "-Wall", "-Wextra", *flags], flags
     return Pybind11Extension(
         "kvmove._C",
         sources,
@@ -117,7 +126,8 @@ def extension() -> Pybind11Extension:
         runtime_library_dirs=rpaths,
         define_macros=macros,
         cxx_std=17,
-        extra_compile_args=["-O3", "-Wall", "-Wextra"],
+        extra_compile_args=compile_args,
+        extra_link_args=link_args,
     )
 
 
