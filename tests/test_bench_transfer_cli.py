@@ -26,6 +26,7 @@ import pytest
 from kvmove.bench import perftest
 from kvmove.bench.peer import Peer, Side
 from kvmove.bench.report import BenchError
+from kvmove.bench.store import StoreBenchConfig, StoreReport, TtftRow, format_store
 from kvmove.bench.transfer_report import BenchConfig
 from kvmove.errors import ConfigError
 from kvmove.layout import KVLayout
@@ -277,6 +278,19 @@ def test_store_text_without_ttft(bench: Bench) -> None:
     assert result.returncode == 0, result.stderr
     assert "dd iflag=direct" in result.stdout and "memcpy" in result.stdout
     assert "time to first token" not in result.stdout
+
+
+def test_store_text_shows_the_ttft_table_in_milliseconds() -> None:
+    """The TTFT table of the text report (the default): each case's median and the store's
+    estimates in ms, and whether its decision picked the faster way."""
+    ttft = [TtftRow("recompute", (0.2,), 0), TtftRow("host hit", (0.05,), 48, "load", 0.01, 0.2),
+            TtftRow("disk hit", (0.3,), 48, "load", 0.03, 0.2)]
+    text = format_store(StoreReport(StoreBenchConfig(), TINY_BYTES, True, [], ttft))
+    rows = {line.split()[0]: line.split() for line in text.splitlines()
+            if line.startswith(("recompute", "host hit", "disk hit"))}
+    assert rows["recompute"][1] == "200.00"
+    assert rows["host"][2:4] == ["50.00", "4.0x"] and rows["host"][-1] == "yes"
+    assert rows["disk"][2] == "300.00" and "30.00" in rows["disk"] and rows["disk"][-1] == "NO"
 
 
 @pytest.mark.parametrize(("args", "value"), [

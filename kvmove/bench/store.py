@@ -364,13 +364,13 @@ def _ttft_table(report: StoreReport) -> list[str]:
 
 
 def _ttft_cells(report: StoreReport, row: TtftRow, recompute: float) -> list[str]:
-    def ms(value: float | None) -> str:
-        return "" if value is None else ms(value * 1e3)
+    def millis(seconds: float | None) -> str:
+        return "" if seconds is None else ms(seconds * 1e3)
 
     picked = "" if row.decision is None else ("yes" if report.picked_faster(row) else "NO")
-    return [row.case, ms(row.median), f"{recompute / row.median:.1f}x faster" if
+    return [row.case, millis(row.median), f"{recompute / row.median:.1f}x faster" if
             row.case != "recompute" else "", f"{row.loaded_tokens:,}", row.decision or "",
-            ms(row.load_seconds), ms(row.recompute_seconds), picked]
+            millis(row.load_seconds), millis(row.recompute_seconds), picked]
 
 
 # --- the subcommand ---------------------------------------------------------------------------
