@@ -12,7 +12,6 @@ import os
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from kvmove import _C
 from kvmove.auth import DeploymentKey, resolve_key
