@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import subprocess
 import time
 from collections.abc import Coroutine
 from typing import Any
@@ -40,7 +39,7 @@ from kvmove.serve.messages import (
     Abort, Add, Connect, Connected, Ended, Event, Failed, Ready, Reserve, Reserved,
     Shutdown, Stats, Tokens, encode, parse_event)
 from kvmove.serve.metrics import Metrics
-from kvmove.serve.workers import WorkerInfo, cpu_shares, worker_command
+from kvmove.serve.workers import WorkerInfo, cpu_shares, end_process, worker_command
 
 __all__ = ["MODES", "Handle", "Router", "ServeConfig", "WorkerInfo"]
 
@@ -185,7 +184,7 @@ class Router:
         deadline = time.monotonic() + 10.0
         for worker in self.workers.values():
             if worker.process is not None:
-                await _end_process(worker.process, deadline)
+                await end_process(worker.process, deadline)
         for task in [*self._tasks, *self._loops.values()]:
             task.cancel()
         for handle in list(self.handles.values()):
@@ -508,15 +507,3 @@ def _why(task: asyncio.Task) -> str:
     error = task.exception()
     return f"{type(error).__name__}: {error}" if error is not None else "returned"
 
-
-async def _end_process(process: subprocess.Popen, deadline: float) -> None:
-    """Waits for ``process`` until ``deadline``, then terminates it, then kills it."""
-    while process.poll() is None and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(3)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(3)

@@ -1,5 +1,6 @@
 """The router's worker processes: how one is started (its command line, cores and control
-identity), what the router knows of it, and its output, relayed into the router's log.
+identity), what the router knows of it, its output, relayed into the router's log, and how
+one is ended.
 
 A worker's stdout and stderr were thrown away (``subprocess.DEVNULL``), so a worker that
 failed said nothing. Now a thread per stream reads them line by line and logs each line on
@@ -10,11 +11,13 @@ is logged at INFO from stdout and WARNING from stderr.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import IO
 
@@ -22,7 +25,7 @@ from kvmove.serve.config import ServeConfig
 from kvmove.serve.control import IDENTITY_VARIABLE, new_identity
 from kvmove.serve.messages import Stats
 
-__all__ = ["LINE_FORMAT", "WorkerInfo", "cpu_shares", "worker_command"]
+__all__ = ["LINE_FORMAT", "WorkerInfo", "cpu_shares", "end_process", "worker_command"]
 
 LINE_FORMAT = "%(levelname)s %(name)s: %(message)s"
 MAX_LINE_BYTES = 64 * 1024  # a longer line is logged in pieces
@@ -127,3 +130,16 @@ def cpu_shares(num_workers: int) -> list[list[int]]:
         return [[] for _ in range(num_workers)]
     each = len(cpus) // num_workers
     return [cpus[i * each:(i + 1) * each] for i in range(num_workers)]
+
+
+async def end_process(process: subprocess.Popen, deadline: float) -> None:
+    """Waits for ``process`` until ``deadline``, then terminates it, then kills it."""
+    while process.poll() is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(3)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(3)
