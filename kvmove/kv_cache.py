@@ -59,7 +59,7 @@ def block_shape(layout: KVLayout, order: str = "NHD") -> _C.BlockShape:
     if order not in HEAD_ORDERS:
         raise ConfigError(f"order must be one of {HEAD_ORDERS}, got {order!r}")
     return _C.BlockShape(layout.block_size, layout.num_kv_heads, layout.head_dim,
-                         getattr(_C.DType, layout.dtype), order == "HND")
+                         getattr(_C.DType, layout.dtype), _C.parse_order(order))
 
 
 class KVCache:

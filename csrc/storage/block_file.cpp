@@ -177,7 +177,7 @@ std::vector<uint64_t> BlockFile::write(const KVCache& cache, const std::vector<B
     check_args(cache, ids, slots, hashes.size());
     std::lock_guard<std::mutex> lock(mu_);
     const uint64_t layer_nbytes = cache.block_nbytes();
-    const bool device = cache.region().on_device();  // a device cache's blocks stage via host
+    const bool device = cache.on_device();  // a device cache's blocks stage via host
     if (device) {
         sync_devices(cache, cache);  // what other streams wrote to the blocks is there
     }
@@ -231,7 +231,7 @@ std::vector<uint8_t> BlockFile::read(KVCache& cache, const std::vector<BlockId>&
         "need one checksum per block id, got " << checksums.size() << " for " << ids.size());
     std::lock_guard<std::mutex> lock(mu_);
     const uint64_t layer_nbytes = cache.block_nbytes();
-    const bool device = cache.region().on_device();
+    const bool device = cache.on_device();
     if (device) {
         sync_devices(cache, cache);  // nothing still pending on the blocks we overwrite
     }
