@@ -165,12 +165,13 @@ def test_finding_1_the_host_key_is_private_to_its_user(monkeypatch, tmp_path):
         resolve_key()
 
 
-# --- 2: forged region address wrote outside the region over tcp ---------------------------------
+# --- 2: forged region_addr wrote outside the region over tcp ---------------------------------
 
 def test_finding_2_metadata_with_a_forged_region_is_refused(pair):
-    """The review's forger pointed the region (now: segment and planes) at another buffer of the victim's process. The
-    forged blob (re-checksummed, so the core's own checks pass) is refused by the signature
-    when signed with any key but the deployment's, before the core or UCX reads it."""
+    """The review's forger pointed the region (now: its segment and planes) at another buffer
+    of the victim's process. The forged blob (re-checksummed, so the core's own checks pass)
+    is refused by the signature when signed with any key but the deployment's, before the
+    core or UCX reads it."""
     fields = parse(pair.b.key.verify(pair.b.metadata()))
     victim_buffer = np.full(4096, 0x11, dtype=np.uint8)
     segment = {**fields["segments"][0], "addr": victim_buffer.ctypes.data}
