@@ -74,17 +74,19 @@ def planes_of(tensors: Sequence[Any] | Mapping[str, Any], layout: KVLayout, bloc
     if len(entries) != layout.num_layers:
         raise ConfigError(f"got {len(entries)} layers of tensors, the layout has "
                           f"{layout.num_layers} (num_layers)")
+    _check_same("devices", {part_name: _device_label(obj) for name, entry in zip(names, entries)
+                            for part_name, obj in _split(name, entry, kv_dim)}, str)
     planes: list[tuple[int, int, int, int]] = []
     segments: list[tuple[int, int]] = []
     blocks: dict[str, int] = {}
-    devices: dict[str, int] = {}
+    device = -1
     parts_of: dict[str, int] = {}
     for name, entry in zip(names, entries):
         parts, before = _split(name, entry, kv_dim), len(planes)
         for part_name, obj in parts:
             array = _describe(obj, part_name)
             _check_dtype(array, layout)
-            devices[array.name] = array.device
+            device = array.device
             segment = len(segments)
             segments.append((array.addr, _span(array)))
             for base, stride, nbytes, num in _tensor_planes(array, layout, block_dim, kv_dim,
@@ -93,10 +95,9 @@ def planes_of(tensors: Sequence[Any] | Mapping[str, Any], layout: KVLayout, bloc
                 planes.append((base, stride, nbytes, segment))
         parts_of[name] = len(planes) - before
     _check_same("parts per layer (K and V together or apart)", parts_of, str)
-    _check_same("devices", devices, _device_name)
     _check_same("numbers of blocks", blocks, str)
     return WrappedPlanes(names, next(iter(blocks.values())), parts_of[names[0]], planes, segments,
-                         next(iter(devices.values())))
+                         device)
 
 
 def _check_order(layout: KVLayout, order: str, kv_dim: int | None,
@@ -138,6 +139,14 @@ def _split(name: str, entry: Any, kv_dim: int | None) -> list[tuple[str, Any]]:
         raise ConfigError(f"{label}: K and V come as two tensors, kv_dim must be None, "
                           f"got {kv_dim}")
     return [(f"{label} K", entry[0]), (f"{label} V", entry[1])]
+
+
+def _device_label(obj: Any) -> str:
+    """Where a tensor lives ("cpu", "cuda:0", ...), before anything else is read from it."""
+    device = getattr(obj, "device", None)
+    if device is not None and hasattr(obj, "data_ptr"):
+        return f"{device.type}:{device.index or 0}" if device.type == "cuda" else device.type
+    return "cpu"
 
 
 def _describe(obj: Any, name: str) -> _Array:
@@ -271,8 +280,5 @@ def _check_same(what: str, values: dict[str, Any], show: Any) -> None:
     for name, value in values.items():
         if value != first:
             raise ConfigError(f"the tensors must agree on {what}: tensor {name} has "
-                              f"{show(value)}, tensor {first_name} {show(first)}")
+                              f"{show(value)}, tensor {first_name} has {show(first)}")
 
-
-def _device_name(device: int) -> str:
-    return "cpu" if device < 0 else f"cuda:{device}"
