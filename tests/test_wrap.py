@@ -149,6 +149,23 @@ def test_a_layer_stream_fills_the_far_lease(near_of, pair):
                  dict(zip(DST, SRC)), list(range(near.layout.num_layers)))
 
 
+@pytest.mark.parametrize("pair", [("flash", "native"), ("native", "sglang"),
+                                  ("flashinfer", "flash")], ids=lambda p: "->".join(p))
+def test_checksums_agree_where_the_sides_split_blocks_differently(near_of, pair):
+    """A block's checksum is over its bytes, not its parts: K and V apart on one side and
+    together on the other still verify."""
+    near = near_of(*pair)
+    src, before = near.fill()
+    epoch = near.far.call("expect", "near", "req-3", DST)
+    stream = near.agent.stream_to("far", SRC, DST, "req-3", epoch=epoch, checksums=True)
+    for layer in range(near.layout.num_layers):
+        stream.save_layer(layer)
+    stream.wait_for_save(WAIT)
+    assert near.far.call("wait_all", "req-3") == b""
+    assert_moved(near.far_engine, near.far_snapshot(), before, near.engine, src, near.layout,
+                 dict(zip(DST, SRC)), list(range(near.layout.num_layers)))
+
+
 def test_a_far_wrapped_stream_lands_in_a_near_wrapped_lease(near_of):
     near = near_of("sglang", "flash")
     mine, theirs = near.fill()
@@ -387,3 +404,25 @@ def test_a_wrapped_cache_has_no_numpy_view():
     cache = engines.wrap("mla", engines.allocate("mla", layout, NUM_BLOCKS), layout)
     with pytest.raises(ConfigError, match="laid out by its engine"):
         cache.numpy()
+
+
+# --- the disk tier reads and writes a wrapped cache's blocks part by part -----------------------
+
+@pytest.mark.parametrize("engine", ["flash", "sglang", "mla"])
+def test_a_disk_tier_round_trips_a_wrapped_cache(tmp_path, engine):
+    layout = engines.layout_for(engine)
+    tensors, cache = engines.make(engine, layout, NUM_BLOCKS)
+    engines.fill(tensors, 3)
+    before = engines.snapshot(tensors)
+    store = kvmove.KVStore(layout, [kvmove.DiskTier(str(tmp_path), 1 << 22)], namespace=engine)
+    try:
+        hashes = kvmove.block_hashes(list(range(3 * layout.block_size)), layout.block_size)
+        store.put(hashes, cache, [1, 5, 7]).wait(timeout=WAIT)
+        engines.fill(tensors, 4)
+        changed = engines.snapshot(tensors)
+        assert store.lookup(hashes).tiers == ("disk",) * 3
+        store.get(hashes, cache, [2, 3, 4]).wait(timeout=WAIT)
+    finally:
+        store.close()
+    assert_moved(engine, engines.snapshot(tensors), changed, engine, before, layout,
+                 {2: 1, 3: 5, 4: 7}, list(range(layout.num_layers)))
