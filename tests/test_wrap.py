@@ -31,7 +31,7 @@ DST = [4, 5, 6, 11, 8, 2]
 # wrapped <-> kvmove's own cache (K and V apart on one side, together on the other included).
 PAIRS = [
     ("flash", "flash"), ("flashinfer", "flashinfer"), ("vllm-cpu", "vllm-cpu"),
-    ("sglang", "sglang"), ("mla", "mla"),
+    ("sglang", "sglang"), ("mla", "mla"), ("flash-hnd", "flash-hnd"),
     ("flash", "native"), ("native", "flash"), ("flashinfer", "native"), ("sglang", "native"),
     ("flash", "sglang"), ("sglang", "flashinfer"), ("mla", "native-mla"), ("native-mla", "mla"),
 ]
@@ -198,6 +198,7 @@ def test_a_run_of_blocks_is_one_op_per_plane(near_of, pair, ops_per_layer):
 
 MISMATCHES = {
     "order": ("flash", "vllm-cpu", None, "order: NHD here, vllm-cpu at 'far'"),
+    "nhd-vs-hnd": ("flash-hnd", "flashinfer", None, "order: HND here, NHD at 'far'"),
     "block-size": ("flash", "flash", engines.layout_for("flash", block_size=8),
                    "block_size: 4 here, 8 at 'far'"),
     "layers": ("flashinfer", "native", engines.layout_for("native", num_layers=2),
@@ -223,6 +224,23 @@ def test_a_peer_whose_layout_differs_is_refused_naming_the_difference(near_of, c
 
 
 # --- the geometry of a wrap --------------------------------------------------------------------
+
+@pytest.mark.parametrize("engine, order, segments", [
+    ("flash", "NHD", 3), ("sglang", "NHD", 6), ("vllm-cpu", "vllm-cpu", 3), ("mla", "mla", 3),
+    ("native", "NHD", 1)])
+def test_the_metadata_carries_the_planes_the_segments_and_the_order(engine, order, segments):
+    """One registered segment (one key) per engine tensor, the planes as the cache has them."""
+    layout = engines.layout_for(engine)
+    _, cache = engines.make(engine, layout, NUM_BLOCKS)
+    with kvmove.Agent("meta", cache, **TCP) as agent:
+        meta = kvmove._C.decode_metadata(agent.key.verify(agent.metadata()))
+    assert meta["order"] == order
+    assert [s[:2] for s in meta["segments"]] == cache._core.segments
+    assert len(meta["segments"]) == segments and all(s[2] for s in meta["segments"])
+    assert meta["planes"] == cache._core.planes
+    assert meta["num_parts"] == cache.num_parts
+    assert meta["block_nbytes"] == layout.bytes_per_block_per_layer
+
 
 def test_wrap_is_zero_copy_and_keeps_the_tensors():
     layout = engines.layout_for("flash")

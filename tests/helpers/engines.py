@@ -3,9 +3,10 @@ and a torch reference of which element is where: ``kv_of`` reads block ``b`` of 
 as ``[kv_count, B, H, D]`` (K then V; the MLA latent as ``[1, B, 1, latent]``) straight from
 the engine's tensors with torch indexing, never through kvmove's planes.
 
-Engines: "flash" (vLLM flash-attention), "flashinfer" (vLLM FlashInfer), "vllm-cpu" (vLLM's
-CPU backend), "sglang" (per-layer K and V token buffers), "mla" (a latent per token),
-"native" (kvmove's own KVCache), "native-mla".
+Engines: "flash" (vLLM flash-attention), "flash-hnd" (the same allocated head-major,
+``[2, N, H, B, D]``), "flashinfer" (vLLM FlashInfer), "vllm-cpu" (vLLM's CPU backend),
+"sglang" (per-layer K and V token buffers), "mla" (a latent per token), "native" (kvmove's own
+KVCache), "native-mla".
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 import kvmove
 
-ENGINES = ("flash", "flashinfer", "vllm-cpu", "sglang", "mla", "native", "native-mla")
+ENGINES = ("flash", "flash-hnd", "flashinfer", "vllm-cpu", "sglang", "mla", "native", "native-mla")
 MLA_ENGINES = ("mla", "native-mla")
 
 
@@ -36,6 +37,8 @@ def allocate(engine: str, layout: kvmove.KVLayout, num_blocks: int) -> Any:
     per_layer = range(layout.num_layers)
     if engine == "flash":  # vLLM passes a dict: layer name -> tensor
         return {f"model.layers.{i}.self_attn.attn": z(2, n, b, h, d) for i in per_layer}
+    if engine == "flash-hnd":
+        return {f"model.layers.{i}.self_attn.attn": z(2, n, h, b, d) for i in per_layer}
     if engine == "flashinfer":
         return {f"model.layers.{i}.self_attn.attn": z(n, 2, b, h, d) for i in per_layer}
     if engine == "vllm-cpu":
@@ -52,6 +55,9 @@ def wrap(engine: str, tensors: Any, layout: kvmove.KVLayout, pool: bool | None =
     """The documented wrap call of each engine (docs/engines.md)."""
     if engine == "flash":
         return kvmove.KVCache.wrap(tensors, layout=layout, block_dim=1, kv_dim=0, pool=pool)
+    if engine == "flash-hnd":
+        return kvmove.KVCache.wrap(tensors, layout=layout, block_dim=1, kv_dim=0, order="HND",
+                                   pool=pool)
     if engine == "flashinfer":
         return kvmove.KVCache.wrap(tensors, layout=layout, block_dim=0, kv_dim=1, pool=pool)
     if engine == "vllm-cpu":
@@ -104,6 +110,8 @@ def kv_of(engine: str, leaves_: list[torch.Tensor], layout: kvmove.KVLayout, lay
     t = leaves_[layer] if engine != "sglang" else None
     if engine == "flash":  # [2, N, B, H, D]
         return t[:, block]
+    if engine == "flash-hnd":  # [2, N, H, B, D]
+        return t[:, block].transpose(1, 2)
     if engine == "flashinfer":  # [N, 2, B, H, D]
         return t[block]
     if engine == "vllm-cpu":  # [N, H, B, 2D]: head h, token t holds K (D) then V (D)
