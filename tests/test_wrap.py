@@ -444,3 +444,19 @@ def test_a_disk_tier_round_trips_a_wrapped_cache(tmp_path, engine):
         store.close()
     assert_moved(engine, engines.snapshot(tensors), changed, engine, before, layout,
                  {2: 1, 3: 5, 4: 7}, list(range(layout.num_layers)))
+
+
+def test_a_disk_tiers_fingerprint_is_unchanged_for_layouts_without_mla(tmp_path):
+    """Disk tiers written before KVLayout had ``mla`` keep opening: the field is in the
+    fingerprint only when it is set."""
+    import json
+    import struct
+
+    for layout, has_mla in ((engines.layout_for("flash"), False), (engines.layout_for("mla"),
+                                                                    True)):
+        path = tmp_path / str(has_mla)
+        kvmove.KVStore(layout, [kvmove.DiskTier(str(path), 1 << 20)]).close()
+        header = (path / "index.kvm").read_bytes()
+        (n,) = struct.unpack_from("<I", header, 12)
+        fingerprint = json.loads(header[16:16 + n])
+        assert ("mla" in fingerprint["layout"]) == has_mla
