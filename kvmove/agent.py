@@ -171,7 +171,8 @@ class Agent:
 
     Args:
         name: how peers address this agent (1..255 printable bytes, unique among them).
-        cache: the KV memory to register and expose to peers.
+        cache: the KV memory to register and expose to peers: a ``KVCache``, or one that
+            ``KVCache.wrap`` made of an engine's tensors (each registered once).
         transports: UCX transport list (``"tcp"``, ``"sm"``, ``"posix,cma"``, or a sequence of
             names); ``None`` lets UCX choose.
         error_mode: ``"peer"`` detects a dead peer and fails its transfers with ``PeerError``

@@ -68,6 +68,8 @@ class KVCache:
     """Host or device memory for ``num_blocks`` paged KV blocks of ``layout``, with their
     BlockPool.
 
+    An engine that owns its KV tensors wraps them instead: ``KVCache.wrap`` (docs/engines.md).
+
     Example:
         >>> layout = kvmove.KVLayout.preset("llama-3.1-8b")
         >>> cache = kvmove.KVCache(layout, num_blocks=1024)
@@ -169,12 +171,22 @@ class KVCache:
 
     @property
     def wrapped(self) -> bool:
-        """Built by ``wrap`` over an engine's tensors."""
+        """Built by ``wrap`` over an engine's tensors (it then has no ``region``).
+
+        Example:
+            >>> kvmove.KVCache(layout, num_blocks=8).wrapped
+            False
+        """
         return bool(self._core.wrapped)
 
     @property
     def num_parts(self) -> int:
-        """Planes per layer: 1 (K and V of a block together), or 2 (apart)."""
+        """Planes per layer: 1 (K and V of a block together), or 2 (apart).
+
+        Example:
+            >>> kvmove.KVCache(layout, num_blocks=8).num_parts    # [L, N, 2, B, H, D]
+            1
+        """
         return self._core.num_parts
 
     @property
