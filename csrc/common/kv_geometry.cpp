@@ -209,9 +209,9 @@ std::vector<PairRun> pair_runs(const std::vector<BlockId>& here_ids,
 
 }  // namespace
 
-// One layer, for parts that may cut a block differently on the two sides: the block's bytes
-// [0, block_nbytes) are walked piece by piece, a piece ending wherever a part ends on either
-// side. With equal parts (the common case) a piece is a whole part on both sides.
+// Per layer, the block's bytes [0, block_nbytes) are walked piece by piece, a piece ending
+// wherever a part ends on either side (the two may cut a block differently: K and V apart on
+// one, together on the other). With equal parts, the common case, a piece is a whole part.
 std::vector<RangePair> pair_ranges(const KVGeometry& here, const std::vector<BlockId>& here_ids,
                                    const KVGeometry& there, const std::vector<BlockId>& there_ids,
                                    const std::vector<int64_t>& layers) {
