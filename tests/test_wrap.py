@@ -259,6 +259,18 @@ def test_wrap_is_zero_copy_and_keeps_the_tensors():
     assert view[0] == np.float16(7).view(np.uint16)
 
 
+@pytest.mark.parametrize("engine", ["flash", "vllm-cpu", "sglang", "mla"])
+def test_numpy_arrays_wrap_as_their_torch_tensors_do(engine):
+    layout = engines.layout_for(engine)
+    tensors = engines.allocate(engine, layout, NUM_BLOCKS)
+    as_numpy = [tuple(t.numpy() for t in e) if isinstance(e, tuple) else e.numpy()
+                for e in (tensors.values() if isinstance(tensors, dict) else tensors)]
+    from_torch = engines.wrap(engine, tensors, layout)
+    from_numpy = engines.wrap(engine, as_numpy, layout)
+    assert from_numpy._core.planes == from_torch._core.planes
+    assert from_numpy._core.segments == from_torch._core.segments
+
+
 def test_a_wrap_with_a_pool_allocates_like_a_native_cache():
     layout = engines.layout_for("sglang")
     cache = engines.wrap("sglang", engines.allocate("sglang", layout, NUM_BLOCKS), layout,
