@@ -52,12 +52,21 @@ void register_agent(py::module_& m) {
             out["incarnation"] = meta.incarnation;
             out["started_ns"] = meta.started_ns;
             out["worker_address"] = to_bytes(meta.worker_address);
-            out["region_addr"] = meta.region_addr;
-            out["region_nbytes"] = meta.region_nbytes;
-            out["packed_rkey"] = to_bytes(meta.packed_rkey);
+            py::list segments;
+            for (const RemoteSegment& s : meta.segments) {
+                segments.append(py::make_tuple(s.addr, s.nbytes, to_bytes(s.packed_rkey)));
+            }
+            out["segments"] = segments;
             out["num_layers"] = meta.num_layers;
             out["num_blocks"] = meta.num_blocks;
-            out["block_nbytes"] = meta.block_nbytes;
+            out["num_parts"] = meta.num_parts;
+            py::list planes;
+            for (const Plane& p : meta.planes) {
+                planes.append(py::make_tuple(p.base, p.block_stride, p.block_nbytes, p.segment));
+            }
+            out["planes"] = planes;
+            out["block_nbytes"] = meta.shape.nbytes();
+            out["order"] = std::string(order_name(meta.shape.order));
             return out;
         },
         py::arg("data"),
@@ -139,8 +148,7 @@ void register_agent(py::module_& m) {
             "stream_to",
             [](Agent& a, const std::string& peer, const Ids& local, const Ids& remote,
                const std::string& request_id, uint64_t epoch, bool checksums) {
-                return a.stream_to(peer, local.values, remote.values, request_id, epoch,
-                                   checksums);
+                return a.stream_to(peer, local.values, remote.values, request_id, epoch, checksums);
             },
             py::arg("peer"), py::arg("local_ids"), py::arg("remote_ids"), py::arg("request_id"),
             py::arg("epoch"), py::arg("checksums"), py::keep_alive<0, 1>(), release())
@@ -150,8 +158,8 @@ void register_agent(py::module_& m) {
                double lease_seconds) {
                 return a.expect(peer, request_id, local.values, lease_seconds);
             },
-            py::arg("peer"), py::arg("request_id"), py::arg("local_ids"),
-            py::arg("lease_seconds"), py::keep_alive<0, 1>(), release())
+            py::arg("peer"), py::arg("request_id"), py::arg("local_ids"), py::arg("lease_seconds"),
+            py::keep_alive<0, 1>(), release())
         .def("notifications",
              [](Agent& a) {
                  py::list out;

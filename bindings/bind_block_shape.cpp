@@ -1,3 +1,5 @@
+#include <pybind11/stl.h>
+
 #include "bindings.h"
 #include "common/block_shape.h"
 
@@ -11,19 +13,31 @@ void register_block_shape(py::module_& m) {
         .value("float16", DType::Float16)
         .value("bfloat16", DType::BFloat16)
         .value("float8", DType::Float8);
+    py::enum_<BlockOrder>(m, "BlockOrder", "The element order inside a block.")
+        .value("NHD", BlockOrder::NHD)
+        .value("HND", BlockOrder::HND)
+        .value("VLLM_CPU", BlockOrder::VllmCpu)
+        .value("MLA", BlockOrder::MLA);
+    m.def(
+        "parse_order",
+        [](const std::string& name) -> std::optional<BlockOrder> {
+            BlockOrder order;
+            return parse_order(name, order) ? std::optional(order) : std::nullopt;
+        },
+        py::arg("name"), "The BlockOrder named ``name`` (\"NHD\", \"vllm-cpu\"...), or None.");
     py::class_<BlockShape>(m, "BlockShape",
                            "What one block of one layer holds (common/block_shape.h).")
         .def(py::init([](int32_t block_size, int32_t num_kv_heads, int32_t head_dim, DType dtype,
-                         bool head_major) {
-                 return BlockShape{block_size, num_kv_heads, head_dim, dtype, head_major};
+                         BlockOrder order) {
+                 return BlockShape{block_size, num_kv_heads, head_dim, dtype, order};
              }),
              py::arg("block_size"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("dtype"),
-             py::arg("head_major") = false)
+             py::arg("order") = BlockOrder::NHD)
         .def_readonly("block_size", &BlockShape::block_size)
         .def_readonly("num_kv_heads", &BlockShape::num_kv_heads)
         .def_readonly("head_dim", &BlockShape::head_dim)
         .def_readonly("dtype", &BlockShape::dtype)
-        .def_readonly("head_major", &BlockShape::head_major)
+        .def_readonly("order", &BlockShape::order)
         .def_property_readonly("nbytes", &BlockShape::nbytes, "Bytes of one block of one layer.");
 }
 

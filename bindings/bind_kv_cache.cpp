@@ -36,9 +36,42 @@ void register_kv_cache(py::module_& m) {
         .def(py::init<int64_t, int64_t, int64_t, bool, int, bool>(), py::arg("num_layers"),
              py::arg("num_blocks"), py::arg("block_nbytes"), py::arg("huge_pages") = false,
              py::arg("device") = -1, py::arg("pin") = false)
+        .def(py::init(
+                 [](int64_t num_layers, int64_t num_blocks, int64_t num_parts,
+                    const std::vector<std::tuple<uint64_t, uint64_t, uint64_t, uint32_t>>& planes,
+                    std::vector<Descriptor> segments, int device) {
+                     std::vector<Plane> out;
+                     for (const auto& [base, stride, nbytes, segment] : planes) {
+                         out.push_back({base, stride, nbytes, segment});
+                     }
+                     return std::make_unique<KVCache>(
+                         KVGeometry(num_layers, num_blocks, num_parts, std::move(out)),
+                         std::move(segments), device);
+                 }),
+             py::arg("num_layers"), py::arg("num_blocks"), py::arg("num_parts"), py::arg("planes"),
+             py::arg("segments"), py::arg("device"),
+             "Wraps memory owned elsewhere: planes (base, block_stride, block_nbytes, segment), "
+             "layer-major, inside segments (addr, nbytes). The caller keeps the memory alive.")
+        .def_property_readonly("wrapped", &KVCache::wrapped)
+        .def_property_readonly("device", &KVCache::device, "CUDA device, or -1 for host memory.")
+        .def_property_readonly("num_parts",
+                               [](const KVCache& c) { return c.geometry().num_parts(); })
+        .def_property_readonly("segments", &KVCache::segments,
+                               "(addr, nbytes) of each span registered with a transport.")
+        .def_property_readonly(
+            "planes",
+            [](const KVCache& c) {
+                std::vector<std::tuple<uint64_t, uint64_t, uint64_t, uint32_t>> out;
+                for (const Plane& p : c.geometry().planes()) {
+                    out.emplace_back(p.base, p.block_stride, p.block_nbytes, p.segment);
+                }
+                return out;
+            },
+            "(base, block_stride, block_nbytes, segment) of each plane.")
         .def_property_readonly("pool", &KVCache::pool, py::return_value_policy::reference_internal)
-        .def_property_readonly("region", py::overload_cast<>(&KVCache::region),
-                               py::return_value_policy::reference_internal)
+        .def_property_readonly(
+            "region", [](KVCache& c) { return c.wrapped() ? nullptr : &c.region(); },
+            py::return_value_policy::reference_internal, "The owned region; None when wrapped.")
         .def_property_readonly("num_layers", &KVCache::num_layers)
         .def_property_readonly("num_blocks", &KVCache::num_blocks)
         .def_property_readonly("block_nbytes", &KVCache::block_nbytes,

@@ -9,7 +9,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['Agent', 'BlockFile', 'BlockPool', 'BlockShape', 'DType', 'KVCache', 'LoadStream', 'Region', 'SaveStream', 'StreamState', 'StreamStats', 'Transfer', 'TransferState', 'TransferStats', 'block_hashes', 'check_timeout', 'convert_blocks', 'copy_blocks', 'cuda_status', 'decode_metadata', 'decode_stream_message', 'encode_stream_message', 'log_dropped', 'pack_blocks', 'runs', 'set_log_level', 'take_log', 'ucx_version', 'unpack_blocks', 'xxh64']
+__all__: list[str] = ['Agent', 'BlockFile', 'BlockOrder', 'BlockPool', 'BlockShape', 'DType', 'KVCache', 'LoadStream', 'Region', 'SaveStream', 'StreamState', 'StreamStats', 'Transfer', 'TransferState', 'TransferStats', 'block_hashes', 'check_timeout', 'convert_blocks', 'copy_blocks', 'cuda_status', 'decode_metadata', 'decode_stream_message', 'encode_stream_message', 'log_dropped', 'pack_blocks', 'parse_order', 'runs', 'set_log_level', 'take_log', 'ucx_version', 'unpack_blocks', 'xxh64']
 class BlockPool:
     """
     Fixed pool of ``num_blocks`` equal blocks with ids ``0..num_blocks-1``: reference counts,
@@ -128,11 +128,64 @@ class DType:
     @property
     def value(self) -> int:
         ...
+class BlockOrder:
+    """
+    The element order inside a block.
+    
+    Members:
+    
+      NHD
+    
+      HND
+    
+      VLLM_CPU
+    
+      MLA
+    """
+    HND: typing.ClassVar[BlockOrder]
+    MLA: typing.ClassVar[BlockOrder]
+    NHD: typing.ClassVar[BlockOrder]
+    VLLM_CPU: typing.ClassVar[BlockOrder]
+    __members__: typing.ClassVar[dict[str, BlockOrder]]
+    @typing.overload
+    def __eq__(self, other: BlockOrder) -> bool:
+        ...
+    @typing.overload
+    def __eq__(self, other: typing.Any) -> bool:
+        ...
+    def __getstate__(self) -> int:
+        ...
+    def __hash__(self) -> int:
+        ...
+    def __index__(self) -> int:
+        ...
+    def __init__(self, value: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    def __int__(self) -> int:
+        ...
+    @typing.overload
+    def __ne__(self, other: BlockOrder) -> bool:
+        ...
+    @typing.overload
+    def __ne__(self, other: typing.Any) -> bool:
+        ...
+    def __repr__(self) -> str:
+        ...
+    def __setstate__(self, state: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    def __str__(self) -> str:
+        ...
+    @property
+    def name(self) -> str:
+        ...
+    @property
+    def value(self) -> int:
+        ...
 class BlockShape:
     """
     What one block of one layer holds (common/block_shape.h).
     """
-    def __init__(self, block_size: typing.SupportsInt | typing.SupportsIndex, num_kv_heads: typing.SupportsInt | typing.SupportsIndex, head_dim: typing.SupportsInt | typing.SupportsIndex, dtype: DType, head_major: bool = False) -> None:
+    def __init__(self, block_size: typing.SupportsInt | typing.SupportsIndex, num_kv_heads: typing.SupportsInt | typing.SupportsIndex, head_dim: typing.SupportsInt | typing.SupportsIndex, dtype: DType, order: BlockOrder = ...) -> None:
         ...
     @property
     def block_size(self) -> int:
@@ -144,15 +197,15 @@ class BlockShape:
     def head_dim(self) -> int:
         ...
     @property
-    def head_major(self) -> bool:
-        ...
-    @property
     def nbytes(self) -> int:
         """
         Bytes of one block of one layer.
         """
     @property
     def num_kv_heads(self) -> int:
+        ...
+    @property
+    def order(self) -> BlockOrder:
         ...
 class Region:
     """
@@ -185,8 +238,14 @@ class KVCache:
     """
     Untyped core of kvmove.KVCache (layers x blocks x bytes).
     """
+    @typing.overload
     def __init__(self, num_layers: typing.SupportsInt | typing.SupportsIndex, num_blocks: typing.SupportsInt | typing.SupportsIndex, block_nbytes: typing.SupportsInt | typing.SupportsIndex, huge_pages: bool = False, device: typing.SupportsInt | typing.SupportsIndex = -1, pin: bool = False) -> None:
         ...
+    @typing.overload
+    def __init__(self, num_layers: typing.SupportsInt | typing.SupportsIndex, num_blocks: typing.SupportsInt | typing.SupportsIndex, num_parts: typing.SupportsInt | typing.SupportsIndex, planes: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]], segments: collections.abc.Sequence[tuple[int, int]], device: typing.SupportsInt | typing.SupportsIndex) -> None:
+        """
+        Wraps memory owned elsewhere: planes (base, block_stride, block_nbytes, segment), layer-major, inside segments (addr, nbytes). The caller keeps the memory alive.
+        """
     def descriptors(self, block_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], layers: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None = None) -> list[tuple[int, int]]:
         ...
     def offset(self, layer: typing.SupportsInt | typing.SupportsIndex, block: typing.SupportsInt | typing.SupportsIndex) -> int:
@@ -199,16 +258,39 @@ class KVCache:
         Bytes of one block in one layer (K and V).
         """
     @property
+    def device(self) -> int:
+        """
+        CUDA device, or -1 for host memory.
+        """
+    @property
     def num_blocks(self) -> int:
         ...
     @property
     def num_layers(self) -> int:
         ...
     @property
+    def num_parts(self) -> int:
+        ...
+    @property
+    def planes(self) -> list[tuple[int, int, int, int]]:
+        """
+        (base, block_stride, block_nbytes, segment) of each plane.
+        """
+    @property
     def pool(self) -> BlockPool:
         ...
     @property
     def region(self) -> Region:
+        """
+        The owned region; None when wrapped.
+        """
+    @property
+    def segments(self) -> list[tuple[int, int]]:
+        """
+        (addr, nbytes) of each span registered with a transport.
+        """
+    @property
+    def wrapped(self) -> bool:
         ...
 class BlockFile:
     """
@@ -586,6 +668,10 @@ def log_dropped() -> int:
 def pack_blocks(cache: KVCache, block_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], layers: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], staging_addr: typing.SupportsInt | typing.SupportsIndex, staging_nbytes: typing.SupportsInt | typing.SupportsIndex) -> None:
     """
     Copies blocks of layers into a contiguous [layers, blocks, block_nbytes] buffer.
+    """
+def parse_order(name: str) -> BlockOrder | None:
+    """
+    The BlockOrder named ``name`` ("NHD", "vllm-cpu"...), or None.
     """
 def runs(ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> list[tuple[int, int]]:
     """

@@ -170,7 +170,8 @@ class Agent:
 
     Args:
         name: how peers address this agent (1..255 printable bytes, unique among them).
-        cache: the KV memory to register and expose to peers.
+        cache: the KV memory to register and expose to peers: a ``KVCache``, or one that
+            ``KVCache.wrap`` made of an engine's tensors (each registered once).
         transports: UCX transport list (``"tcp"``, ``"sm"``, ``"posix,cma"``, or a sequence of
             names); ``None`` lets UCX choose.
         error_mode: ``"peer"`` detects a dead peer and fails its transfers with ``PeerError``
@@ -220,10 +221,10 @@ class Agent:
         self.key: DeploymentKey = resolve_key(key)
         self.host = host
         devices = net_devices_for(host) if net_devices is None else net_devices
-        self._core = _C.Agent(name, cache._core, block_shape(cache.layout), transports or "",
-                              error_mode == "peer", float(peer_timeout), float(cancel_timeout),
-                              float(ack_timeout), faults, "" if devices == "all" else devices,
-                              max_peers)
+        shape = block_shape(cache.layout, cache.order)
+        self._core = _C.Agent(name, cache._core, shape, transports or "", error_mode == "peer",
+                              float(peer_timeout), float(cancel_timeout), float(ack_timeout),
+                              faults, "" if devices == "all" else devices, max_peers)
         self.cache = cache
         self.checksums = bool(checksums)
         self._server: MetadataServer | None = None

@@ -40,7 +40,7 @@ def pack(cache: KVCache, block_ids: Sequence[int], out: Any,
          layers: Sequence[int] | None = None) -> Any:
     """Copies blocks ``block_ids`` of ``layers`` into ``out`` ([L, n, block_nbytes] bytes at
     its start); returns ``out``."""
-    addr, nbytes = buffer_span(out, cache.region.device)
+    addr, nbytes = buffer_span(out, cache._core.device)
     _C.pack_blocks(cache._core, list(block_ids), list(layers or []), addr, nbytes)
     return out
 
@@ -48,7 +48,7 @@ def pack(cache: KVCache, block_ids: Sequence[int], out: Any,
 def unpack(staging: Any, cache: KVCache, block_ids: Sequence[int],
            layers: Sequence[int] | None = None) -> None:
     """The reverse of ``pack``: ``staging``'s blocks into ``block_ids`` of ``cache``."""
-    addr, nbytes = buffer_span(staging, cache.region.device)
+    addr, nbytes = buffer_span(staging, cache._core.device)
     _C.unpack_blocks(addr, nbytes, cache._core, list(block_ids), list(layers or []))
 
 
@@ -71,7 +71,7 @@ def convert(src: KVCache, src_ids: Sequence[int], dst: KVCache, dst_ids: Sequenc
             raise ConfigError(f"{name} must be one of {HEAD_ORDERS}, got {order!r}")
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
         raise ConfigError(f"num_tokens must be an int, got {num_tokens!r}")
-    addr, nbytes = (0, 0) if scales is None else buffer_span(scales, dst.region.device)
+    addr, nbytes = (0, 0) if scales is None else buffer_span(scales, dst._core.device)
     _C.convert_blocks(src._core, block_shape(src.layout, src_order), list(src_ids), dst._core,
                       block_shape(dst.layout, dst_order), list(dst_ids), num_tokens,
                       list(layers or []), addr, nbytes)

@@ -22,6 +22,7 @@ force a strided send per layer while streaming.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,6 +32,7 @@ from kvmove.block_pool import BlockPool
 from kvmove.errors import AllocationError, ConfigError
 from kvmove.layout import KVLayout
 from kvmove.region import Region
+from kvmove.wrap import ORDERS, planes_of
 
 if TYPE_CHECKING:
     import torch
@@ -55,16 +57,18 @@ HEAD_ORDERS = ("NHD", "HND")
 
 def block_shape(layout: KVLayout, order: str = "NHD") -> _C.BlockShape:
     """What one block of one layer of ``layout`` holds, as the core sees it (``order``: NHD
-    token-major, HND head-major)."""
-    if order not in HEAD_ORDERS:
-        raise ConfigError(f"order must be one of {HEAD_ORDERS}, got {order!r}")
+    token-major, HND head-major, ``vllm-cpu``, ``mla``; kvmove.wrap draws them)."""
+    if order not in ORDERS:
+        raise ConfigError(f"order must be one of {ORDERS}, got {order!r}")
     return _C.BlockShape(layout.block_size, layout.num_kv_heads, layout.head_dim,
-                         getattr(_C.DType, layout.dtype), order == "HND")
+                         getattr(_C.DType, layout.dtype), _C.parse_order(order))
 
 
 class KVCache:
     """Host or device memory for ``num_blocks`` paged KV blocks of ``layout``, with their
     BlockPool.
+
+    An engine that owns its KV tensors wraps them instead: ``KVCache.wrap`` (docs/engines.md).
 
     Example:
         >>> layout = kvmove.KVLayout.preset("llama-3.1-8b")
@@ -86,8 +90,13 @@ class KVCache:
             buffers use). Off by default: pinning creates a CUDA context in the process.
 
     Attributes:
-        pool: the ``BlockPool`` handing out this cache's block ids.
-        region: the ``Region`` holding the bytes.
+        pool: the ``BlockPool`` handing out this cache's block ids (None for a cache wrapped
+            with ``pool=None``: the engine allocates).
+        region: the ``Region`` holding the bytes (None for a wrapped cache).
+        order: the element order inside a block: "NHD" (or "mla" for an MLA layout) for a
+            cache kvmove allocates; a wrapped cache's ``order``.
+        tensors: a wrapped cache's tensors (held so they outlive it), else None.
+        layer_names: a wrapped cache's layer names (the dict's keys), else None.
     """
 
     def __init__(self, layout: KVLayout, num_blocks: int, *, huge_pages: bool = False,
@@ -99,11 +108,86 @@ class KVCache:
         self._core = _C.KVCache(layout.num_layers, num_blocks, layout.bytes_per_block_per_layer,
                                 huge_pages, index, bool(pin))
         self.layout = layout
-        self.pool = BlockPool._of(self._core.pool, self)
-        self.region = Region._of(self._core.region, self)
+        self.order = "mla" if layout.mla else "NHD"
+        self.pool: BlockPool | None = BlockPool._of(self._core.pool, self)
+        self.region: Region | None = Region._of(self._core.region, self)
+        self.tensors: list[Any] | None = None
+        self.layer_names: list[str] | None = None
         if pin and gpus and not self.region.pinned:
             raise AllocationError(f"cannot pin {self.region.nbytes} bytes of host memory "
                                   "(cudaHostRegister refused; see ulimit -l)")
+
+    @classmethod
+    def wrap(cls, tensors: Sequence[Any] | Mapping[str, Any], *, layout: KVLayout,
+             block_dim: int, kv_dim: int | None = None, order: str = "NHD",
+             pool: bool | None = True, page_size: int | None = None) -> KVCache:
+        """A cache over an engine's own KV tensors, zero-copy: the engine keeps them and
+        kvmove never frees them (it holds a reference to each).
+
+        Every tensor is registered once with the transport; transfers and layer streams then
+        work as on a cache kvmove allocated, one operation per run of consecutive blocks per
+        plane. docs/engines.md has each engine's call.
+
+        Example:
+            >>> layout = kvmove.KVLayout(num_layers=2, num_kv_heads=8, head_dim=128)
+            >>> kv = {f"layers.{i}.attn": torch.zeros(2, 64, 16, 8, 128, dtype=torch.float16)
+            ...       for i in range(2)}              # vLLM flash: [2, N, B, H, D] per layer
+            >>> cache = kvmove.KVCache.wrap(kv, layout=layout, block_dim=1, kv_dim=0, pool=None)
+            >>> cache.num_blocks, cache.num_parts    # K and V apart: two planes per layer
+            (64, 2)
+
+        Args:
+            tensors: per layer, in layer order: a list, or a dict of layer name -> tensor
+                (vLLM's ``register_kv_caches`` argument as is). A layer is one tensor, or a
+                ``(K, V)`` pair of tensors (SGLang's ``k_buffer[l], v_buffer[l]``). torch
+                tensors (CPU, or CUDA in a CUDA build) or numpy arrays, all on one device.
+            layout: the model's KV shape; its dtype must be the tensors'.
+            block_dim: the dimension indexing blocks (tokens, with ``page_size``).
+            kv_dim: the dimension of size 2 that splits K and V, if any. Before ``block_dim``
+                the layer has two planes (K, V); right after it, K and V of a block are side
+                by side and the layer has one.
+            order: the element order inside a block: "NHD" ``[B, H, D]`` per K/V, "HND"
+                ``[H, B, D]``, "vllm-cpu" ``[H, B, 2 * D]`` (K and V interleaved per head and
+                token), "mla" ``[B, latent]`` (an MLA layout).
+            pool: True: a ``BlockPool`` of its own, as a cache kvmove allocates; None: the
+                engine allocates blocks, and transfers take its block ids.
+            page_size: ``block_dim`` counts tokens, grouped into pages (blocks) of this many;
+                must equal ``layout.block_size`` (SGLang's paged buffers).
+
+        Raises:
+            ConfigError: a tensor whose shape, strides, dtype or device does not fit, naming
+                the tensor, the dimension and what was expected; or the wrong layer count.
+        """
+        found = planes_of(tensors, layout, block_dim, kv_dim, order, page_size)
+        cache = cls.__new__(cls)
+        cache._core = _C.KVCache(layout.num_layers, found.num_blocks, found.num_parts,
+                                found.planes, found.segments, found.device)
+        cache.layout, cache.order, cache.region = layout, order, None
+        cache.pool = BlockPool._of(cache._core.pool, cache) if pool else None
+        entries = tensors.values() if isinstance(tensors, Mapping) else tensors
+        cache.tensors = list(entries)  # the engine's memory stays alive while we are
+        cache.layer_names = found.names if isinstance(tensors, Mapping) else None
+        return cache
+
+    @property
+    def wrapped(self) -> bool:
+        """Built by ``wrap`` over an engine's tensors (it then has no ``region``).
+
+        Example:
+            >>> kvmove.KVCache(layout, num_blocks=8).wrapped
+            False
+        """
+        return bool(self._core.wrapped)
+
+    @property
+    def num_parts(self) -> int:
+        """Planes per layer: 1 (K and V of a block together), or 2 (apart).
+
+        Example:
+            >>> kvmove.KVCache(layout, num_blocks=8).num_parts    # [L, N, 2, B, H, D]
+            1
+        """
+        return self._core.num_parts
 
     @property
     def num_layers(self) -> int:
@@ -125,42 +209,47 @@ class KVCache:
     @property
     def device(self) -> str:
         """``"cpu"`` or ``"cuda:N"``."""
-        index = self.region.device
+        index = self._core.device
         return "cpu" if index < 0 else f"cuda:{index}"
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
         """``(L, N, 2, B, H, D)``, the memory order above."""
         lay = self.layout
-        return (lay.num_layers, self.num_blocks, 2, lay.block_size, lay.num_kv_heads,
+        if self.wrapped:
+            raise ConfigError("a wrapped cache is laid out by its engine: see its tensors")
+        return (lay.num_layers, self.num_blocks, lay.kv_count, lay.block_size, lay.num_kv_heads,
                 lay.head_dim)
 
     def numpy(self) -> np.ndarray:
         """Zero-copy writable view ``[L, N, 2, B, H, D]``; bfloat16 and float8 as raw bits
         (uint16, uint8). Host memory only (a device cache: ``torch()``)."""
-        if self.region.device >= 0:
+        shape = self.shape
+        if self.region is None or self.region.device >= 0:
             raise ConfigError(f"a KVCache on {self.device} has no numpy view: use torch()")
         raw = np.asarray(self.region)
-        return raw.view(_NUMPY_DTYPES[self.layout.dtype]).reshape(self.shape)
+        return raw.view(_NUMPY_DTYPES[self.layout.dtype]).reshape(shape)
 
     def torch(self) -> torch.Tensor:
         """Zero-copy tensor view ``[L, N, 2, B, H, D]`` in the layout's dtype, on the cache's
         device (needs torch)."""
         import torch
 
+        shape = self.shape
+        assert self.region is not None  # shape raised for a wrapped cache
         if self.region.device >= 0:
             raw = torch.as_tensor(self, device=self.device)  # __cuda_array_interface__
         else:
             raw = torch.from_dlpack(np.asarray(self.region))
-        return raw.view(getattr(torch, _TORCH_DTYPES[self.layout.dtype])).view(self.shape)
+        return raw.view(getattr(torch, _TORCH_DTYPES[self.layout.dtype])).view(shape)
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
         """A device cache's bytes (``[nbytes]`` uint8, CUDA Array Interface v3) for torch,
         CuPy or Numba; no stream to wait on (kvmove's device calls return synchronized).
         AttributeError for a host cache, as the interface expects."""
-        if self.region.device < 0:
-            raise AttributeError("a host KVCache has no __cuda_array_interface__: use numpy()")
+        if self.region is None or self.region.device < 0:
+            raise AttributeError("a host or wrapped KVCache has no __cuda_array_interface__")
         return self.region.__cuda_array_interface__
 
     def descriptors(
@@ -178,6 +267,10 @@ class KVCache:
         return self._core.descriptors(block_ids, layers)
 
     def __repr__(self) -> str:
+        if self.region is None:
+            return (f"KVCache.wrap({self.layout!r}, num_blocks={self.num_blocks}, "
+                    f"order={self.order!r}, parts={self.num_parts}, device={self.device!r})")
+        assert self.pool is not None
         return (f"KVCache({self.layout!r}, num_blocks={self.num_blocks}, "
                 f"nbytes={self.region.nbytes}, device={self.device!r}, "
                 f"free={self.pool.num_free})")

@@ -47,6 +47,9 @@ class KVLayout:
         dtype: element type, one of ``DTYPE_BYTES`` ("float16", "bfloat16", "float8",
             "float32").
         block_size: tokens per block, a power of two (16 as in vLLM).
+        mla: one latent per token instead of K and V (DeepSeek's multi-head latent
+            attention): ``num_kv_heads`` is 1 and ``head_dim`` is the latent width
+            (``kv_lora_rank + qk_rope_head_dim``, 512 + 64 for DeepSeek-V3).
 
     Example:
         >>> layout = kvmove.KVLayout.preset("llama-3.1-8b")   # 32 layers, 8 KV heads of 128
@@ -54,6 +57,8 @@ class KVLayout:
         131072
         >>> layout.bytes_for(4000), layout.blocks_for(4000)   # a 4,000-token prompt
         (524288000, 250)
+        >>> kvmove.KVLayout(61, 1, 576, block_size=64, mla=True).bytes_per_token_per_layer
+        1152
     """
 
     num_layers: int
@@ -61,6 +66,7 @@ class KVLayout:
     head_dim: int
     dtype: str = "float16"
     block_size: int = 16
+    mla: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -69,6 +75,9 @@ class KVLayout:
             raise ConfigError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.mla and self.num_kv_heads != 1:
+            raise ConfigError(f"an MLA layout has one latent per token: num_kv_heads must be 1, "
+                              f"got {self.num_kv_heads}")
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> KVLayout:
@@ -83,9 +92,14 @@ class KVLayout:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def kv_count(self) -> int:
+        """2 (K and V), or 1 for an MLA latent."""
+        return 1 if self.mla else 2
+
+    @property
     def bytes_per_token_per_layer(self) -> int:
-        """K and V of one token in one layer."""
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """K and V (or the MLA latent) of one token in one layer."""
+        return self.kv_count * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     @property
     def bytes_per_token(self) -> int:

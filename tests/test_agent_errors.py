@@ -24,7 +24,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -311,12 +311,12 @@ def test_reject_wrong_magic(lone, valid_metadata):
     names(excinfo, f"{len(valid_metadata)} bytes")
 
 
-@pytest.mark.parametrize("version", [0, 1, 3, 0xFFFF])
+@pytest.mark.parametrize("version", [0, 1, 2, 0xFFFF])
 def test_reject_wrong_version(lone, valid_metadata, version):
     blob = valid_metadata[:4] + struct.pack("<H", version) + valid_metadata[6:]
     with pytest.raises(MetadataError, match="format version") as excinfo:
         lone.add_peer(blob)
-    names(excinfo, f"version {version}", "reads 2")
+    names(excinfo, f"version {version}", "reads 3")
 
 
 @pytest.mark.parametrize("suffix", [b"\0", b"KVMV", b"x" * 100], ids=["1", "4", "100"])
@@ -331,28 +331,48 @@ def test_reject_metadata_concatenated_twice(lone, valid_metadata):
         lone.add_peer(valid_metadata * 2)
 
 
-# Fields forged with a correct checksum: each field check must hold on its own.
-FORGED = {
+# Fields forged with a correct checksum: each field check must hold on its own. A case is the
+# fields to set, or a function that edits the parsed fields (segments and planes are records).
+def _segment0(**change: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda f: f["segments"][0].update(change)
+
+
+def _plane(i: int, **change: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda f: f["planes"][i].update(change)
+
+
+def _halve_planes(f: dict[str, Any]) -> None:
+    for plane in f["planes"]:
+        plane["block_nbytes"] //= 2
+
+
+FORGED: dict[str, tuple[Any, str]] = {
     "empty-name": ({"name": b""}, r"name is 0 bytes, must be in \[1, 255\]"),
     "control-byte-in-name": ({"name": b"a\x07b"}, "name has non-printable byte 7"),
     "empty-worker-address": ({"worker_address": b""},
                              r"worker_address is 0 bytes, must be in \[1,"),
-    "empty-rkey": ({"packed_rkey": b""}, r"packed_rkey is 0 bytes, must be in \[1,"),
-    "zero-layers": ({"num_layers": 0}, r"num_layers is 0, must be in \[1, 2147483647\]"),
+    "empty-rkey": (_segment0(packed_rkey=b""), r"packed_rkey is 0 bytes, must be in \[1,"),
+    "no-segments": ({"segments": []}, r"num_segments is 0, must be in \[1, 8192\]"),
+    "empty-segment": (_segment0(nbytes=0), "segment 0 of 0 bytes at 0x[0-9a-f]+ is empty"),
+    "segment-past-2^64": (_segment0(addr=2**64 - 16), "overflows 64 bits"),
+    "zero-layers": ({"num_layers": 0, "planes": []}, r"num_layers is 0, must be in \[1, 4096\]"),
+    "4097-layers": ({"num_layers": 4097}, r"num_layers is 4097, must be in \[1, 4096\]"),
     "2^31-blocks": ({"num_blocks": 2**31},
                     r"num_blocks is 2147483648, must be in \[1, 2147483647\]"),
+    "three-parts": ({"num_parts": 3}, r"num_parts is 3, must be in \[1, 2\]"),
+    "plane-outside-its-segment": (_plane(3, base=None),
+                                  r"plane 3 \(layer 3\) spans .* outside its segment"),
+    "plane-in-a-missing-segment": (_plane(0, segment=1), "plane 0 is in segment 1 of 1"),
+    "stride-below-the-block": (_plane(0, block_stride=1), "need a block stride >= that"),
+    "plane-end-past-2^64": (_plane(0, block_stride=2**62), "overflow 64 bits"),
+    "blocks-not-the-shape": (_halve_planes, r"planes hold \d+ B per block and layer, the shape"),
     "zero-heads": ({"num_kv_heads": 0}, r"num_kv_heads is 0, must be in \[1,"),
     "zero-head-dim": ({"head_dim": 0}, r"head_dim is 0, must be in \[1,"),
     "zero-block-size": ({"block_size": 0}, r"block_size is 0, must be in \[1,"),
     "empty-dtype": ({"dtype": b""}, r"dtype is 0 bytes, must be in \[1, 32\]"),
     "33-byte-dtype": ({"dtype": b"f" * 33}, r"dtype is 33 bytes, must be in \[1, 32\]"),
-    "region-one-byte-short": ({"region_nbytes": None}, r"region_nbytes \d+ != 4 layers x 8 blocks"),
-    "zero-block-nbytes": ({"block_nbytes": 0, "region_nbytes": 0},
-                          "region_nbytes 0 != 4 layers x 8 blocks x 0 bytes"),
-    # 2 x 1 x 2^63 wraps to 0 in 64 bits: the check must not overflow.
-    "size-product-overflows": ({"num_layers": 2, "num_blocks": 1, "block_nbytes": 2**63,
-                                "region_nbytes": 0},
-                               "region_nbytes 0 != 2 layers x 1 blocks x 9223372036854775808"),
+    "unknown-order": ({"order": b"NDH"}, "unknown order 'NDH'"),
+    "empty-order": ({"order": b""}, r"order is 0 bytes, must be in \[1, 32\]"),
     "reserved-not-zero": ({"reserved": 1}, "reserved field is not 0"),
 }
 
@@ -361,9 +381,14 @@ FORGED = {
 def test_reject_forged_field_with_valid_checksum(lone, valid_metadata, case):
     changes, pattern = FORGED[case]
     fields = parse(valid_metadata)
-    fields.update(changes)
-    if fields["region_nbytes"] is None:
-        fields["region_nbytes"] = parse(valid_metadata)["region_nbytes"] - 1
+    if callable(changes):
+        changes(fields)
+    else:
+        fields.update(changes)
+    for plane in fields["planes"]:
+        if plane["base"] is None:  # one byte past its segment's end
+            plane["base"] = fields["segments"][0]["addr"] + fields["segments"][0]["nbytes"] - \
+                (fields["num_blocks"] - 1) * plane["block_stride"] - plane["block_nbytes"] + 1
     with pytest.raises(MetadataError, match=pattern):
         lone.add_peer(build(fields))
     assert lone.peers == []

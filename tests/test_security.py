@@ -168,13 +168,16 @@ def test_finding_1_the_host_key_is_private_to_its_user(monkeypatch, tmp_path):
 # --- 2: forged region_addr wrote outside the region over tcp ---------------------------------
 
 def test_finding_2_metadata_with_a_forged_region_is_refused(pair):
-    """The review's forger pointed region_addr at another buffer of the victim's process. The
-    forged blob (re-checksummed, so the core's own checks pass) is refused by the signature
-    when signed with any key but the deployment's, before the core or UCX reads it."""
+    """The review's forger pointed the region (now: its segment and planes) at another buffer
+    of the victim's process. The forged blob (re-checksummed, so the core's own checks pass)
+    is refused by the signature when signed with any key but the deployment's, before the
+    core or UCX reads it."""
     fields = parse(pair.b.key.verify(pair.b.metadata()))
     victim_buffer = np.full(4096, 0x11, dtype=np.uint8)
+    segment = {**fields["segments"][0], "addr": victim_buffer.ctypes.data}
+    plane = {**fields["planes"][0], "base": victim_buffer.ctypes.data}
     forged = build({**fields, "name": b"forger", "started_ns": fields["started_ns"] + 1,
-                    "region_addr": victim_buffer.ctypes.data})
+                    "segments": [segment], "planes": [plane] * len(fields["planes"])})
     for key in (stranger_key(), None):
         signed = DeploymentKey(key, "argument").sign(forged) if key else forged
         with pytest.raises(MetadataError, match="signed"):
@@ -196,10 +199,12 @@ def test_finding_3_mutated_and_rechecksummed_metadata_never_reaches_ucx(flips, f
     crash would end the test run); this module's own agent keeps working."""
     victim = _VICTIM.agent
     fields = parse(victim.key.verify(victim.metadata()))
-    blob = bytearray(fields[field])
+    owner = fields["segments"][0] if field == "packed_rkey" else fields
+    blob = bytearray(owner[field])
     for pos, xor in flips:
         blob[pos % len(blob)] ^= xor
-    forged = build({**fields, "name": b"mutant", field: bytes(blob)})
+    owner[field] = bytes(blob)
+    forged = build({**fields, "name": b"mutant"})
     with pytest.raises(MetadataError, match="not signed with this deployment's key"):
         victim.add_peer(DeploymentKey(_VICTIM.stranger, "argument").sign(forged))
     assert victim.peers == []

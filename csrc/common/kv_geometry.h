@@ -18,6 +18,12 @@
 // An engine that keeps K and V apart (vLLM's flash layout, [2, N, B, H, D] per layer) has two
 // parts per layer; one that interleaves them inside a block has one. Blocks b and b + 1 of a
 // plane touch when block_stride == block_nbytes: then a run of consecutive ids is one range.
+//
+// A block's bytes are its parts read one after the other (part 0, then part 1): two caches
+// whose blocks hold the same elements in the same order (BlockShape) copy byte for byte even
+// when one splits a block into two parts and the other does not. Each plane lies in one
+// segment: a span of memory registered once with the transport (a wrapped cache has one per
+// engine tensor, kvmove's own cache one for its region). A copy never spans two segments.
 #pragma once
 
 #include <cstdint>
@@ -51,6 +57,7 @@ struct Plane {
     uint64_t base;
     uint64_t block_stride;
     uint64_t block_nbytes;
+    uint32_t segment = 0;  // index of the registered span holding it
 };
 
 KVMOVE_HD uint64_t block_address(const Plane& plane, int64_t block) {
@@ -62,6 +69,8 @@ struct RangePair {
     uint64_t here;
     uint64_t there;
     uint64_t nbytes;
+    uint32_t here_segment = 0;
+    uint32_t there_segment = 0;
 };
 
 class KVGeometry {
@@ -105,14 +114,20 @@ private:
     std::vector<Plane> planes_;
 };
 
-// "" when blocks of a and b can be copied byte for byte (same layers, parts and part sizes),
-// else what differs.
+// "" when every plane of g lies inside its segment (segments[plane.segment]), else the first
+// plane that does not, and why.
+std::string outside_segments(const KVGeometry& g, const std::vector<Descriptor>& segments);
+
+// "" when blocks of a and b can be copied byte for byte (same layers, same bytes per block;
+// the parts may split a block differently), else what differs.
 std::string copy_difference(const KVGeometry& a, const KVGeometry& b);
 
-// The ranges that copy here_ids[i] of `here` <-> there_ids[i] of `there` in the given layers:
-// pairs consecutive on both sides (and touching in memory) form one range per part, and a
-// range that continues the previous one on both sides merges with it. Inputs must be
-// validated (ids in range, equal lengths, copy_difference empty).
+// The ranges that copy here_ids[i] of `here` <-> there_ids[i] of `there` in the given layers.
+// A block is cut where either side's parts meet; each piece of a pair of runs consecutive on
+// both sides is one range when both pieces are whole parts of dense planes (else one per
+// block), and a range that continues the previous one on both sides, in the same segments,
+// merges with it. Inputs must be validated (ids in range, equal lengths, copy_difference
+// empty).
 std::vector<RangePair> pair_ranges(const KVGeometry& here, const std::vector<BlockId>& here_ids,
                                    const KVGeometry& there, const std::vector<BlockId>& there_ids,
                                    const std::vector<int64_t>& layers);

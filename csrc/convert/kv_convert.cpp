@@ -14,7 +14,12 @@ namespace {
 // The planes of the given layers of cache, with its block shape.
 CacheView view_of(const KVCache& cache, const std::vector<int64_t>& layers,
                   const BlockShape& shape) {
-    CacheView view{{}, shape, cache.region().device()};
+    // Conversions address a block as one part; a cache with K and V apart (a wrapped engine
+    // cache) is not one of theirs yet.
+    KVMOVE_CHECK(cache.geometry().num_parts() == 1, Config,
+                 "pack, unpack and convert need one part per layer, the cache has "
+                     << cache.geometry().num_parts());
+    CacheView view{{}, shape, cache.device()};
     for (int64_t layer : layers) {
         view.planes.push_back(cache.geometry().plane(layer, 0));
     }
@@ -27,6 +32,8 @@ std::vector<int64_t> checked_layers(const KVCache& cache, const std::vector<int6
 }
 
 void check_shape(const KVCache& cache, const BlockShape& s, const char* side) {
+    KVMOVE_CHECK(s.order == BlockOrder::NHD || s.order == BlockOrder::HND, Config,
+                 side << " order must be NHD or HND to convert, got " << order_name(s.order));
     KVMOVE_CHECK(s.block_size > 0 && s.num_kv_heads > 0 && s.head_dim > 0, Config,
                  side << " shape must be positive, got block_size " << s.block_size << ", "
                       << s.num_kv_heads << " heads, head_dim " << s.head_dim);
@@ -108,7 +115,7 @@ void move_packed(const KVCache& cache, const std::vector<BlockId>& ids,
                                            << " blocks of " << wanted.size() << " layers need "
                                            << need);
     auto* staging = reinterpret_cast<char*>(staging_addr);
-    if (cache.region().on_device()) {
+    if (cache.on_device()) {
         pack_blocks_cuda(view_of(cache, wanted, BlockShape{}), ids, staging, unpack);
     } else {
         pack_host(cache, ids, wanted, staging, unpack);
@@ -141,10 +148,9 @@ void convert_blocks(const KVCache& src, const BlockShape& src_shape,
                  "heads and head_dim must match: source "
                      << src_shape.num_kv_heads << " x " << src_shape.head_dim << ", destination "
                      << dst_shape.num_kv_heads << " x " << dst_shape.head_dim);
-    KVMOVE_CHECK(src.region().device() == dst.region().device(), Config,
+    KVMOVE_CHECK(src.device() == dst.device(), Config,
                  "both caches must be in the same memory: source on device "
-                     << src.region().device() << ", destination on " << dst.region().device()
-                     << " (-1: host)");
+                     << src.device() << ", destination on " << dst.device() << " (-1: host)");
     KVMOVE_CHECK(
         src.num_layers() == dst.num_layers(), Config,
         "the caches have " << src.num_layers() << " and " << dst.num_layers() << " layers");
@@ -188,7 +194,7 @@ void convert_blocks(const KVCache& src, const BlockShape& src_shape,
                      "converting within one cache needs disjoint blocks; block "
                          << both.front() << " is both source and destination");
     }
-    if (src.region().on_device()) {
+    if (src.on_device()) {
         convert_blocks_cuda(plan);
         return;
     }

@@ -20,7 +20,7 @@ constexpr float kFloat8Max = 448.0f;
 
 // Element index of (kv, token, head, dim) inside one block.
 KVMOVE_HD int64_t element_index(const BlockShape& s, int kv, int token, int head, int dim) {
-    return s.head_major
+    return s.head_major()
                ? ((static_cast<int64_t>(kv) * s.num_kv_heads + head) * s.block_size + token) *
                          s.head_dim +
                      dim

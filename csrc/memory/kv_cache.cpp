@@ -27,9 +27,32 @@ uint64_t KVCache::checked_nbytes(int64_t num_layers, int64_t num_blocks, int64_t
 KVCache::KVCache(int64_t num_layers, int64_t num_blocks, int64_t block_nbytes, bool huge_pages,
                  int device, bool pin)
     : pool_(num_blocks),
-      region_(checked_nbytes(num_layers, num_blocks, block_nbytes), huge_pages, device, pin),
-      geometry_(KVGeometry::layer_major(region_.addr(), num_layers, num_blocks,
-                                        static_cast<uint64_t>(block_nbytes))) {}
+      region_(std::make_unique<Region>(checked_nbytes(num_layers, num_blocks, block_nbytes),
+                                       huge_pages, device, pin)),
+      geometry_(KVGeometry::layer_major(region_->addr(), num_layers, num_blocks,
+                                        static_cast<uint64_t>(block_nbytes))),
+      segments_{{region_->addr(), region_->nbytes()}},
+      device_(region_->device()) {}
+
+KVCache::KVCache(KVGeometry geometry, std::vector<Descriptor> segments, int device)
+    : pool_(geometry.num_blocks()),
+      geometry_(std::move(geometry)),
+      segments_(std::move(segments)),
+      device_(device) {
+    KVMOVE_CHECK(!segments_.empty(), Config, "a wrapped cache needs at least one segment");
+    const std::string outside = outside_segments(geometry_, segments_);
+    KVMOVE_CHECK(outside.empty(), Config, "wrapped memory: " << outside);
+}
+
+Region& KVCache::region() {
+    KVMOVE_CHECK(region_ != nullptr, Config, "a wrapped cache has no region: the engine owns it");
+    return *region_;
+}
+
+const Region& KVCache::region() const {
+    KVMOVE_CHECK(region_ != nullptr, Config, "a wrapped cache has no region: the engine owns it");
+    return *region_;
+}
 
 std::vector<Descriptor> KVCache::descriptors(
     const std::vector<BlockId>& ids, const std::optional<std::vector<int64_t>>& layers) const {
@@ -47,8 +70,8 @@ void copy_bytes(void* dst, const void* src, uint64_t nbytes, bool device) {  // 
 
 void sync_devices(const KVCache& a, const KVCache& b) {
     for (const KVCache* cache : {&a, &b}) {
-        if (cache->region().on_device()) {
-            cuda_synchronize(cache->region().device());
+        if (cache->on_device()) {
+            cuda_synchronize(cache->device());
         }
     }
 }
@@ -66,7 +89,7 @@ void copy_blocks(const KVCache& src, const std::vector<BlockId>& src_ids, KVCach
                      << " B (layers x bytes per block and layer)");
     src.geometry().check_ids(src_ids, "source");
     dst.geometry().check_ids(dst_ids, "destination");
-    const bool device = src.region().on_device() || dst.region().on_device();
+    const bool device = src.on_device() || dst.on_device();
     sync_devices(src, dst);  // what other streams wrote to either cache is there
     for (const RangePair& r : pair_ranges(src.geometry(), src_ids, dst.geometry(), dst_ids,
                                           src.geometry().layers_or_all(std::nullopt))) {

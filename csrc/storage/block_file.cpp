@@ -168,6 +168,29 @@ std::vector<std::pair<size_t, size_t>> BlockFile::chunks(const std::vector<int64
     return out;
 }
 
+namespace {
+
+// Block id of layer <-> its bytes in a slot: the parts one after the other, so a cache with K
+// and V apart stores the same slot as one with them together.
+void gather_block(const KVGeometry& g, int64_t layer, BlockId id, char* out, bool device) {
+    for (int64_t part = 0; part < g.num_parts(); ++part) {
+        const Plane& p = g.plane(layer, part);
+        copy_bytes(out, reinterpret_cast<const void*>(block_address(p, id)), p.block_nbytes,
+                   device);
+        out += p.block_nbytes;
+    }
+}
+
+void scatter_block(const char* in, const KVGeometry& g, int64_t layer, BlockId id, bool device) {
+    for (int64_t part = 0; part < g.num_parts(); ++part) {
+        const Plane& p = g.plane(layer, part);
+        copy_bytes(reinterpret_cast<void*>(block_address(p, id)), in, p.block_nbytes, device);
+        in += p.block_nbytes;
+    }
+}
+
+}  // namespace
+
 // Both directions pipeline two staging buffers: while the disk writes (reads) one chunk, this
 // thread gathers and checksums the next (verifies and scatters the last). At one request in
 // flight the disk and the CPU otherwise wait for each other.
@@ -177,7 +200,7 @@ std::vector<uint64_t> BlockFile::write(const KVCache& cache, const std::vector<B
     check_args(cache, ids, slots, hashes.size());
     std::lock_guard<std::mutex> lock(mu_);
     const uint64_t layer_nbytes = cache.block_nbytes();
-    const bool device = cache.region().on_device();  // a device cache's blocks stage via host
+    const bool device = cache.on_device();  // a device cache's blocks stage via host
     if (device) {
         sync_devices(cache, cache);  // what other streams wrote to the blocks is there
     }
@@ -196,9 +219,7 @@ std::vector<uint64_t> BlockFile::write(const KVCache& cache, const std::vector<B
         char* out = buffer;
         for (size_t i = begin; i < end; ++i, out += slot_nbytes_) {
             for (int64_t layer = 0; layer < cache.num_layers(); ++layer) {
-                const auto* block =
-                    reinterpret_cast<const char*>(cache.geometry().address(layer, 0, ids[i]));
-                copy_bytes(out + layer * layer_nbytes, block, layer_nbytes, device);
+                gather_block(cache.geometry(), layer, ids[i], out + layer * layer_nbytes, device);
             }
             std::memset(out + block_nbytes_, 0, slot_nbytes_ - block_nbytes_);
             if (!device) {  // while the block is still in the CPU's caches
@@ -231,7 +252,7 @@ std::vector<uint8_t> BlockFile::read(KVCache& cache, const std::vector<BlockId>&
         "need one checksum per block id, got " << checksums.size() << " for " << ids.size());
     std::lock_guard<std::mutex> lock(mu_);
     const uint64_t layer_nbytes = cache.block_nbytes();
-    const bool device = cache.region().on_device();
+    const bool device = cache.on_device();
     if (device) {
         sync_devices(cache, cache);  // nothing still pending on the blocks we overwrite
     }
@@ -260,8 +281,7 @@ std::vector<uint8_t> BlockFile::read(KVCache& cache, const std::vector<BlockId>&
                 return ok;  // truncated, torn or overwritten: this block and the rest miss
             }
             for (int64_t layer = 0; layer < cache.num_layers(); ++layer) {
-                auto* block = reinterpret_cast<char*>(cache.geometry().address(layer, 0, ids[i]));
-                copy_bytes(block, in + layer * layer_nbytes, layer_nbytes, device);
+                scatter_block(in + layer * layer_nbytes, cache.geometry(), layer, ids[i], device);
             }
             ok[i] = 1;
         }

@@ -81,8 +81,12 @@ Agent::Agent(std::string name, KVCache& cache, BlockShape shape, AgentConfig con
                  "max_peers must be at least 1, got " << config_.max_peers);
     context_ = make_context(config_.transports, config_.peer_timeout_seconds, config_.net_devices);
     worker_ = make_worker(context_.get());
-    registration_ = std::make_unique<MemoryRegistration>(
-        context_.get(), cache.region().data(), cache.region().nbytes(), cache.region().on_device());
+    // One registration per segment (the region, or each wrapped tensor), never per block.
+    for (const Descriptor& segment : cache.segments()) {
+        registrations_.push_back(std::make_unique<MemoryRegistration>(
+            context_.get(), reinterpret_cast<void*>(segment.addr), segment.nbytes,
+            cache.on_device()));
+    }
     KVMOVE_UCX_CHECK(ucp_worker_get_efd(worker_.get(), &event_fd_), "cannot get the worker's fd");
     ucp_am_handler_param_t am{};
     am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
@@ -98,17 +102,20 @@ Agent::Agent(std::string name, KVCache& cache, BlockShape shape, AgentConfig con
                      "cannot install the layer stream handler");
     const auto started = std::chrono::duration_cast<std::chrono::nanoseconds>(
         std::chrono::system_clock::now().time_since_epoch());
-    AgentMetadata meta{name_,
-                       incarnation_,
-                       static_cast<uint64_t>(started.count()),
-                       worker_address(worker_.get()),
-                       cache.region().addr(),
-                       cache.region().nbytes(),
-                       registration_->packed_rkey(),
-                       cache.num_layers(),
-                       cache.num_blocks(),
-                       cache.block_nbytes(),
-                       shape_};
+    AgentMetadata meta;
+    meta.name = name_;
+    meta.incarnation = incarnation_;
+    meta.started_ns = static_cast<uint64_t>(started.count());
+    meta.worker_address = worker_address(worker_.get());
+    for (size_t i = 0; i < cache.segments().size(); ++i) {
+        const Descriptor& segment = cache.segments()[i];
+        meta.segments.push_back({segment.addr, segment.nbytes, registrations_[i]->packed_rkey()});
+    }
+    meta.num_layers = cache.num_layers();
+    meta.num_blocks = cache.num_blocks();
+    meta.num_parts = cache.geometry().num_parts();
+    meta.planes = cache.geometry().planes();
+    meta.shape = shape_;
     metadata_ = encode(meta);
     progress_thread_ = std::thread([this] { progress_loop(); });
 }
@@ -143,7 +150,7 @@ void Agent::close() {
     for (auto& [name, peer] : peers_) {
         double left =
             std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count();
-        peer->rkey.reset();
+        peer->rkeys.clear();
         peer->endpoint->close(!peer->failure.empty(), std::max(left, 0.05));
         detach_transfers(peer.get());
     }
@@ -154,7 +161,7 @@ void Agent::close() {
     in_flight_.clear();
     flushed_.clear();
     delayed_.clear();
-    registration_.reset();
+    registrations_.clear();
     context_.reset();
 }
 
@@ -169,8 +176,8 @@ std::string Agent::add_peer(const std::vector<uint8_t>& metadata) {
     auto old = peers_.find(meta.name);
     if (old != peers_.end()) {
         const AgentMetadata& known = old->second->meta;
-        const bool same = known.incarnation == meta.incarnation &&
-                          known.worker_address == meta.worker_address;
+        const bool same =
+            known.incarnation == meta.incarnation && known.worker_address == meta.worker_address;
         KVMOVE_CHECK(!old->second->failure.empty() || !same, Peer,
                      "peer '" << meta.name << "' is already added to agent '" << name_ << "'");
         // An earlier run's metadata (a replay, or a stale copy) never displaces a later one.
@@ -197,7 +204,9 @@ std::string Agent::add_peer(const std::vector<uint8_t>& metadata) {
         KVMOVE_FAIL(Peer, "cannot reach peer '" << meta.name << "': " << e.what());
     }
     try {
-        peer->rkey = peer->endpoint->unpack_rkey(meta.packed_rkey);
+        for (const RemoteSegment& segment : peer->meta.segments) {
+            peer->rkeys.push_back(peer->endpoint->unpack_rkey(segment.packed_rkey));
+        }
     } catch (const Error& e) {
         KVMOVE_FAIL(Metadata, "bad agent metadata from '" << meta.name << "': " << e.what());
     }
@@ -213,8 +222,7 @@ void Agent::remove_peer(const std::string& name) {
     auto it = peers_.find(name);
     KVMOVE_CHECK(it != peers_.end(), Peer,
                  "unknown peer '" << name << "' for agent '" << name_ << "'");
-    drop_peer(it, !it->second->failure.empty(), ErrorKind::Peer,
-              "peer '" + name + "' was removed");
+    drop_peer(it, !it->second->failure.empty(), ErrorKind::Peer, "peer '" + name + "' was removed");
 }
 
 // Fails the peer's transfers, closes its endpoint (force: cancel what is posted; else flush it
@@ -226,7 +234,7 @@ void Agent::drop_peer(std::map<std::string, std::unique_ptr<Peer>>::iterator it,
     Peer& peer = *it->second;
     by_ep_.erase(peer.endpoint->get());
     fail_peer_transfers(&peer, reason);
-    peer.rkey.reset();
+    peer.rkeys.clear();
     peer.endpoint->close(force, kCloseSeconds);
     detach_transfers(&peer);
     streams_.peer_failed(name, kind, reason);
@@ -342,11 +350,11 @@ void Agent::post_ranges(Direction direction, Peer& peer, const std::vector<Range
     ucp_request_param_t param{};  // no callback: the flush that follows reports completion
     for (const RangePair& op : ranges) {
         void* local = reinterpret_cast<void*>(op.here);
-        ucs_status_ptr_t request = direction == Direction::Put
-                                       ? ucp_put_nbx(peer.endpoint->get(), local, op.nbytes,
-                                                     op.there, peer.rkey.get(), &param)
-                                       : ucp_get_nbx(peer.endpoint->get(), local, op.nbytes,
-                                                     op.there, peer.rkey.get(), &param);
+        ucp_rkey_h rkey = peer.rkeys[op.there_segment].get();  // decode() bounded the index
+        ucs_status_ptr_t request =
+            direction == Direction::Put
+                ? ucp_put_nbx(peer.endpoint->get(), local, op.nbytes, op.there, rkey, &param)
+                : ucp_get_nbx(peer.endpoint->get(), local, op.nbytes, op.there, rkey, &param);
         if (UCS_PTR_IS_ERR(request)) {
             transfer.fail(ErrorKind::Transfer, "posting " + std::to_string(op.nbytes) + " bytes: " +
                                                    status_text(UCS_PTR_STATUS(request)));
@@ -454,13 +462,12 @@ void Agent::post_notification(InFlight* entry) {
     param.user_data = entry;
     // Eager: the receiver's handler sees the whole payload at once. Reply: the receiver knows
     // the message by our endpoint (the only thing it trusts), not by any name in it.
-    param.flags = (faults_ && faults_->rndv_message() ? UCP_AM_SEND_FLAG_RNDV
-                                                      : UCP_AM_SEND_FLAG_EAGER) |
-                  UCP_AM_SEND_FLAG_REPLY;
+    param.flags =
+        (faults_ && faults_->rndv_message() ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER) |
+        UCP_AM_SEND_FLAG_REPLY;
     const std::string& payload = *entry->notify;
-    ucs_status_ptr_t request =
-        ucp_am_send_nbx(entry->peer->endpoint->get(), entry->am_id, nullptr, 0, payload.data(),
-                        payload.size(), &param);
+    ucs_status_ptr_t request = ucp_am_send_nbx(entry->peer->endpoint->get(), entry->am_id, nullptr,
+                                               0, payload.data(), payload.size(), &param);
     if (request == nullptr || UCS_PTR_IS_ERR(request)) {
         finish(entry, UCS_PTR_STATUS(request));
     }
@@ -501,23 +508,24 @@ void Agent::fail_peer_transfers(const Peer* peer, const std::string& reason) {
     }
 }
 
-const Agent::Peer* Agent::sender_of(const ucp_am_recv_param_t* param, size_t nbytes,
-                                    size_t limit) {
+const Agent::Peer* Agent::sender_of(const ucp_am_recv_param_t* param, size_t nbytes, size_t limit) {
     if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || nbytes > limit) {
         // A rendezvous message's data is a descriptor, not the message; kvmove sends neither
         // that nor messages over the limit.
         ++messages_dropped_;
-        KVMOVE_LOG(Warning, "agent", "agent '" << name_ << "' dropped a "
-                                                << (nbytes > limit ? "too large" : "rendezvous")
-                                                << " message of " << nbytes << " bytes");
+        KVMOVE_LOG(Warning, "agent",
+                   "agent '" << name_ << "' dropped a "
+                             << (nbytes > limit ? "too large" : "rendezvous") << " message of "
+                             << nbytes << " bytes");
         return nullptr;
     }
     auto it = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? by_ep_.find(param->reply_ep)
                                                                    : by_ep_.end();
     if (it == by_ep_.end() || !it->second->failure.empty()) {
         ++unknown_senders_;
-        KVMOVE_LOG(Warning, "agent", "agent '" << name_ << "' dropped a message of " << nbytes
-                                                << " bytes from an endpoint that is no peer's");
+        KVMOVE_LOG(Warning, "agent",
+                   "agent '" << name_ << "' dropped a message of " << nbytes
+                             << " bytes from an endpoint that is no peer's");
         return nullptr;
     }
     return it->second;
@@ -572,7 +580,7 @@ std::shared_ptr<SaveStream> Agent::stream_to(const std::string& peer,
                                              const std::vector<BlockId>& remote_ids,
                                              const std::string& request_id, uint64_t epoch,
                                              bool checksums) {
-    KVMOVE_CHECK(!checksums || !cache_.region().on_device(), Config,
+    KVMOVE_CHECK(!checksums || !cache_.on_device(), Config,
                  "checksums are computed on the host: this cache is on a device");
     return streams_.stream_to(peer, local_ids, remote_ids, request_id, epoch, checksums);
 }
@@ -650,7 +658,7 @@ void Agent::put_then_send(const std::string& peer_name, const std::vector<BlockI
     auto entry = std::make_unique<InFlight>(this, transfer, &peer, std::move(message));
     entry->am_id = kStreamAmId;
     entry->on_done = std::move(done);
-    if (faults_ && !ranges.empty() && !cache_.region().on_device() && faults_->corrupt_layer()) {
+    if (faults_ && !ranges.empty() && !cache_.on_device() && faults_->corrupt_layer()) {
         // One byte of the layer lands flipped: fenced behind the layer's own puts, flushed with
         // them, before its Layer message.
         const RangePair& first = ranges.front();
@@ -658,8 +666,9 @@ void Agent::put_then_send(const std::string& peer_name, const std::vector<BlockI
             std::make_unique<uint8_t>(*reinterpret_cast<const uint8_t*>(first.here) ^ 0xFF);
         ucp_worker_fence(worker_.get());
         ucp_request_param_t param{};
-        ucs_status_ptr_t request = ucp_put_nbx(peer.endpoint->get(), entry->corrupt_byte.get(),
-                                               1, first.there, peer.rkey.get(), &param);
+        ucs_status_ptr_t request =
+            ucp_put_nbx(peer.endpoint->get(), entry->corrupt_byte.get(), 1, first.there,
+                        peer.rkeys[first.there_segment].get(), &param);
         if (request != nullptr && !UCS_PTR_IS_ERR(request)) {
             ucp_request_free(request);
         }

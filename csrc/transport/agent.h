@@ -85,8 +85,7 @@ public:
                                           const std::string& request_id, uint64_t epoch,
                                           bool checksums);
     std::shared_ptr<LoadStream> expect(const std::string& peer, const std::string& request_id,
-                                       const std::vector<BlockId>& local_ids,
-                                       double lease_seconds);
+                                       const std::vector<BlockId>& local_ids, double lease_seconds);
 
     StreamStats stream_stats() const;
     // What fault injection did so far (empty when it is off).
@@ -161,12 +160,12 @@ private:
     KVCache& cache_;
     const BlockShape shape_;  // what each block of the cache holds
     const AgentConfig config_;
-    const uint32_t incarnation_;  // transport/metadata.h
+    const uint32_t incarnation_;                   // transport/metadata.h
     const std::unique_ptr<FaultInjector> faults_;  // null unless faults are asked for
     // UCX objects in dependency order: destroyed bottom-up.
     ContextPtr context_;
     WorkerPtr worker_;
-    std::unique_ptr<MemoryRegistration> registration_;
+    std::vector<std::unique_ptr<MemoryRegistration>> registrations_;  // one per segment
     std::vector<uint8_t> metadata_;
     int event_fd_ = -1;
 
@@ -192,9 +191,9 @@ private:
     // Each peer by its endpoint: how an incoming message is attributed (never by a name in it).
     std::unordered_map<ucp_ep_h, Peer*> by_ep_;
     std::unordered_map<Transfer*, std::unique_ptr<InFlight>> in_flight_;
-    std::vector<InFlight*> flushed_;  // flushes done, notification still to send
+    std::vector<InFlight*> flushed_;                    // flushes done, notification still to send
     std::deque<std::pair<double, InFlight*>> delayed_;  // notifications held back by a fault
-    StreamProtocol streams_;          // layer streams over this agent (guarded by worker_mu_)
+    StreamProtocol streams_;  // layer streams over this agent (guarded by worker_mu_)
 
     std::mutex notify_mu_;
     std::condition_variable notify_cv_;

@@ -18,19 +18,15 @@ inline std::string status_text(ucs_status_t status) {
 }
 
 struct Agent::Peer {
-    Peer(Agent* a, AgentMetadata m)
-        : agent(a),
-          meta(std::move(m)),
-          geometry(KVGeometry::layer_major(meta.region_addr, meta.num_layers, meta.num_blocks,
-                                           meta.block_nbytes)) {}
+    Peer(Agent* a, AgentMetadata m) : agent(a), meta(std::move(m)), geometry(meta.geometry()) {}
 
     Agent* agent;
     AgentMetadata meta;
     KVGeometry geometry;  // of the peer's cache, in its address space
     std::string failure;  // why the peer is dead; empty while alive
-    // Declared last so they are destroyed first: the key before its endpoint.
+    // Declared last so they are destroyed first: the keys before their endpoint.
     std::unique_ptr<Endpoint> endpoint;
-    RkeyPtr rkey;
+    std::vector<RkeyPtr> rkeys;  // one per segment of meta
 };
 
 // A transfer between posting and completion; UCX callbacks get a pointer to it, so it lives
@@ -45,7 +41,7 @@ struct Agent::InFlight {
     Peer* peer;
     std::optional<std::string> notify;  // sent once the flush completes
     unsigned am_id = kNotifyAmId;
-    PortDone on_done;  // a stream's transfer: told how it ended
+    PortDone on_done;                       // a stream's transfer: told how it ended
     std::unique_ptr<uint8_t> corrupt_byte;  // fault injection: the flipped byte being put
 };
 

@@ -52,11 +52,11 @@ public:
         p_ += nbytes;
         return out;
     }
-    int64_t count(const char* field) {
+    int64_t count(const char* field, int64_t limit = INT32_MAX) {
         auto v = get<uint32_t>(field);
-        KVMOVE_CHECK(v > 0 && v <= INT32_MAX, Metadata,
-                     "bad agent metadata: " << field << " is " << v << ", must be in [1, "
-                                            << INT32_MAX << "]");
+        KVMOVE_CHECK(
+            v > 0 && v <= limit, Metadata,
+            "bad agent metadata: " << field << " is " << v << ", must be in [1, " << limit << "]");
         return v;
     }
     size_t left() const { return static_cast<size_t>(end_ - p_); }
@@ -98,17 +98,28 @@ std::vector<uint8_t> encode(const AgentMetadata& meta) {
     body.put<uint32_t>(meta.incarnation);
     body.put<uint64_t>(meta.started_ns);
     body.blob<uint32_t>(meta.worker_address.data(), meta.worker_address.size());
-    body.put<uint64_t>(meta.region_addr);
-    body.put<uint64_t>(meta.region_nbytes);
-    body.blob<uint32_t>(meta.packed_rkey.data(), meta.packed_rkey.size());
+    body.put<uint32_t>(static_cast<uint32_t>(meta.segments.size()));
+    for (const RemoteSegment& s : meta.segments) {
+        body.put<uint64_t>(s.addr);
+        body.put<uint64_t>(s.nbytes);
+        body.blob<uint32_t>(s.packed_rkey.data(), s.packed_rkey.size());
+    }
     body.put<uint32_t>(static_cast<uint32_t>(meta.num_layers));
     body.put<uint32_t>(static_cast<uint32_t>(meta.num_blocks));
-    body.put<uint64_t>(meta.block_nbytes);
+    body.put<uint32_t>(static_cast<uint32_t>(meta.num_parts));
+    for (const Plane& p : meta.planes) {
+        body.put<uint64_t>(p.base);
+        body.put<uint64_t>(p.block_stride);
+        body.put<uint64_t>(p.block_nbytes);
+        body.put<uint32_t>(p.segment);
+    }
     body.put<uint32_t>(static_cast<uint32_t>(meta.shape.num_kv_heads));
     body.put<uint32_t>(static_cast<uint32_t>(meta.shape.head_dim));
     body.put<uint32_t>(static_cast<uint32_t>(meta.shape.block_size));
     const std::string dtype = dtype_name(meta.shape.dtype);
     body.blob<uint8_t>(dtype.data(), dtype.size());
+    const std::string order = order_name(meta.shape.order);
+    body.blob<uint8_t>(order.data(), order.size());
     Writer out;
     out.out.insert(out.out.end(), kMagic, kMagic + 4);
     out.put<uint16_t>(kMetadataVersion);
@@ -118,7 +129,9 @@ std::vector<uint8_t> encode(const AgentMetadata& meta) {
     return out.out;
 }
 
-AgentMetadata decode(const std::vector<uint8_t>& bytes) {
+namespace {
+
+std::vector<uint8_t> checked_body(const std::vector<uint8_t>& bytes) {
     KVMOVE_CHECK(
         bytes.size() >= kHeaderBytes && std::memcmp(bytes.data(), kMagic, 4) == 0, Metadata,
         "bad agent metadata: not kvmove metadata (" << bytes.size() << " bytes, no KVMV magic)");
@@ -135,7 +148,76 @@ AgentMetadata decode(const std::vector<uint8_t>& bytes) {
                  "bad agent metadata: " << header.left() << " bytes after the checksum");
     KVMOVE_CHECK(checksum == xxh64(body.data(), body.size(), 0), Metadata,
                  "bad agent metadata: checksum mismatch (corrupted in transit?)");
+    return body;
+}
 
+void read_segments(Reader& r, AgentMetadata& m) {
+    const int64_t num = r.count("num_segments", kMaxMetadataSegments);
+    for (int64_t i = 0; i < num; ++i) {
+        RemoteSegment s;
+        s.addr = r.get<uint64_t>("segment addr");
+        s.nbytes = r.get<uint64_t>("segment nbytes");
+        uint64_t end = 0;
+        KVMOVE_CHECK(s.nbytes > 0 && !__builtin_add_overflow(s.addr, s.nbytes, &end), Metadata,
+                     "bad agent metadata: segment " << i << " of " << s.nbytes << " bytes at 0x"
+                                                    << std::hex << s.addr
+                                                    << " is empty or overflows 64 bits");
+        s.packed_rkey = r.blob<uint32_t>("packed_rkey", 1, kMaxBlobBytes);
+        m.segments.push_back(std::move(s));
+    }
+}
+
+void read_planes(Reader& r, AgentMetadata& m) {
+    m.num_layers = r.count("num_layers", kMaxMetadataLayers);
+    m.num_blocks = r.count("num_blocks");
+    m.num_parts = r.count("num_parts", 2);
+    for (int64_t i = 0; i < m.num_layers * m.num_parts; ++i) {
+        Plane p;
+        p.base = r.get<uint64_t>("plane base");
+        p.block_stride = r.get<uint64_t>("plane block_stride");
+        p.block_nbytes = r.get<uint64_t>("plane block_nbytes");
+        p.segment = r.get<uint32_t>("plane segment");
+        m.planes.push_back(p);
+    }
+}
+
+void read_shape(Reader& r, AgentMetadata& m) {
+    m.shape.num_kv_heads = static_cast<int32_t>(r.count("num_kv_heads"));
+    m.shape.head_dim = static_cast<int32_t>(r.count("head_dim"));
+    m.shape.block_size = static_cast<int32_t>(r.count("block_size"));
+    const std::string dtype = text(r.blob<uint8_t>("dtype", 1, 32), "dtype");
+    KVMOVE_CHECK(parse_dtype(dtype, m.shape.dtype), Metadata,
+                 "bad agent metadata: unknown dtype '" << dtype << "'");
+    const std::string order = text(r.blob<uint8_t>("order", 1, 32), "order");
+    KVMOVE_CHECK(parse_order(order, m.shape.order), Metadata,
+                 "bad agent metadata: unknown order '" << order << "'");
+}
+
+// The planes form a geometry, lie in their segments, and hold blocks of the shape's size.
+void check_geometry(const AgentMetadata& m) {
+    std::vector<Descriptor> spans;
+    for (const RemoteSegment& s : m.segments) {
+        spans.push_back({s.addr, s.nbytes});
+    }
+    std::string outside;
+    uint64_t block_nbytes = 0;
+    try {
+        const KVGeometry g = m.geometry();
+        outside = outside_segments(g, spans);
+        block_nbytes = g.block_nbytes();
+    } catch (const Error& e) {
+        KVMOVE_FAIL(Metadata, "bad agent metadata: " << e.what());
+    }
+    KVMOVE_CHECK(outside.empty(), Metadata, "bad agent metadata: " << outside);
+    KVMOVE_CHECK(block_nbytes == m.shape.nbytes(), Metadata,
+                 "bad agent metadata: planes hold " << block_nbytes << " B per block and layer, "
+                                                    << "the shape " << m.shape.nbytes());
+}
+
+}  // namespace
+
+AgentMetadata decode(const std::vector<uint8_t>& bytes) {
+    const std::vector<uint8_t> body = checked_body(bytes);
     Reader r(body.data(), body.size());
     AgentMetadata m;
     m.name = text(r.blob<uint8_t>("name", 1, kMaxAgentNameBytes), "name");
@@ -143,25 +225,11 @@ AgentMetadata decode(const std::vector<uint8_t>& bytes) {
     m.started_ns = r.get<uint64_t>("started_ns");
     KVMOVE_CHECK(m.incarnation != 0, Metadata, "bad agent metadata: incarnation is 0");
     m.worker_address = r.blob<uint32_t>("worker_address", 1, kMaxBlobBytes);
-    m.region_addr = r.get<uint64_t>("region_addr");
-    m.region_nbytes = r.get<uint64_t>("region_nbytes");
-    m.packed_rkey = r.blob<uint32_t>("packed_rkey", 1, kMaxBlobBytes);
-    m.num_layers = r.count("num_layers");
-    m.num_blocks = r.count("num_blocks");
-    m.block_nbytes = r.get<uint64_t>("block_nbytes");
-    m.shape.num_kv_heads = static_cast<int32_t>(r.count("num_kv_heads"));
-    m.shape.head_dim = static_cast<int32_t>(r.count("head_dim"));
-    m.shape.block_size = static_cast<int32_t>(r.count("block_size"));
-    const std::string dtype = text(r.blob<uint8_t>("dtype", 1, 32), "dtype");
-    KVMOVE_CHECK(parse_dtype(dtype, m.shape.dtype), Metadata,
-                 "bad agent metadata: unknown dtype '" << dtype << "'");
+    read_segments(r, m);
+    read_planes(r, m);
+    read_shape(r, m);
     KVMOVE_CHECK(r.left() == 0, Metadata, "bad agent metadata: " << r.left() << " trailing bytes");
-    unsigned __int128 expected = static_cast<unsigned __int128>(m.num_layers) *
-                                 static_cast<uint64_t>(m.num_blocks) * m.block_nbytes;
-    KVMOVE_CHECK(m.block_nbytes > 0 && expected == m.region_nbytes, Metadata,
-                 "bad agent metadata: region_nbytes "
-                     << m.region_nbytes << " != " << m.num_layers << " layers x " << m.num_blocks
-                     << " blocks x " << m.block_nbytes << " bytes");
+    check_geometry(m);
     return m;
 }
 

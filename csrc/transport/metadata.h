@@ -1,11 +1,20 @@
 // AgentMetadata: what one agent tells another to reach its KV cache, as versioned bytes.
 //
-// Wire format (little-endian):
+// Wire format (little-endian), version 3:
 //
 //   "KVMV" | u16 version | u16 reserved (0) | u32 body_nbytes | body | u64 xxh64(body)
-//   body = str8 name | u32 incarnation | u64 started_ns | bytes32 worker_address | u64 region_addr
-//        | u64 region_nbytes | bytes32 packed_rkey | u32 num_layers | u32 num_blocks
-//        | u64 block_nbytes | u32 num_kv_heads | u32 head_dim | u32 block_size | str8 dtype
+//   body = str8 name | u32 incarnation | u64 started_ns | bytes32 worker_address
+//        | u32 num_segments | segment * num_segments
+//        | u32 num_layers | u32 num_blocks | u32 num_parts | plane * (num_layers * num_parts)
+//        | u32 num_kv_heads | u32 head_dim | u32 block_size | str8 dtype | str8 order
+//   segment = u64 addr | u64 nbytes | bytes32 packed_rkey     (one registered span)
+//   plane   = u64 base | u64 block_stride | u64 block_nbytes | u32 segment
+//
+// Version 3 (was 2: one region, one key, an implied layer-major geometry) carries the whole
+// geometry (common/kv_geometry.h): a wrapped engine cache has a segment per tensor and planes
+// anywhere in them, and the order label (common/block_shape.h) says what a block holds. The
+// decoder checks that every plane lies in its segment and that the planes' bytes per block
+// are what the shape says, so two peers that pass the shape comparison copy byte for byte.
 //
 // incarnation: a random nonzero number an agent picks when it starts, the high 32 bits of the
 // epochs of the leases it grants. A peer that comes back under the same name has another, so
@@ -25,25 +34,39 @@
 #include <vector>
 
 #include "common/block_shape.h"
+#include "common/kv_geometry.h"
 
 namespace kvmove {
+
+// One span of the agent's memory registered with UCX, and its key.
+struct RemoteSegment {
+    uint64_t addr = 0;
+    uint64_t nbytes = 0;
+    std::vector<uint8_t> packed_rkey;
+};
 
 struct AgentMetadata {
     std::string name;
     uint32_t incarnation = 0;
     uint64_t started_ns = 0;
     std::vector<uint8_t> worker_address;
-    uint64_t region_addr = 0;
-    uint64_t region_nbytes = 0;
-    std::vector<uint8_t> packed_rkey;
+    std::vector<RemoteSegment> segments;
     int64_t num_layers = 0;
     int64_t num_blocks = 0;
-    uint64_t block_nbytes = 0;
-    BlockShape shape;  // the wire carries no order yet: NHD
+    int64_t num_parts = 0;
+    std::vector<Plane> planes;  // layer-major, in the agent's address space
+    BlockShape shape;
+
+    // The peer's cache as a geometry (valid: decode() checked it).
+    KVGeometry geometry() const { return KVGeometry(num_layers, num_blocks, num_parts, planes); }
 };
 
-constexpr uint16_t kMetadataVersion = 2;
+constexpr uint16_t kMetadataVersion = 3;
 constexpr size_t kMaxAgentNameBytes = 255;
+// Bounds on what a peer may announce: a model has at most a few hundred layers, and a wrapped
+// cache one segment per tensor (two per layer at most).
+constexpr int64_t kMaxMetadataLayers = 4096;
+constexpr int64_t kMaxMetadataSegments = 2 * kMaxMetadataLayers;
 
 // Index of the first byte of text outside printable ASCII, or npos. Names and dtypes in
 // metadata must be printable; an Agent checks its own name with the same rule.

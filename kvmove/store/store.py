@@ -165,7 +165,10 @@ class KVStore:
                               f"got {kinds}")
         self.layout = layout
         self.namespace = namespace
-        fingerprint = {"layout": asdict(layout), "namespace": namespace}
+        described = asdict(layout)
+        if not layout.mla:  # as before KVLayout had mla: stores written then still open
+            del described["mla"]
+        fingerprint = {"layout": described, "namespace": namespace}
         self._tiers: list[OpenTier] = []
         try:
             for spec in tiers:
