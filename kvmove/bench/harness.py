@@ -151,9 +151,16 @@ class Child:
         """The exception this handle raises; a tool overrides it to raise its own class."""
         return ChildError(text, kind, message)
 
-    def pause(self) -> None:
-        """SIGSTOP: the child, its UCX progress thread included, stops until ``resume``."""
+    def pause(self, timeout: float = 5.0) -> None:
+        """SIGSTOP: the child, its UCX progress thread included, stops until ``resume``.
+        Returns once every thread of it has stopped (the signal is delivered asynchronously:
+        a thread on another core can run on for a moment after ``kill`` returns)."""
         os.kill(self.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while not _stopped(self.pid):
+            if time.monotonic() > deadline:
+                raise self.failure(f"{self.label} did not stop within {timeout} s of SIGSTOP")
+            time.sleep(0.001)
 
     def resume(self) -> None:
         os.kill(self.pid, signal.SIGCONT)
@@ -241,3 +248,20 @@ def _answer(conn: Any, obj: Any, command: str, args: tuple) -> None:
     except (pickle.PicklingError, TypeError, AttributeError) as error:
         conn.send(("err", type(error).__name__, f"cannot send the result of {command!r}: "
                    f"{error}"))
+
+
+def _stopped(pid: int) -> bool:
+    """Every thread of ``pid`` is stopped (state T in /proc), or it is gone."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except (FileNotFoundError, IndexError):
+            continue  # the thread exited
+        if state not in ("T", "t", "Z", "X"):
+            return False
+    return True
