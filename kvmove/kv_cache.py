@@ -88,6 +88,9 @@ class KVCache:
         pin: page-lock host memory for DMA to and from GPUs (cudaHostRegister); nothing where
             no CUDA device is usable. None: pin when one is (what storage tiers and staging
             buffers use). Off by default: pinning creates a CUDA context in the process.
+        order: the element order inside a block, ``"NHD"`` (the default, drawn above) or
+            ``"HND"`` (``[2, H, B, D]`` per block): a staging cache in a peer's order
+            (kvmove.staging). An MLA layout's is ``"mla"``.
 
     Attributes:
         pool: the ``BlockPool`` handing out this cache's block ids (None for a cache wrapped
@@ -100,15 +103,17 @@ class KVCache:
     """
 
     def __init__(self, layout: KVLayout, num_blocks: int, *, huge_pages: bool = False,
-                 device: str | int | None = None, pin: bool | None = False) -> None:
+                 device: str | int | None = None, pin: bool | None = False,
+                 order: str | None = None) -> None:
         index = _device_index(device)
+        order = _allocated_order(layout, order)
         gpus = _C.cuda_status()[1] > 0
         if pin is None:
             pin = index < 0 and gpus
         self._core = _C.KVCache(layout.num_layers, num_blocks, layout.bytes_per_block_per_layer,
                                 huge_pages, index, bool(pin))
         self.layout = layout
-        self.order = "mla" if layout.mla else "NHD"
+        self.order = order
         self.pool: BlockPool | None = BlockPool._of(self._core.pool, self)
         self.region: Region | None = Region._of(self._core.region, self)
         self.tensors: list[Any] | None = None
@@ -214,12 +219,15 @@ class KVCache:
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
-        """``(L, N, 2, B, H, D)``, the memory order above."""
+        """``(L, N, 2, B, H, D)``, the memory order above (``(L, N, 2, H, B, D)`` for an HND
+        cache)."""
         lay = self.layout
         if self.wrapped:
             raise ConfigError("a wrapped cache is laid out by its engine: see its tensors")
-        return (lay.num_layers, self.num_blocks, lay.kv_count, lay.block_size, lay.num_kv_heads,
-                lay.head_dim)
+        inner = (lay.block_size, lay.num_kv_heads)
+        if self.order == "HND":
+            inner = inner[::-1]
+        return (lay.num_layers, self.num_blocks, lay.kv_count, *inner, lay.head_dim)
 
     def numpy(self) -> np.ndarray:
         """Zero-copy writable view ``[L, N, 2, B, H, D]``; bfloat16 and float8 as raw bits
@@ -274,6 +282,20 @@ class KVCache:
         return (f"KVCache({self.layout!r}, num_blocks={self.num_blocks}, "
                 f"nbytes={self.region.nbytes}, device={self.device!r}, "
                 f"free={self.pool.num_free})")
+
+
+def _allocated_order(layout: KVLayout, order: str | None) -> str:
+    """The order of a cache kvmove allocates: NHD or HND, or mla for an MLA layout."""
+    if layout.mla:
+        if order not in (None, "mla"):
+            raise ConfigError(f"an MLA layout's blocks are in order 'mla', got {order!r}")
+        return "mla"
+    if order is None:
+        return "NHD"
+    if order not in HEAD_ORDERS:
+        raise ConfigError(f"order of an allocated cache must be one of {HEAD_ORDERS}, got "
+                          f"{order!r} (wrap an engine's tensors for the others)")
+    return order
 
 
 def _device_index(device: str | int | None) -> int:
