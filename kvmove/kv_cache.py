@@ -37,7 +37,7 @@ from kvmove.wrap import ORDERS, planes_of
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["KVCache", "block_shape"]
+__all__ = ["KVCache", "block_shape", "check_kv_heads"]
 
 # numpy has no bfloat16 or float8: those views carry the raw bits (torch() has the real type).
 _NUMPY_DTYPES: dict[str, Any] = {
@@ -55,13 +55,34 @@ _TORCH_DTYPES = {
 HEAD_ORDERS = ("NHD", "HND")
 
 
-def block_shape(layout: KVLayout, order: str = "NHD") -> _C.BlockShape:
+def block_shape(layout: KVLayout, order: str = "NHD",
+                kv_heads: tuple[int, int] | None = None) -> _C.BlockShape:
     """What one block of one layer of ``layout`` holds, as the core sees it (``order``: NHD
-    token-major, HND head-major, ``vllm-cpu``, ``mla``; kvmove.wrap draws them)."""
+    token-major, HND head-major, ``vllm-cpu``, ``mla``; kvmove.wrap draws them).
+
+    ``kv_heads``: ``(first, total)`` for a tensor-parallel rank whose ``layout.num_kv_heads``
+    heads are ``[first, first + num_kv_heads)`` of the model's ``total``; None: all of them.
+    """
     if order not in ORDERS:
         raise ConfigError(f"order must be one of {ORDERS}, got {order!r}")
+    first, total = check_kv_heads(layout, kv_heads)
     return _C.BlockShape(layout.block_size, layout.num_kv_heads, layout.head_dim,
-                         getattr(_C.DType, layout.dtype), _C.parse_order(order))
+                         getattr(_C.DType, layout.dtype), _C.parse_order(order), first, total)
+
+
+def check_kv_heads(layout: KVLayout, kv_heads: tuple[int, int] | None) -> tuple[int, int]:
+    """``(first, total)``, checked against ``layout``: a head range of the model's heads."""
+    if kv_heads is None:
+        return 0, layout.num_kv_heads
+    if (not isinstance(kv_heads, tuple) or len(kv_heads) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in kv_heads)):
+        raise ConfigError(f"kv_heads must be (first, total), two ints, got {kv_heads!r}")
+    first, total = kv_heads
+    if first < 0 or first + layout.num_kv_heads > total:
+        raise ConfigError(f"kv_heads {kv_heads}: heads [{first}, "
+                          f"{first + layout.num_kv_heads}) (num_kv_heads "
+                          f"{layout.num_kv_heads}) must lie in [0, {total}) of the model")
+    return first, total
 
 
 class KVCache:

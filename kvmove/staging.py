@@ -43,7 +43,7 @@ from typing import Any
 from kvmove.agent import Agent
 from kvmove.convert import convert
 from kvmove.errors import ConfigError
-from kvmove.kv_cache import HEAD_ORDERS, KVCache
+from kvmove.kv_cache import HEAD_ORDERS, KVCache, check_kv_heads
 from kvmove.layout import KVLayout
 from kvmove.stream import DEFAULT_TIMEOUT, LoadStream
 from kvmove.validation import require_positive_int
@@ -69,6 +69,12 @@ class StagingArea:
             ``cache``'s; block size and dtype may differ.
         sender_order: the sender's element order inside a block, "NHD" or "HND".
         num_blocks: staging blocks (of the sender's block size): what may be in flight at once.
+        sender_kv_heads: ``(first, total)``: the sender is a tensor-parallel rank holding the
+            model's heads ``[first, first + sender_layout.num_kv_heads)`` of ``total`` (its
+            ``Agent(kv_heads=...)``); None: every head.
+        kv_heads: the same for ``cache`` (this decode rank's heads); None: every head. The
+            heads both hold are converted; ``cache``'s others keep their bytes (a TP=2 prefill
+            into a TP=1 decode: one area per prefill rank, each filling its half).
         **agent_kwargs: for the staging ``Agent`` (transports, key, host, checksums, ...).
 
     Raises:
@@ -77,13 +83,17 @@ class StagingArea:
     """
 
     def __init__(self, name: str, cache: KVCache, *, sender_layout: KVLayout,
-                 sender_order: str = "NHD", num_blocks: int, **agent_kwargs: Any) -> None:
+                 sender_order: str = "NHD", num_blocks: int,
+                 sender_kv_heads: tuple[int, int] | None = None,
+                 kv_heads: tuple[int, int] | None = None, **agent_kwargs: Any) -> None:
         require_positive_int("num_blocks", num_blocks)
-        check_convertible(sender_layout, sender_order, cache)
+        self.sender_kv_heads = check_kv_heads(sender_layout, sender_kv_heads)
+        self.kv_heads = check_kv_heads(cache.layout, kv_heads)
+        check_convertible(sender_layout, sender_order, self.sender_kv_heads, cache, self.kv_heads)
         self.cache = cache
         self.staging = KVCache(sender_layout, num_blocks, order=sender_order,
                                device=None if cache.device == "cpu" else cache.device)
-        self.agent = Agent(name, self.staging, **agent_kwargs)
+        self.agent = Agent(name, self.staging, kv_heads=self.sender_kv_heads, **agent_kwargs)
         self._releasing: list[StagedLoad] = []
         self._lock = threading.Lock()
 
@@ -128,7 +138,8 @@ class StagingArea:
                        layers: Sequence[int] | None = None) -> None:
         """Converts ``layers`` (all when None) of the staged tokens into ``dst_ids``."""
         convert(self.staging, staging_ids, self.cache, list(dst_ids), num_tokens,
-                layers=layers, src_order=self.staging.order, dst_order=self.cache.order)
+                layers=layers, src_order=self.staging.order, dst_order=self.cache.order,
+                src_heads=self.sender_kv_heads, dst_heads=self.kv_heads)
 
     def _allocate(self, num_tokens: int) -> list[int] | None:
         require_positive_int("num_tokens", num_tokens)
@@ -295,16 +306,18 @@ class StagedLoad:
                 f"{sum(self.layers_ready())}/{len(self._converted)} layers converted)")
 
 
-def check_convertible(sender_layout: KVLayout, sender_order: str, cache: KVCache) -> None:
-    """Raises ConfigError unless blocks of ``sender_layout`` in ``sender_order`` convert into
-    ``cache`` (and differ from it)."""
+def check_convertible(sender_layout: KVLayout, sender_order: str,
+                      sender_heads: tuple[int, int], cache: KVCache,
+                      heads: tuple[int, int]) -> None:
+    """Raises ConfigError unless blocks of ``sender_layout`` in ``sender_order`` holding
+    ``sender_heads`` (first, total) convert into ``cache`` holding ``heads`` (and differ)."""
     here = cache.layout
-    for field in ("num_layers", "num_kv_heads", "head_dim", "mla"):
+    for field in ("num_layers", "head_dim", "mla"):
         ours, theirs = getattr(here, field), getattr(sender_layout, field)
         if ours != theirs:
             raise ConfigError(f"KV layouts cannot convert: {field}: {ours} here, {theirs} at "
-                              f"the sender (another model, or a tensor-parallel split: not "
-                              f"built yet)")
+                              f"the sender (another model)")
+    _check_heads(sender_layout, sender_heads, here, heads)
     for side, order in (("sender_order", sender_order), ("the cache's order", cache.order)):
         if order not in HEAD_ORDERS:
             raise ConfigError(f"KV layouts cannot convert: {side} must be one of "
@@ -316,10 +329,27 @@ def check_convertible(sender_layout: KVLayout, sender_order: str, cache: KVCache
     if cache.num_parts != 1:
         raise ConfigError("KV layouts cannot convert into a cache with K and V in separate "
                           "planes (num_parts 2): wrap a one-plane cache, or use a KVCache")
-    if (sender_layout.block_size, sender_layout.dtype, sender_order) == (
-            here.block_size, here.dtype, cache.order):
+    if (sender_layout.block_size, sender_layout.dtype, sender_order, sender_heads) == (
+            here.block_size, here.dtype, cache.order, heads):
         raise ConfigError("the sender's layout is the cache's own: no staging needed, expect "
                           "on the cache's agent")
+
+
+def _check_heads(sender_layout: KVLayout, sender_heads: tuple[int, int], here: KVLayout,
+                 heads: tuple[int, int]) -> None:
+    """Both sides split the same model's heads, and hold some in common."""
+    if sender_heads[1] != heads[1]:
+        raise ConfigError(f"KV layouts cannot convert: the model's KV heads: {heads[1]} here, "
+                          f"{sender_heads[1]} at the sender (another model, or kv_heads "
+                          f"missing on one side: num_kv_heads {here.num_kv_heads} here, "
+                          f"{sender_layout.num_kv_heads} at the sender)")
+    first = max(sender_heads[0], heads[0])
+    end = min(sender_heads[0] + sender_layout.num_kv_heads, heads[0] + here.num_kv_heads)
+    if first >= end:
+        raise ConfigError(f"KV layouts cannot convert: the sender holds KV heads "
+                          f"[{sender_heads[0]}, {sender_heads[0] + sender_layout.num_kv_heads})"
+                          f", this cache [{heads[0]}, {heads[0] + here.num_kv_heads}): none in "
+                          f"common")
 
 
 def _check_covers(what: str, num_ids: int, num_tokens: int, block_size: int) -> None:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import kvmove
+from kvmove.convert import convert
 from kvmove.errors import ConfigError
 from kvmove.staging import StagingArea
 
@@ -252,8 +253,9 @@ REFUSED = {
     "layers": (engines.layout_for("native", num_layers=2), "NHD",
                "num_layers: 3 here, 2 at the sender"),
     "head_dim": (kvmove.KVLayout(3, 2, 16, "float16", 4), "NHD", "head_dim: 8 here, 16 at"),
-    "heads": (kvmove.KVLayout(3, 1, 8, "float16", 4), "NHD", "num_kv_heads: 2 here, 1 at"),
-    "mla": (engines.layout_for("native-mla"), "mla", "num_kv_heads: 2 here, 1 at"),
+    "heads": (kvmove.KVLayout(3, 1, 8, "float16", 4), "NHD",
+              "the model's KV heads: 2 here, 1 at the sender"),
+    "mla": (engines.layout_for("native-mla"), "mla", "head_dim: 8 here, 24 at the sender"),
     "vllm-cpu": (engines.layout_for("native"), "vllm-cpu",
                  "sender_order must be one of .*'vllm-cpu'"),
     "float8": (engines.layout_for("native", dtype="float8"), "NHD", "dtype is float8"),
@@ -270,6 +272,22 @@ def test_layouts_that_do_not_convert_are_refused_naming_the_difference(case):
                     num_blocks=4, **TCP)
 
 
+def test_tensor_parallel_ranks_with_no_head_in_common_are_refused():
+    rank = kvmove.KVLayout(3, 1, 8, "float16", 4)
+    cache = kvmove.KVCache(rank, 4)
+    with pytest.raises(ConfigError, match=r"the sender holds KV heads \[1, 2\), this cache "
+                                          r"\[0, 1\): none in common"):
+        StagingArea("staging", cache, sender_layout=kvmove.KVLayout(3, 1, 8, "float16", 8),
+                    sender_kv_heads=(1, 2), kv_heads=(0, 2), num_blocks=4, **TCP)
+
+
+def test_a_head_range_outside_the_model_is_refused():
+    cache = kvmove.KVCache(engines.layout_for("native"), 4)
+    with pytest.raises(ConfigError, match=r"kv_heads \(1, 2\): heads \[1, 3\) "
+                                          r"\(num_kv_heads 2\) must lie in \[0, 2\)"):
+        kvmove.Agent("a", cache, kv_heads=(1, 2), **TCP)
+
+
 def test_a_cache_with_k_and_v_apart_is_refused_as_a_destination():
     layout = engines.layout_for("flash")
     _, cache = engines.make("flash", layout, 4)
@@ -284,3 +302,147 @@ def test_an_allocated_cache_in_head_major_order_views_its_blocks_head_major():
     assert cache.order == "HND" and cache.shape == (3, 4, 2, 2, 4, 8)
     with pytest.raises(ConfigError, match="order of an allocated cache must be one of"):
         kvmove.KVCache(layout, 4, order="vllm-cpu")
+
+
+# --- tensor parallelism: heads split and merged -------------------------------------------------
+
+HEADS = 4  # the model's KV heads; a TP=2 rank holds 2
+
+
+def _tp_layout(heads: int, block_size: int) -> kvmove.KVLayout:
+    return kvmove.KVLayout(3, heads, 8, "float16", block_size)
+
+
+def _sequence(engine: str, tensors, layout: kvmove.KVLayout, ids: list[int],
+              num_tokens: int, layer: int) -> torch.Tensor:
+    """[2, T, H, D] of a sender's sequence (torch reference)."""
+    leaves = engines.leaves(tensors)
+    return torch.cat([engines.kv_of(engine, leaves, layout, layer, i) for i in ids],
+                     dim=1)[:, :num_tokens]
+
+
+def _place(out: torch.Tensor, seq: torch.Tensor, dst_ids: list[int], layer: int,
+           heads: slice) -> None:
+    """Writes ``seq`` [2, T, h, D] into heads ``heads`` of ``out`` [L, N, 2, B, H, D]."""
+    b = out.shape[3]
+    for bi, block in enumerate(dst_ids):
+        part = seq[:, bi * b:(bi + 1) * b]
+        out[layer, block, :, :part.shape[1], heads] = part.to(out.dtype)
+
+
+@pytest.fixture
+def children():
+    made: list[FarWrapped] = []
+    yield made
+    for child in made:
+        child.stop()
+
+
+def test_a_tp2_prefill_streams_into_a_tp1_decode_heads_merged(children):
+    """Two prefill ranks (each a child process, heads [0, 2) and [2, 4), block size 4) stream
+    into one decode cache of all 4 heads (block size 16, head-major): one staging area per
+    rank; a layer is ready once both ranks' halves are converted."""
+    rank_layout, layout = _tp_layout(2, 4), _tp_layout(HEADS, 16)
+    cache = kvmove.KVCache(layout, NUM_BLOCKS, order="HND")
+    cache.torch().copy_(torch.randn(cache.shape).half())
+    before = cache.torch().transpose(3, 4).clone()
+    areas = [StagingArea(f"decode/staging-{r}", cache, sender_layout=rank_layout,
+                         sender_kv_heads=(2 * r, HEADS), num_blocks=NUM_BLOCKS, **TCP)
+             for r in range(2)]
+    try:
+        src, dst, num_tokens = [9, 2, 5, 11, 0], [7, 3], 19
+        expected, loads = before.clone(), []
+        for r, area in enumerate(areas):
+            far = FarWrapped(f"prefill-{r}", "flash", rank_layout, NUM_BLOCKS,
+                             {**TCP, "kv_heads": (2 * r, HEADS)})
+            children.append(far)
+            area.agent.add_peer(far.call("metadata"))
+            far.call("add_peer", area.agent.metadata())
+            far.call("fill", SEED + r)
+            tensors, _ = engines.make("flash", rank_layout, NUM_BLOCKS)
+            engines.fill(tensors, SEED + r)
+            for layer in range(3):
+                seq = _sequence("flash", tensors, rank_layout, src, num_tokens, layer)
+                _place(expected, seq, dst, layer, slice(2 * r, 2 * r + 2))
+            loads.append(area.expect(f"prefill-{r}", "req-7", dst, num_tokens).start_load())
+            far.call("stream", area.agent.name, src, loads[-1].staging_ids, "req-7",
+                     loads[-1].epoch, b"")
+        for layer in range(3):
+            for load in loads:
+                load.wait_for_layer(layer, WAIT)
+            got = cache.torch().transpose(3, 4)
+            assert torch.equal(got[:layer + 1], expected[:layer + 1])
+            assert torch.equal(got[layer + 1:], before[layer + 1:])
+        for load in loads:
+            load.wait_all(WAIT)
+        assert all(area.num_free == NUM_BLOCKS for area in areas)
+    finally:
+        for area in areas:
+            area.close()
+
+
+def test_a_tp1_prefill_writes_into_a_tp2_decode_heads_split(children):
+    """One prefill (a child process, all 4 heads, block size 16) writes into two decode ranks,
+    each an agent of its own with its cache of 2 heads (block size 4, bfloat16): rank r gets
+    heads [2r, 2r + 2)."""
+    layout, rank_layout = _tp_layout(HEADS, 16), kvmove.KVLayout(3, 2, 8, "bfloat16", 4)
+    far = FarWrapped("prefill", "flashinfer", layout, NUM_BLOCKS, TCP)
+    children.append(far)
+    far.call("fill", SEED)
+    tensors, _ = engines.make("flashinfer", layout, NUM_BLOCKS)
+    engines.fill(tensors, SEED)
+    src, dst, num_tokens = [4, 12], [1, 8, 6, 2, 14, 0, 3, 9], 29
+    for r in range(2):
+        cache = kvmove.KVCache(rank_layout, NUM_BLOCKS)
+        cache.torch().copy_(torch.randn(cache.shape).to(torch.bfloat16))
+        before = cache.torch().clone()
+        area = StagingArea(f"decode-{r}/staging", cache, sender_layout=layout,
+                           kv_heads=(2 * r, HEADS), num_blocks=4, **TCP)
+        try:
+            area.agent.add_peer(far.call("metadata"))
+            far.call("add_peer", area.agent.metadata())
+            staged = area.reserve(num_tokens)
+            far.call("write", area.agent.name, src, staged.staging_ids)
+            staged.finish(dst[:rank_layout.blocks_for(num_tokens)])
+            expected = before.clone()
+            for layer in range(3):
+                seq = _sequence("flashinfer", tensors, layout, src, num_tokens, layer)
+                _place(expected, seq[:, :, 2 * r:2 * r + 2], dst, layer, slice(0, 2))
+            assert torch.equal(cache.torch(), expected)
+        finally:
+            area.close()
+
+
+def test_the_handshake_refuses_a_sender_holding_other_heads():
+    """The staging area of rank 0's heads is no identical peer for rank 1."""
+    rank = _tp_layout(2, 4)
+    cache = kvmove.KVCache(_tp_layout(HEADS, 16), 4)
+    area = StagingArea("staging", cache, sender_layout=rank, sender_kv_heads=(0, HEADS),
+                       num_blocks=4, **TCP)
+    sender = kvmove.Agent("rank-1", kvmove.KVCache(rank, 4), kv_heads=(2, HEADS), **TCP)
+    try:
+        area.agent.add_peer(sender.metadata())
+        sender.add_peer(area.agent.metadata())
+        meta = kvmove._C.decode_metadata(sender.key.verify(sender.metadata()))
+        assert (meta["head_first"], meta["total_kv_heads"]) == (2, HEADS)
+        with pytest.raises(ConfigError, match=r"KV layouts differ: KV heads \(tensor-parallel "
+                                              r"split\): \[2, 4\) of 4 here, \[0, 2\) of 4 at "
+                                              r"'staging'"):
+            sender.write("staging", [0], [0])
+    finally:
+        sender.close()
+        area.close()
+
+
+def test_convert_moves_only_the_heads_both_sides_hold():
+    """kvmove.convert with head ranges, in one process: rank 1's heads into the upper half."""
+    rank, full = _tp_layout(2, 4), _tp_layout(HEADS, 8)
+    src, dst = kvmove.KVCache(rank, 4), kvmove.KVCache(full, 4)
+    src.torch().copy_(torch.randn(src.shape).half())
+    dst.torch().copy_(torch.randn(dst.shape).half())
+    before = dst.torch().clone()
+    convert(src, [0, 2], dst, [1], 7, src_heads=(2, HEADS))
+    expected = before.clone()
+    seq = src.torch()[:, [0, 2]].permute(0, 2, 1, 3, 4, 5).reshape(3, 2, 8, 2, 8)[:, :, :7]
+    expected[:, 1, :, :7, 2:4] = seq
+    assert torch.equal(dst.torch(), expected)

@@ -61,7 +61,7 @@ struct AgentMetadata {
     KVGeometry geometry() const { return KVGeometry(num_layers, num_blocks, num_parts, planes); }
 };
 
-constexpr uint16_t kMetadataVersion = 3;
+constexpr uint16_t kMetadataVersion = 4;
 constexpr size_t kMaxAgentNameBytes = 255;
 // Bounds on what a peer may announce: a model has at most a few hundred layers, and a wrapped
 // cache one segment per tensor (two per layer at most).
