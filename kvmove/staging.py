@@ -37,6 +37,7 @@ Example (decode side, a layer stream)::
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,7 +46,7 @@ from kvmove.convert import convert
 from kvmove.errors import ConfigError
 from kvmove.kv_cache import HEAD_ORDERS, KVCache, check_kv_heads
 from kvmove.layout import KVLayout
-from kvmove.stream import DEFAULT_TIMEOUT, LoadStream
+from kvmove.stream import DEFAULT_TIMEOUT, LoadStream, StreamState
 from kvmove.validation import require_positive_int
 
 __all__ = ["StagedLoad", "StagedWrite", "StagingArea"]
@@ -94,7 +95,7 @@ class StagingArea:
         self.staging = KVCache(sender_layout, num_blocks, order=sender_order,
                                device=None if cache.device == "cpu" else cache.device)
         self.agent = Agent(name, self.staging, kv_heads=self.sender_kv_heads, **agent_kwargs)
-        self._releasing: list[StagedLoad] = []
+        self._releasing: list[tuple[LoadStream, list[int]]] = []
         self._lock = threading.Lock()
 
     @property
@@ -155,18 +156,22 @@ class StagingArea:
         assert self.staging.pool is not None
         self.staging.pool.free(ids)
 
-    def _release_later(self, load: StagedLoad) -> None:
+    def _release_later(self, stream: LoadStream, staging_ids: list[int]) -> None:
+        """Takes an ended (or dropped: cancelled here) load's staging blocks back once no byte
+        can land in them any more."""
+        if stream.state == StreamState.OPEN:
+            stream.cancel()
         with self._lock:
-            self._releasing.append(load)
+            self._releasing.append((stream, staging_ids))
         self._reclaim()
 
     def _reclaim(self) -> None:
-        """Frees the staging blocks of ended loads once no byte can land in them any more."""
         with self._lock:
-            done = [load for load in self._releasing if load.stream.released]
-            self._releasing = [load for load in self._releasing if load not in done]
-        for load in done:
-            self._free(load.staging_ids)
+            ended = [(entry, entry[0].released) for entry in self._releasing]
+            self._releasing = [entry for entry, released in ended if not released]
+        for (_, ids), released in ended:
+            if released:
+                self._free(ids)
 
     def __repr__(self) -> str:
         return (f"StagingArea({self.agent.name!r}, {self.staging.layout!r} "
@@ -244,7 +249,9 @@ class StagedLoad:
         self.num_tokens = num_tokens
         self._converted = [False] * stream.num_layers
         self._lock = threading.Lock()
-        self._ended = False
+        # Runs once: at wait_all or cancel, or when the load is dropped unfinished (it is then
+        # cancelled); the area frees the staging blocks once the sender stopped.
+        self._end = weakref.finalize(self, area._release_later, stream, self.staging_ids)
 
     @property
     def epoch(self) -> int:
@@ -294,12 +301,6 @@ class StagedLoad:
                 return
             self.area.convert_layers(self.staging_ids, self.local_ids, self.num_tokens, [layer])
             self._converted[layer] = True
-
-    def _end(self) -> None:
-        with self._lock:
-            ended, self._ended = self._ended, True
-        if not ended:
-            self.area._release_later(self)
 
     def __repr__(self) -> str:
         return (f"StagedLoad({self.stream.request_id!r} <- {self.stream.peer!r}, "

@@ -12,6 +12,8 @@ block, and the positions past the sequence in its last block, must keep their by
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -193,6 +195,24 @@ def test_an_expect_without_room_is_none_and_a_cancelled_load_gives_its_blocks_ba
         assert area.expect("sender", "req-2", [1], 1) is None
         load.cancel()
         assert load.stream.wait_released(WAIT)
+        assert area.num_free == 4
+    finally:
+        sender.close()
+        area.close()
+
+
+def test_a_load_dropped_unfinished_is_cancelled_and_gives_its_blocks_back():
+    area = _local_area(engines.layout_for("native", block_size=4), num_blocks=4)
+    sender = kvmove.Agent("sender", kvmove.KVCache(area.staging.layout, 4), **TCP)
+    try:
+        area.agent.add_peer(sender.metadata())
+        sender.add_peer(area.agent.metadata())
+        load = area.expect("sender", "req-1", [0], 16)
+        stream = load.stream
+        del load
+        gc.collect()
+        assert stream.state == kvmove.StreamState.FAILED
+        assert stream.wait_released(WAIT)
         assert area.num_free == 4
     finally:
         sender.close()
