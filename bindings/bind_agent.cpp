@@ -67,6 +67,8 @@ void register_agent(py::module_& m) {
             out["planes"] = planes;
             out["block_nbytes"] = meta.shape.nbytes();
             out["order"] = std::string(order_name(meta.shape.order));
+            out["head_first"] = meta.shape.head_first;
+            out["total_kv_heads"] = meta.shape.total_kv_heads;
             return out;
         },
         py::arg("data"),

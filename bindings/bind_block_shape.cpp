@@ -28,16 +28,28 @@ void register_block_shape(py::module_& m) {
     py::class_<BlockShape>(m, "BlockShape",
                            "What one block of one layer holds (common/block_shape.h).")
         .def(py::init([](int32_t block_size, int32_t num_kv_heads, int32_t head_dim, DType dtype,
-                         BlockOrder order) {
-                 return BlockShape{block_size, num_kv_heads, head_dim, dtype, order};
+                         BlockOrder order, int32_t head_first,
+                         std::optional<int32_t> total_kv_heads) {
+                 return BlockShape{block_size,
+                                   num_kv_heads,
+                                   head_dim,
+                                   dtype,
+                                   order,
+                                   head_first,
+                                   total_kv_heads.value_or(num_kv_heads)};
              }),
              py::arg("block_size"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("dtype"),
-             py::arg("order") = BlockOrder::NHD)
+             py::arg("order") = BlockOrder::NHD, py::arg("head_first") = 0,
+             py::arg("total_kv_heads") = py::none(),
+             "total_kv_heads: the model's KV heads (default num_kv_heads: no tensor-parallel "
+             "split); the block holds [head_first, head_first + num_kv_heads) of them.")
         .def_readonly("block_size", &BlockShape::block_size)
         .def_readonly("num_kv_heads", &BlockShape::num_kv_heads)
         .def_readonly("head_dim", &BlockShape::head_dim)
         .def_readonly("dtype", &BlockShape::dtype)
         .def_readonly("order", &BlockShape::order)
+        .def_readonly("head_first", &BlockShape::head_first)
+        .def_readonly("total_kv_heads", &BlockShape::total_kv_heads)
         .def_property_readonly("nbytes", &BlockShape::nbytes, "Bytes of one block of one layer.");
 }
 

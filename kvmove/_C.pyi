@@ -185,8 +185,10 @@ class BlockShape:
     """
     What one block of one layer holds (common/block_shape.h).
     """
-    def __init__(self, block_size: typing.SupportsInt | typing.SupportsIndex, num_kv_heads: typing.SupportsInt | typing.SupportsIndex, head_dim: typing.SupportsInt | typing.SupportsIndex, dtype: DType, order: BlockOrder = ...) -> None:
-        ...
+    def __init__(self, block_size: typing.SupportsInt | typing.SupportsIndex, num_kv_heads: typing.SupportsInt | typing.SupportsIndex, head_dim: typing.SupportsInt | typing.SupportsIndex, dtype: DType, order: BlockOrder = ..., head_first: typing.SupportsInt | typing.SupportsIndex = 0, total_kv_heads: typing.SupportsInt | typing.SupportsIndex | None = None) -> None:
+        """
+        total_kv_heads: the model's KV heads (default num_kv_heads: no tensor-parallel split); the block holds [head_first, head_first + num_kv_heads) of them.
+        """
     @property
     def block_size(self) -> int:
         ...
@@ -195,6 +197,9 @@ class BlockShape:
         ...
     @property
     def head_dim(self) -> int:
+        ...
+    @property
+    def head_first(self) -> int:
         ...
     @property
     def nbytes(self) -> int:
@@ -206,6 +211,9 @@ class BlockShape:
         ...
     @property
     def order(self) -> BlockOrder:
+        ...
+    @property
+    def total_kv_heads(self) -> int:
         ...
 class Region:
     """

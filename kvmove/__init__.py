@@ -42,6 +42,7 @@ from kvmove.block_pool import BlockPool, block_hashes, runs  # noqa: E402
 from kvmove.kv_cache import KVCache  # noqa: E402
 from kvmove.layout import KVLayout  # noqa: E402
 from kvmove.region import Region  # noqa: E402
+from kvmove.staging import StagedLoad, StagedWrite, StagingArea  # noqa: E402
 from kvmove.store import DiskTier, HostTier, KVStore, Lookup, StoreHandle  # noqa: E402
 from kvmove.stream import LoadStream, SaveStream, StreamState  # noqa: E402
 from kvmove.runtime import CudaStatus, cuda_available, cuda_status, ucx_version  # noqa: E402
@@ -63,6 +64,9 @@ __all__ = [
     "LoadStream",
     "Region",
     "SaveStream",
+    "StagedLoad",
+    "StagedWrite",
+    "StagingArea",
     "StoreHandle",
     "StreamState",
     "Transfer",

@@ -196,6 +196,11 @@ class Agent:
         net_devices: UCX's device list (``UCX_NET_DEVICES`` syntax, e.g. ``"mlx5_0:1"`` for an
             InfiniBand port), instead of the interface of ``host``; ``"all"`` for every one.
         max_peers: peers this agent accepts at most (each holds a UCX endpoint).
+        kv_heads: ``(first, total)`` for a tensor-parallel rank: its cache holds the model's KV
+            heads ``[first, first + layout.num_kv_heads)`` of ``total`` (rank r of TP=2 over 8
+            heads: ``(4 * r, 8)``). The metadata carries it, and only agents holding the same
+            heads are identical peers (``kvmove.StagingArea`` converts between others).
+            None: every head.
 
     Layer streaming: ``stream_to`` and ``expect`` (docs/streaming.md).
     """
@@ -205,7 +210,8 @@ class Agent:
                  cancel_timeout: float = 5.0, ack_timeout: float = 10.0,
                  checksums: bool = False, faults: str | None = None,
                  key: bytes | str | None = None, host: str = "127.0.0.1",
-                 net_devices: str | None = None, max_peers: int = 1024) -> None:
+                 net_devices: str | None = None, max_peers: int = 1024,
+                 kv_heads: tuple[int, int] | None = None) -> None:
         if error_mode not in ERROR_MODES:
             raise ConfigError(f"error_mode must be one of {ERROR_MODES}, got {error_mode!r}")
         if not isinstance(cache, KVCache):
@@ -221,7 +227,7 @@ class Agent:
         self.key: DeploymentKey = resolve_key(key)
         self.host = host
         devices = net_devices_for(host) if net_devices is None else net_devices
-        shape = block_shape(cache.layout, cache.order)
+        shape = block_shape(cache.layout, cache.order, kv_heads)
         self._core = _C.Agent(name, cache._core, shape, transports or "", error_mode == "peer",
                               float(peer_timeout), float(cancel_timeout), float(ack_timeout),
                               faults, "" if devices == "all" else devices, max_peers)

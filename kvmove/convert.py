@@ -54,16 +54,23 @@ def unpack(staging: Any, cache: KVCache, block_ids: Sequence[int],
 
 def convert(src: KVCache, src_ids: Sequence[int], dst: KVCache, dst_ids: Sequence[int],
             num_tokens: int, *, layers: Sequence[int] | None = None, src_order: str = "NHD",
-            dst_order: str = "NHD", scales: Any = None) -> None:
+            dst_order: str = "NHD", scales: Any = None, src_heads: tuple[int, int] | None = None,
+            dst_heads: tuple[int, int] | None = None) -> None:
     """Copies tokens ``[0, num_tokens)`` of a sequence held in ``src_ids`` of ``src`` into
     ``dst_ids`` of ``dst``, in each cache's block size and dtype (``cache.layout``) and the
     given head orders. A float8 side needs ``scales`` ([L, n, 2] float32; written for a float8
     destination, read for a float8 source). Positions past ``num_tokens`` in the last
     destination block keep their bytes.
 
+    Tensor parallelism: ``src_heads`` / ``dst_heads`` are ``(first, total)``: a side's
+    ``num_kv_heads`` heads are ``[first, first + num_kv_heads)`` of the model's ``total`` (None:
+    all). The heads both sides hold move; the destination's others keep their bytes. A float8
+    destination must receive all its heads (one scale per block covers them).
+
     Raises:
-        ConfigError: heads or head_dim differ, the block lists do not cover ``num_tokens``
-            exactly, a missing or short scales buffer, caches in different memories.
+        ConfigError: the model's heads or head_dim differ, no head in common, the block lists
+            do not cover ``num_tokens`` exactly, a missing or short scales buffer, caches in
+            different memories.
         BlockError: a block id out of range.
     """
     for name, order in (("src_order", src_order), ("dst_order", dst_order)):
@@ -72,6 +79,6 @@ def convert(src: KVCache, src_ids: Sequence[int], dst: KVCache, dst_ids: Sequenc
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
         raise ConfigError(f"num_tokens must be an int, got {num_tokens!r}")
     addr, nbytes = (0, 0) if scales is None else buffer_span(scales, dst._core.device)
-    _C.convert_blocks(src._core, block_shape(src.layout, src_order), list(src_ids), dst._core,
-                      block_shape(dst.layout, dst_order), list(dst_ids), num_tokens,
-                      list(layers or []), addr, nbytes)
+    _C.convert_blocks(src._core, block_shape(src.layout, src_order, src_heads), list(src_ids),
+                      dst._core, block_shape(dst.layout, dst_order, dst_heads), list(dst_ids),
+                      num_tokens, list(layers or []), addr, nbytes)

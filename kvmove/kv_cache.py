@@ -37,7 +37,7 @@ from kvmove.wrap import ORDERS, planes_of
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["KVCache", "block_shape"]
+__all__ = ["KVCache", "block_shape", "check_kv_heads"]
 
 # numpy has no bfloat16 or float8: those views carry the raw bits (torch() has the real type).
 _NUMPY_DTYPES: dict[str, Any] = {
@@ -55,13 +55,34 @@ _TORCH_DTYPES = {
 HEAD_ORDERS = ("NHD", "HND")
 
 
-def block_shape(layout: KVLayout, order: str = "NHD") -> _C.BlockShape:
+def block_shape(layout: KVLayout, order: str = "NHD",
+                kv_heads: tuple[int, int] | None = None) -> _C.BlockShape:
     """What one block of one layer of ``layout`` holds, as the core sees it (``order``: NHD
-    token-major, HND head-major, ``vllm-cpu``, ``mla``; kvmove.wrap draws them)."""
+    token-major, HND head-major, ``vllm-cpu``, ``mla``; kvmove.wrap draws them).
+
+    ``kv_heads``: ``(first, total)`` for a tensor-parallel rank whose ``layout.num_kv_heads``
+    heads are ``[first, first + num_kv_heads)`` of the model's ``total``; None: all of them.
+    """
     if order not in ORDERS:
         raise ConfigError(f"order must be one of {ORDERS}, got {order!r}")
+    first, total = check_kv_heads(layout, kv_heads)
     return _C.BlockShape(layout.block_size, layout.num_kv_heads, layout.head_dim,
-                         getattr(_C.DType, layout.dtype), _C.parse_order(order))
+                         getattr(_C.DType, layout.dtype), _C.parse_order(order), first, total)
+
+
+def check_kv_heads(layout: KVLayout, kv_heads: tuple[int, int] | None) -> tuple[int, int]:
+    """``(first, total)``, checked against ``layout``: a head range of the model's heads."""
+    if kv_heads is None:
+        return 0, layout.num_kv_heads
+    if (not isinstance(kv_heads, tuple) or len(kv_heads) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in kv_heads)):
+        raise ConfigError(f"kv_heads must be (first, total), two ints, got {kv_heads!r}")
+    first, total = kv_heads
+    if first < 0 or first + layout.num_kv_heads > total:
+        raise ConfigError(f"kv_heads {kv_heads}: heads [{first}, "
+                          f"{first + layout.num_kv_heads}) (num_kv_heads "
+                          f"{layout.num_kv_heads}) must lie in [0, {total}) of the model")
+    return first, total
 
 
 class KVCache:
@@ -88,6 +109,9 @@ class KVCache:
         pin: page-lock host memory for DMA to and from GPUs (cudaHostRegister); nothing where
             no CUDA device is usable. None: pin when one is (what storage tiers and staging
             buffers use). Off by default: pinning creates a CUDA context in the process.
+        order: the element order inside a block, ``"NHD"`` (the default, drawn above) or
+            ``"HND"`` (``[2, H, B, D]`` per block): a staging cache in a peer's order
+            (kvmove.staging). An MLA layout's is ``"mla"``.
 
     Attributes:
         pool: the ``BlockPool`` handing out this cache's block ids (None for a cache wrapped
@@ -100,15 +124,17 @@ class KVCache:
     """
 
     def __init__(self, layout: KVLayout, num_blocks: int, *, huge_pages: bool = False,
-                 device: str | int | None = None, pin: bool | None = False) -> None:
+                 device: str | int | None = None, pin: bool | None = False,
+                 order: str | None = None) -> None:
         index = _device_index(device)
+        order = _allocated_order(layout, order)
         gpus = _C.cuda_status()[1] > 0
         if pin is None:
             pin = index < 0 and gpus
         self._core = _C.KVCache(layout.num_layers, num_blocks, layout.bytes_per_block_per_layer,
                                 huge_pages, index, bool(pin))
         self.layout = layout
-        self.order = "mla" if layout.mla else "NHD"
+        self.order = order
         self.pool: BlockPool | None = BlockPool._of(self._core.pool, self)
         self.region: Region | None = Region._of(self._core.region, self)
         self.tensors: list[Any] | None = None
@@ -214,12 +240,15 @@ class KVCache:
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
-        """``(L, N, 2, B, H, D)``, the memory order above."""
+        """``(L, N, 2, B, H, D)``, the memory order above (``(L, N, 2, H, B, D)`` for an HND
+        cache)."""
         lay = self.layout
         if self.wrapped:
             raise ConfigError("a wrapped cache is laid out by its engine: see its tensors")
-        return (lay.num_layers, self.num_blocks, lay.kv_count, lay.block_size, lay.num_kv_heads,
-                lay.head_dim)
+        inner = (lay.block_size, lay.num_kv_heads)
+        if self.order == "HND":
+            inner = inner[::-1]
+        return (lay.num_layers, self.num_blocks, lay.kv_count, *inner, lay.head_dim)
 
     def numpy(self) -> np.ndarray:
         """Zero-copy writable view ``[L, N, 2, B, H, D]``; bfloat16 and float8 as raw bits
@@ -274,6 +303,20 @@ class KVCache:
         return (f"KVCache({self.layout!r}, num_blocks={self.num_blocks}, "
                 f"nbytes={self.region.nbytes}, device={self.device!r}, "
                 f"free={self.pool.num_free})")
+
+
+def _allocated_order(layout: KVLayout, order: str | None) -> str:
+    """The order of a cache kvmove allocates: NHD or HND, or mla for an MLA layout."""
+    if layout.mla:
+        if order not in (None, "mla"):
+            raise ConfigError(f"an MLA layout's blocks are in order 'mla', got {order!r}")
+        return "mla"
+    if order is None:
+        return "NHD"
+    if order not in HEAD_ORDERS:
+        raise ConfigError(f"order of an allocated cache must be one of {HEAD_ORDERS}, got "
+                          f"{order!r} (wrap an engine's tensors for the others)")
+    return order
 
 
 def _device_index(device: str | int | None) -> int:

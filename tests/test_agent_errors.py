@@ -311,12 +311,12 @@ def test_reject_wrong_magic(lone, valid_metadata):
     names(excinfo, f"{len(valid_metadata)} bytes")
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 0xFFFF])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 0xFFFF])
 def test_reject_wrong_version(lone, valid_metadata, version):
     blob = valid_metadata[:4] + struct.pack("<H", version) + valid_metadata[6:]
     with pytest.raises(MetadataError, match="format version") as excinfo:
         lone.add_peer(blob)
-    names(excinfo, f"version {version}", "reads 3")
+    names(excinfo, f"version {version}", "reads 4")
 
 
 @pytest.mark.parametrize("suffix", [b"\0", b"KVMV", b"x" * 100], ids=["1", "4", "100"])
@@ -373,6 +373,10 @@ FORGED: dict[str, tuple[Any, str]] = {
     "33-byte-dtype": ({"dtype": b"f" * 33}, r"dtype is 33 bytes, must be in \[1, 32\]"),
     "unknown-order": ({"order": b"NDH"}, "unknown order 'NDH'"),
     "empty-order": ({"order": b""}, r"order is 0 bytes, must be in \[1, 32\]"),
+    "zero-total-heads": ({"total_kv_heads": 0}, r"total_kv_heads is 0, must be in \[1,"),
+    "heads-past-the-total": ({"head_first": 1}, r"KV heads \[1, \d+\) are not among "
+                                                r"total_kv_heads \d+"),
+    "head-first-past-2^31": ({"head_first": 2**32 - 1}, r"KV heads \[4294967295, "),
     "reserved-not-zero": ({"reserved": 1}, "reserved field is not 0"),
 }
 

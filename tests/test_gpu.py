@@ -13,7 +13,7 @@ import torch
 
 import kvmove
 from kvmove import Agent, DiskTier, HostTier, KVCache, KVLayout, KVStore
-from kvmove.convert import pack, pack_nbytes, unpack
+from kvmove.convert import convert, pack, pack_nbytes, unpack
 from kvmove.errors import ConfigError
 
 from helpers.convert import CASES, case_id, expected_pack, random_cache, run_convert
@@ -103,6 +103,29 @@ def test_convert_kernel_gives_the_host_bits(case, num_tokens):
     assert torch.equal(got.cpu(), host) and torch.equal(host, host_expected)
     if scales is not None:
         assert torch.equal(scales.cpu(), host_scales)
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["tp2-into-tp1", "tp1-into-tp2"])
+def test_convert_kernel_moves_a_head_range_as_the_host_does(merge):
+    """Heads [2, 4) of 4: a TP rank's half into a whole cache, or a whole cache's into a rank
+    (docs/engines.md "Peers that differ"); the device's bytes equal the host's."""
+    assert _head_range_convert(merge, DEVICE).equal(_head_range_convert(merge, None))
+
+
+def _head_range_convert(merge: bool, device: str | None) -> torch.Tensor:
+    """The destination's bytes after converting a head range, on ``device`` (None: host)."""
+    rank, whole = KVLayout(3, 2, 8, "float16", 4), KVLayout(3, 4, 8, "bfloat16", 16)
+    src_layout, dst_layout = (rank, whole) if merge else (whole, rank)
+    gen = torch.Generator().manual_seed(3)
+    caches = [KVCache(lay, 8, device=device) for lay in (src_layout, dst_layout)]
+    for cache in caches:
+        view = cache.torch()
+        view.copy_(torch.randn(view.shape, generator=gen).to(view.dtype))
+    few, many = [3, 6], [5, 1, 7, 2, 0]  # 19 tokens: 2 blocks of 16, 5 of 4
+    convert(caches[0], many if merge else few, caches[1], few if merge else many, 19,
+            dst_order="HND", src_heads=(2, 4) if merge else None,
+            dst_heads=None if merge else (2, 4))
+    return caches[1].torch().cpu().view(torch.uint8)
 
 
 # --- the store over a device cache --------------------------------------------------------------

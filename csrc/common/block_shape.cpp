@@ -60,6 +60,18 @@ bool parse_order(const std::string& name, BlockOrder& out) {
     return false;
 }
 
+namespace {
+
+// "[4, 8) of 8".
+std::string head_span(const BlockShape& s) {
+    std::ostringstream os;
+    os << "[" << s.head_first << ", " << s.head_first + s.num_kv_heads << ") of "
+       << s.total_kv_heads;
+    return os.str();
+}
+
+}  // namespace
+
 std::string shape_difference(int64_t num_layers, const BlockShape& here, int64_t peer_num_layers,
                              const BlockShape& there, const std::string& peer) {
     std::ostringstream os;
@@ -74,6 +86,7 @@ std::string shape_difference(int64_t num_layers, const BlockShape& here, int64_t
     field("dtype", std::string(dtype_name(here.dtype)), std::string(dtype_name(there.dtype)));
     field("block_size", here.block_size, there.block_size);
     field("order", std::string(order_name(here.order)), std::string(order_name(there.order)));
+    field("KV heads (tensor-parallel split)", head_span(here), head_span(there));
     return os.str();
 }
 

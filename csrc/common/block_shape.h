@@ -12,6 +12,10 @@
 //
 // The order is the element order of the block's bytes read part after part (kv_geometry.h): a
 // cache that keeps K and V in two planes ([2, N, B, H, D] per layer) holds NHD blocks too.
+//
+// Tensor parallelism splits the model's KV heads between ranks: a block holds heads
+// [head_first, head_first + num_kv_heads) of total_kv_heads (rank r of a TP=2 split of 8 heads:
+// head_first 4 * r, num_kv_heads 4, total_kv_heads 8). An unsplit cache holds [0, n) of n.
 #pragma once
 
 #include <cstdint>
@@ -46,6 +50,8 @@ struct BlockShape {
     int32_t head_dim = 0;
     DType dtype = DType::Float16;
     BlockOrder order = BlockOrder::NHD;
+    int32_t head_first = 0;
+    int32_t total_kv_heads = 0;  // set by every maker of a shape: the model's KV heads
 
     KVMOVE_HD bool head_major() const { return order == BlockOrder::HND; }
     // 2 (K and V), or 1 for an MLA latent.

@@ -37,10 +37,32 @@ void check_shape(const KVCache& cache, const BlockShape& s, const char* side) {
     KVMOVE_CHECK(s.block_size > 0 && s.num_kv_heads > 0 && s.head_dim > 0, Config,
                  side << " shape must be positive, got block_size " << s.block_size << ", "
                       << s.num_kv_heads << " heads, head_dim " << s.head_dim);
+    KVMOVE_CHECK(s.head_first >= 0 && s.head_first + s.num_kv_heads <= s.total_kv_heads, Config,
+                 side << " KV heads [" << s.head_first << ", " << s.head_first + s.num_kv_heads
+                      << ") are not among its total_kv_heads " << s.total_kv_heads);
     const uint64_t nbytes = s.nbytes();
     KVMOVE_CHECK(nbytes == cache.block_nbytes(), Config,
                  side << " shape gives " << nbytes << " B per block and layer, the cache has "
                       << cache.block_nbytes());
+}
+
+// The heads both shapes hold (same model: same total_kv_heads and head_dim), as local indices.
+HeadSpan head_span(const BlockShape& s, const BlockShape& d) {
+    KVMOVE_CHECK(s.total_kv_heads == d.total_kv_heads && s.head_dim == d.head_dim, Config,
+                 "the model's heads and head_dim must match: source "
+                     << s.total_kv_heads << " x " << s.head_dim << ", destination "
+                     << d.total_kv_heads << " x " << d.head_dim);
+    const int32_t first = std::max(s.head_first, d.head_first);
+    const int32_t end = std::min(s.head_first + s.num_kv_heads, d.head_first + d.num_kv_heads);
+    KVMOVE_CHECK(first < end, Config,
+                 "the source holds KV heads ["
+                     << s.head_first << ", " << s.head_first + s.num_kv_heads
+                     << "), the destination [" << d.head_first << ", "
+                     << d.head_first + d.num_kv_heads << "): none in common");
+    KVMOVE_CHECK(d.dtype != DType::Float8 || end - first == d.num_kv_heads, Config,
+                 "a float8 destination's scale covers all its "
+                     << d.num_kv_heads << " heads, the source holds " << end - first << " of them");
+    return HeadSpan{first - s.head_first, first - d.head_first, end - first};
 }
 
 // The staging buffer is the descriptors of (ids, layers) back to back: the same layer, id order.
@@ -69,16 +91,18 @@ void convert_host_block(const ConvertPlan& p, size_t li, size_t bi, int kv) {
                    ? p.scales[(li * p.src_ids.size() + t / s.block_size) * 2 + kv]
                    : 1.0f;
     };
+    const HeadSpan& heads = p.heads;
     auto value = [&](int64_t t, int h, int x) {
         return load_element(src_block(t), s.dtype,
-                            element_index(s, kv, static_cast<int>(t % s.block_size), h, x)) *
+                            element_index(s, kv, static_cast<int>(t % s.block_size),
+                                          heads.src_first + h, x)) *
                src_scale(t);
     };
     float scale = 1.0f;
     if (d.dtype == DType::Float8) {
         float amax = 0.0f;
         for (int64_t t = first; t < first + count; ++t) {
-            for (int h = 0; h < d.num_kv_heads; ++h) {
+            for (int h = 0; h < heads.count; ++h) {
                 for (int x = 0; x < d.head_dim; ++x) {
                     amax = std::max(amax, std::fabs(value(t, h, x)));
                 }
@@ -89,11 +113,12 @@ void convert_host_block(const ConvertPlan& p, size_t li, size_t bi, int kv) {
     }
     char* dst_block = reinterpret_cast<char*>(block_address(p.dst.planes[li], p.dst_ids[bi]));
     for (int64_t t = first; t < first + count; ++t) {
-        for (int h = 0; h < d.num_kv_heads; ++h) {
+        for (int h = 0; h < heads.count; ++h) {
             for (int x = 0; x < d.head_dim; ++x) {
-                store_element(dst_block, d.dtype,
-                              element_index(d, kv, static_cast<int>(t - first), h, x),
-                              value(t, h, x) / scale);
+                store_element(
+                    dst_block, d.dtype,
+                    element_index(d, kv, static_cast<int>(t - first), heads.dst_first + h, x),
+                    value(t, h, x) / scale);
             }
         }
     }
@@ -142,12 +167,7 @@ void convert_blocks(const KVCache& src, const BlockShape& src_shape,
                     uint64_t scales_nbytes) {
     check_shape(src, src_shape, "source");
     check_shape(dst, dst_shape, "destination");
-    KVMOVE_CHECK(src_shape.num_kv_heads == dst_shape.num_kv_heads &&
-                     src_shape.head_dim == dst_shape.head_dim,
-                 Config,
-                 "heads and head_dim must match: source "
-                     << src_shape.num_kv_heads << " x " << src_shape.head_dim << ", destination "
-                     << dst_shape.num_kv_heads << " x " << dst_shape.head_dim);
+    const HeadSpan heads = head_span(src_shape, dst_shape);
     KVMOVE_CHECK(src.device() == dst.device(), Config,
                  "both caches must be in the same memory: source on device "
                      << src.device() << ", destination on " << dst.device() << " (-1: host)");
@@ -171,6 +191,7 @@ void convert_blocks(const KVCache& src, const BlockShape& src_shape,
                      src_ids,
                      dst_ids,
                      num_tokens,
+                     heads,
                      reinterpret_cast<float*>(scales_addr)};
     const bool fp8_src = src_shape.dtype == DType::Float8;
     const bool fp8_dst = dst_shape.dtype == DType::Float8;

@@ -16,6 +16,11 @@
 // scales[(li * num_blocks_of_that_side + bi) * 2 + kv], float32, in the caches' memory; a float8
 // destination's scales are written (amax / 448 over the block's tokens, heads and dims), a
 // float8 source's are read. value_dst = round(value_src * scale_src / scale_dst).
+//
+// Tensor parallelism: each shape holds heads [head_first, head_first + num_kv_heads) of the
+// same total_kv_heads; convert moves the heads both hold (HeadSpan) and leaves the
+// destination's other heads as they are. A TP=2 prefill into a TP=1 decode is two converts
+// (each rank's heads into their half); a TP=1 prefill into a TP=2 decode rank moves its half.
 #pragma once
 
 #include <cstdint>
@@ -43,6 +48,7 @@ struct ConvertPlan {
     std::vector<int64_t> src_ids;
     std::vector<int64_t> dst_ids;
     int64_t num_tokens;
+    HeadSpan heads;
     float* scales;  // nullptr unless a side is float8
 };
 

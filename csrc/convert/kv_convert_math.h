@@ -18,6 +18,15 @@ namespace kvmove {
 // Largest finite float8 e4m3fn value: quantization scales a block so its amax lands here.
 constexpr float kFloat8Max = 448.0f;
 
+// The KV heads a conversion moves: local heads [src_first, src_first + count) of the source's
+// blocks to [dst_first, dst_first + count) of the destination's: where the two shapes' head
+// ranges (BlockShape::head_first) overlap. Equal ranges move every head.
+struct HeadSpan {
+    int32_t src_first;
+    int32_t dst_first;
+    int32_t count;
+};
+
 // Element index of (kv, token, head, dim) inside one block.
 KVMOVE_HD int64_t element_index(const BlockShape& s, int kv, int token, int head, int dim) {
     return s.head_major()

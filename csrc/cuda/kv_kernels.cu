@@ -86,6 +86,7 @@ struct ConvertArgs {
     int64_t num_dst_ids;
     int64_t num_layers;
     int64_t num_tokens;
+    HeadSpan heads;
     float* scales;
 };
 
@@ -96,8 +97,9 @@ __device__ float convert_value(const ConvertArgs& a, int64_t li, int kv, int64_t
         reinterpret_cast<const char*>(block_address(a.src_planes[li], a.src_ids[sb]));
     const float scale =
         s.dtype == DType::Float8 ? a.scales[(li * a.num_src_ids + sb) * 2 + kv] : 1.0f;
-    return load_element(block, s.dtype,
-                        element_index(s, kv, static_cast<int>(t % s.block_size), h, x)) *
+    return load_element(
+               block, s.dtype,
+               element_index(s, kv, static_cast<int>(t % s.block_size), a.heads.src_first + h, x)) *
            scale;
 }
 
@@ -114,17 +116,17 @@ __global__ void convert_kernel(ConvertArgs a) {
         const int64_t first = bi * d.block_size;
         const int64_t left = a.num_tokens - first;
         const int64_t count = left < d.block_size ? left : d.block_size;
-        const int64_t per_token = static_cast<int64_t>(d.num_kv_heads) * d.head_dim;
+        const int heads = a.heads.count;  // h below counts from the span's first head
+        const int64_t per_token = static_cast<int64_t>(heads) * d.head_dim;
         const int64_t elements = count * per_token;
         float scale = 1.0f;
         if (d.dtype == DType::Float8) {
             float amax = 0.0f;
             for (int64_t e = threadIdx.x; e < elements; e += blockDim.x) {
                 const int64_t t = first + e / per_token;
-                amax = fmaxf(
-                    amax, fabsf(convert_value(a, li, kv, t,
-                                              static_cast<int>((e / d.head_dim) % d.num_kv_heads),
-                                              static_cast<int>(e % d.head_dim))));
+                amax = fmaxf(amax, fabsf(convert_value(a, li, kv, t,
+                                                       static_cast<int>((e / d.head_dim) % heads),
+                                                       static_cast<int>(e % d.head_dim))));
             }
             partial[threadIdx.x] = amax;
             __syncthreads();
@@ -144,10 +146,12 @@ __global__ void convert_kernel(ConvertArgs a) {
         char* block = reinterpret_cast<char*>(block_address(a.dst_planes[li], a.dst_ids[bi]));
         for (int64_t e = threadIdx.x; e < elements; e += blockDim.x) {
             const int64_t t = first + e / per_token;
-            const int h = static_cast<int>((e / d.head_dim) % d.num_kv_heads);
+            const int h = static_cast<int>((e / d.head_dim) % heads);
             const int x = static_cast<int>(e % d.head_dim);
-            store_element(block, d.dtype, element_index(d, kv, static_cast<int>(t - first), h, x),
-                          convert_value(a, li, kv, t, h, x) / scale);
+            store_element(
+                block, d.dtype,
+                element_index(d, kv, static_cast<int>(t - first), a.heads.dst_first + h, x),
+                convert_value(a, li, kv, t, h, x) / scale);
         }
     }
 }
@@ -195,6 +199,7 @@ void convert_blocks_cuda(const ConvertPlan& plan) {
                      static_cast<int64_t>(plan.dst_ids.size()),
                      static_cast<int64_t>(plan.src.planes.size()),
                      plan.num_tokens,
+                     plan.heads,
                      plan.scales};
     convert_kernel<<<grid_for(args.num_layers * args.num_dst_ids * 2), kThreads>>>(args);
     finish_launch("convert_blocks");

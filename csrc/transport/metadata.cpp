@@ -120,6 +120,8 @@ std::vector<uint8_t> encode(const AgentMetadata& meta) {
     body.blob<uint8_t>(dtype.data(), dtype.size());
     const std::string order = order_name(meta.shape.order);
     body.blob<uint8_t>(order.data(), order.size());
+    body.put<uint32_t>(static_cast<uint32_t>(meta.shape.head_first));
+    body.put<uint32_t>(static_cast<uint32_t>(meta.shape.total_kv_heads));
     Writer out;
     out.out.insert(out.out.end(), kMagic, kMagic + 4);
     out.put<uint16_t>(kMetadataVersion);
@@ -191,6 +193,13 @@ void read_shape(Reader& r, AgentMetadata& m) {
     const std::string order = text(r.blob<uint8_t>("order", 1, 32), "order");
     KVMOVE_CHECK(parse_order(order, m.shape.order), Metadata,
                  "bad agent metadata: unknown order '" << order << "'");
+    const int64_t head_first = r.get<uint32_t>("head_first");
+    m.shape.total_kv_heads = static_cast<int32_t>(r.count("total_kv_heads"));
+    KVMOVE_CHECK(head_first + m.shape.num_kv_heads <= m.shape.total_kv_heads, Metadata,
+                 "bad agent metadata: KV heads ["
+                     << head_first << ", " << head_first + m.shape.num_kv_heads
+                     << ") are not among total_kv_heads " << m.shape.total_kv_heads);
+    m.shape.head_first = static_cast<int32_t>(head_first);
 }
 
 // The planes form a geometry, lie in their segments, and hold blocks of the shape's size.

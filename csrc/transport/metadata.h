@@ -1,12 +1,13 @@
 // AgentMetadata: what one agent tells another to reach its KV cache, as versioned bytes.
 //
-// Wire format (little-endian), version 3:
+// Wire format (little-endian), version 4:
 //
 //   "KVMV" | u16 version | u16 reserved (0) | u32 body_nbytes | body | u64 xxh64(body)
 //   body = str8 name | u32 incarnation | u64 started_ns | bytes32 worker_address
 //        | u32 num_segments | segment * num_segments
 //        | u32 num_layers | u32 num_blocks | u32 num_parts | plane * (num_layers * num_parts)
 //        | u32 num_kv_heads | u32 head_dim | u32 block_size | str8 dtype | str8 order
+//        | u32 head_first | u32 total_kv_heads
 //   segment = u64 addr | u64 nbytes | bytes32 packed_rkey     (one registered span)
 //   plane   = u64 base | u64 block_stride | u64 block_nbytes | u32 segment
 //
@@ -15,6 +16,11 @@
 // anywhere in them, and the order label (common/block_shape.h) says what a block holds. The
 // decoder checks that every plane lies in its segment and that the planes' bytes per block
 // are what the shape says, so two peers that pass the shape comparison copy byte for byte.
+//
+// Version 4 adds the KV heads the agent holds, [head_first, head_first + num_kv_heads) of
+// total_kv_heads: tensor-parallel ranks hold a range each, and two agents holding other ranges
+// are not identical peers (kvmove.StagingArea converts between them). A version 3 peer is
+// refused rather than read as holding every head: it may be a rank of a split.
 //
 // incarnation: a random nonzero number an agent picks when it starts, the high 32 bits of the
 // epochs of the leases it grants. A peer that comes back under the same name has another, so
@@ -61,7 +67,7 @@ struct AgentMetadata {
     KVGeometry geometry() const { return KVGeometry(num_layers, num_blocks, num_parts, planes); }
 };
 
-constexpr uint16_t kMetadataVersion = 3;
+constexpr uint16_t kMetadataVersion = 4;
 constexpr size_t kMaxAgentNameBytes = 255;
 // Bounds on what a peer may announce: a model has at most a few hundred layers, and a wrapped
 // cache one segment per tensor (two per layer at most).

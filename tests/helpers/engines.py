@@ -21,10 +21,11 @@ ENGINES = ("flash", "flash-hnd", "flashinfer", "vllm-cpu", "sglang", "mla", "nat
 MLA_ENGINES = ("mla", "native-mla")
 
 
-def layout_for(engine: str, num_layers: int = 3, block_size: int = 4) -> kvmove.KVLayout:
+def layout_for(engine: str, num_layers: int = 3, block_size: int = 4,
+               dtype: str = "float16") -> kvmove.KVLayout:
     if engine in MLA_ENGINES:
-        return kvmove.KVLayout(num_layers, 1, 24, "float16", block_size, mla=True)
-    return kvmove.KVLayout(num_layers, 2, 8, "float16", block_size)
+        return kvmove.KVLayout(num_layers, 1, 24, dtype, block_size, mla=True)
+    return kvmove.KVLayout(num_layers, 2, 8, dtype, block_size)
 
 
 def allocate(engine: str, layout: kvmove.KVLayout, num_blocks: int) -> Any:
@@ -32,7 +33,7 @@ def allocate(engine: str, layout: kvmove.KVLayout, num_blocks: int) -> Any:
     n, b, h, d = num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim
 
     def z(*shape: int) -> torch.Tensor:
-        return torch.zeros(shape, dtype=torch.float16)
+        return torch.zeros(shape, dtype=getattr(torch, layout.dtype))
 
     per_layer = range(layout.num_layers)
     if engine == "flash":  # vLLM passes a dict: layer name -> tensor

@@ -1,10 +1,10 @@
 """Agent metadata built field by field (csrc/transport/metadata.h), for tests that forge it.
 
-Wire format (version 3), little-endian:
+Wire format (version 4), little-endian:
   "KVMV" | u16 version | u16 reserved | u32 body_nbytes | body | u64 xxh64(body)
   body = name | incarnation | started_ns | worker_address | u32 num_segments | segment*
        | num_layers | num_blocks | num_parts | plane* | num_kv_heads | head_dim | block_size
-       | dtype | order
+       | dtype | order | head_first | total_kv_heads
 
 ``parse`` gives the scalar fields by name, and ``segments`` / ``planes`` as lists of dicts
 (``addr``, ``nbytes``, ``packed_rkey`` / ``base``, ``block_stride``, ``block_nbytes``,
@@ -28,7 +28,7 @@ BODY_FIELDS = [
     ("num_layers", "I"), ("num_blocks", "I"), ("num_parts", "I"),
     ("planes", PLANE_FIELDS),
     ("num_kv_heads", "I"), ("head_dim", "I"), ("block_size", "I"), ("dtype", "B*"),
-    ("order", "B*"),
+    ("order", "B*"), ("head_first", "I"), ("total_kv_heads", "I"),
 ]
 
 
