@@ -82,43 +82,56 @@ void convert_host_block(const ConvertPlan& p, size_t li, size_t bi, int kv) {
     const BlockShape &s = p.src.shape, &d = p.dst.shape;
     const int64_t first = static_cast<int64_t>(bi) * d.block_size;
     const int64_t count = std::min<int64_t>(d.block_size, p.num_tokens - first);
-    auto src_block = [&](int64_t t) {
-        return reinterpret_cast<const char*>(
+    const HeadSpan& heads = p.heads;
+    char* dst_block = reinterpret_cast<char*>(block_address(p.dst.planes[li], p.dst_ids[bi]));
+    // A head's head_dim elements are contiguous on both sides (element_index(..., x) is the
+    // row's index + x): the loops below go a row at a time.
+    auto src_row = [&](int64_t t, int h) {
+        const char* block = reinterpret_cast<const char*>(
             block_address(p.src.planes[li], p.src_ids[t / s.block_size]));
+        return block + dtype_nbytes(s.dtype) * element_index(s, kv,
+                                                             static_cast<int>(t % s.block_size),
+                                                             heads.src_first + h, 0);
     };
+    auto dst_row = [&](int64_t t, int h) {
+        return dst_block + dtype_nbytes(d.dtype) * element_index(d, kv, static_cast<int>(t - first),
+                                                                 heads.dst_first + h, 0);
+    };
+    if (copies_bits(s.dtype, d.dtype)) {
+        for (int64_t t = first; t < first + count; ++t) {
+            for (int h = 0; h < heads.count; ++h) {
+                std::memcpy(dst_row(t, h), src_row(t, h),
+                            static_cast<size_t>(dtype_nbytes(d.dtype)) * d.head_dim);
+            }
+        }
+        return;
+    }
     auto src_scale = [&](int64_t t) {
         return s.dtype == DType::Float8
                    ? p.scales[(li * p.src_ids.size() + t / s.block_size) * 2 + kv]
                    : 1.0f;
-    };
-    const HeadSpan& heads = p.heads;
-    auto value = [&](int64_t t, int h, int x) {
-        return load_element(src_block(t), s.dtype,
-                            element_index(s, kv, static_cast<int>(t % s.block_size),
-                                          heads.src_first + h, x)) *
-               src_scale(t);
     };
     float scale = 1.0f;
     if (d.dtype == DType::Float8) {
         float amax = 0.0f;
         for (int64_t t = first; t < first + count; ++t) {
             for (int h = 0; h < heads.count; ++h) {
+                const char* in = src_row(t, h);
                 for (int x = 0; x < d.head_dim; ++x) {
-                    amax = std::max(amax, std::fabs(value(t, h, x)));
+                    amax = std::max(amax, std::fabs(load_element(in, s.dtype, x) * src_scale(t)));
                 }
             }
         }
         scale = fp8_scale(amax);
         p.scales[(li * p.dst_ids.size() + bi) * 2 + kv] = scale;
     }
-    char* dst_block = reinterpret_cast<char*>(block_address(p.dst.planes[li], p.dst_ids[bi]));
     for (int64_t t = first; t < first + count; ++t) {
+        const float from = src_scale(t);
         for (int h = 0; h < heads.count; ++h) {
-            for (int x = 0; x < d.head_dim; ++x) {
-                store_element(
-                    dst_block, d.dtype,
-                    element_index(d, kv, static_cast<int>(t - first), heads.dst_first + h, x),
-                    value(t, h, x) / scale);
+            const char* in = src_row(t, h);
+            char* out = dst_row(t, h);
+            for (int x = 0; x < d.head_dim; ++x) {  // the kernel's arithmetic, in its order
+                store_element(out, d.dtype, x, load_element(in, s.dtype, x) * from / scale);
             }
         }
     }

@@ -27,6 +27,12 @@ struct HeadSpan {
     int32_t count;
 };
 
+// Same type on both sides and no float8 scale: an element's bits move unchanged (the host
+// copies a head's row at a time), which also keeps a NaN's payload.
+KVMOVE_HD bool copies_bits(DType src, DType dst) {
+    return src == dst && dst != DType::Float8;
+}
+
 // Element index of (kv, token, head, dim) inside one block.
 KVMOVE_HD int64_t element_index(const BlockShape& s, int kv, int token, int head, int dim) {
     return s.head_major()

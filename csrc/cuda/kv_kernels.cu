@@ -144,14 +144,25 @@ __global__ void convert_kernel(ConvertArgs a) {
             __syncthreads();  // partial[0] is read by all before the next job overwrites it
         }
         char* block = reinterpret_cast<char*>(block_address(a.dst_planes[li], a.dst_ids[bi]));
+        const bool bits = copies_bits(a.src_shape.dtype, d.dtype);
+        const int64_t es = dtype_nbytes(d.dtype);
         for (int64_t e = threadIdx.x; e < elements; e += blockDim.x) {
             const int64_t t = first + e / per_token;
             const int h = static_cast<int>((e / d.head_dim) % heads);
             const int x = static_cast<int>(e % d.head_dim);
-            store_element(
-                block, d.dtype,
-                element_index(d, kv, static_cast<int>(t - first), a.heads.dst_first + h, x),
-                convert_value(a, li, kv, t, h, x) / scale);
+            const int64_t at =
+                element_index(d, kv, static_cast<int>(t - first), a.heads.dst_first + h, x);
+            if (bits) {  // as the host path: the element's bytes, unchanged
+                const BlockShape& s = a.src_shape;
+                const char* src = reinterpret_cast<const char*>(
+                    block_address(a.src_planes[li], a.src_ids[t / s.block_size]));
+                memcpy(block + es * at,
+                       src + es * element_index(s, kv, static_cast<int>(t % s.block_size),
+                                                a.heads.src_first + h, x),
+                       static_cast<size_t>(es));
+            } else {
+                store_element(block, d.dtype, at, convert_value(a, li, kv, t, h, x) / scale);
+            }
         }
     }
 }
