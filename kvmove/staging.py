@@ -266,7 +266,9 @@ class StagedLoad:
         """Returns once layer ``layer`` is converted into ``local_ids``.
 
         Raises:
-            what ``LoadStream.wait_for_layer`` raises (TimeoutError, TransferError, PeerError).
+            TimeoutError: the layer is not in within ``timeout``.
+            TransferError: the load failed or was cancelled (as ``LoadStream.wait_for_layer``).
+            PeerError: the sender is gone.
         """
         self.stream.wait_for_layer(layer, timeout)
         self._convert(layer)
@@ -276,8 +278,10 @@ class StagedLoad:
         staging blocks; returns the final payload.
 
         Raises:
-            what ``LoadStream.wait_all`` raises (a ChecksumError leaves nothing converted that
-            was not already).
+            TimeoutError: the load is not complete within ``timeout``.
+            ChecksumError: a block's bytes did not match (nothing more is converted).
+            TransferError: the load failed or was cancelled (as ``LoadStream.wait_all``).
+            PeerError: the sender is gone.
         """
         payload = self.stream.wait_all(timeout)
         for layer in range(len(self._converted)):
