@@ -5,6 +5,7 @@ plot of them."""
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -299,10 +300,10 @@ def _wrap_lines(report: BenchReport) -> list[str]:
     if config.wrap is None:
         return []
     layout = config.layout(config.block_sizes[0])
-    mla = (f" (as an MLA latent of {layout.head_dim} per token: the same bytes)"
-           if config.wrap == "mla" else "")
-    return [f"caches: native (KVCache), then {config.wrap} (the engine's tensors as numpy "
-            f"arrays, KVCache.wrap as docs/engines.md says){mla}, same workload; 'x native' is "
+    mla = (f", as one MLA latent of {layout.head_dim} per token (the same bytes; the native "
+           "cache too)" if config.wrap == "mla" else "")
+    return [f"caches: native (KVCache), then {config.wrap}: the engine's tensors as numpy "
+            f"arrays wrapped with KVCache.wrap as docs/engines.md says{mla}; 'x native' is "
             "wrapped GB/s over native GB/s in this run (target >= 0.90)"]
 
 
@@ -330,7 +331,9 @@ def _registration_lines(report: BenchReport) -> list[str]:
     rows = [[r.cache, str(r.block_size), f"{r.nbytes:,}", ms(r.wrap_seconds * 1e3),
              ms(r.agent_seconds * 1e3), f"{r.seconds_per_gb:.3f}"]
             for r in report.registrations]
-    return [f"registration per GB: {REGISTRATION_TIMED}:", *aligned(head, rows, left={0})]
+    timed = textwrap.wrap(f"timed: {REGISTRATION_TIMED}", width=98)
+    return ["registration per GB of cache:", *[f"  {line}" for line in timed],
+            *aligned(head, rows, left={0})]
 
 
 def _pct(value: float | None) -> str:
