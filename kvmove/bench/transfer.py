@@ -20,6 +20,12 @@ exactly, needs no hash library, runs at memory speed and counts the (layer, bloc
 that are wrong. The pattern of (seed, layer, source block id) is one random word string
 XORed with a per-(layer, block) key, so data landing in the wrong block or layer fails too.
 
+With ``--wrap FORMAT`` each block size runs twice, native caches first: then two caches of
+that engine's own tensors (``engine_caches``: numpy arrays in the engine's shapes, wrapped as
+docs/engines.md says) move the same KV through the same peer and pattern code, one pair of
+caches alive at a time; each wrapped row is compared with its native row of this run. Each
+near ``Side`` also times its registration (``transfer_report.REGISTRATION_TIMED``).
+
 Iteration 0 is an untimed warm-up (UCX wires endpoints up and unpacks keys on first use);
 a row reports the *best* of the ``iters`` timed iterations, since on a shared machine noise
 only ever slows a run down. Every iteration, the warm-up included, is verified.
