@@ -8,6 +8,9 @@ Each benchmark row's ``extra_info`` carries its baseline and the ratio:
   every byte verified afterwards. Same group: ``np.copyto`` of the same bytes (the memcpy row;
   pytest-benchmark prints the ratio). ``extra_info``: ``ucx_perftest`` ``ucp_put_bw`` at
   kvmove's mean op size (best of 3 runs) and kvmove as a percentage of it (target >= 90%).
+* ``test_write_wrapped``: the same WRITE between two caches of vLLM flash-attention (K and V
+  planes: 64 ops) or CPU-backend tensors wrapped with ``KVCache.wrap``, in the write group
+  beside the native row. ``extra_info`` adds the near side's registration (wrap + Agent).
 * ``test_post``: only the ``write()`` call, which posts every operation and returns; the wait
   happens between rounds, untimed. Rows: allocator placement (one op per layer) and, as the
   same-run baseline, scattered blocks (one op per layer and block). ``extra_info``: ops
@@ -70,13 +73,24 @@ class Pair:
 
 @pytest.fixture(scope="module", params=MODES)
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    yield from _pair(request.param)
+
+
+@pytest.fixture(scope="module", params=["flash", "vllm-cpu"])
+def wrapped_pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    """Both sides engine tensors wrapped with ``KVCache.wrap`` (K and V planes apart, and the
+    CPU backend's interleaved order), with the default mode's agents."""
+    yield from _pair(MODES[0].values[0], wrap=request.param)
+
+
+def _pair(mode: dict[str, Any], wrap: str | None = None) -> Iterator[Pair]:
     peer = Peer(WAIT)
     try:
-        near = connect_pair(peer, LAYOUT, CACHE_BLOCKS, request.param, WAIT)
+        near = connect_pair(peer, LAYOUT, CACHE_BLOCKS, mode, WAIT, wrap=wrap)
     except BaseException:
         peer.stop()
         raise
-    yield Pair(peer, near, request.param)
+    yield Pair(peer, near, mode)
     near.close()
     peer.stop()
 
@@ -95,6 +109,20 @@ def pct(value: float, baseline: perftest.PerftestResult) -> float | None:
 
 @pytest.mark.benchmark(group=f"write llama-3.1-8b {TOKENS} tokens ({NBYTES:,} B)")
 def test_write(benchmark: Any, pair: Pair) -> None:
+    bench_write(benchmark, pair)
+
+
+@pytest.mark.benchmark(group=f"write llama-3.1-8b {TOKENS} tokens ({NBYTES:,} B)")
+def test_write_wrapped(benchmark: Any, wrapped_pair: Pair) -> None:
+    """``test_write`` between wrapped engine tensors: the same group, so the table puts it
+    beside the native cache's row (peer-errors) measured in this session."""
+    bench_write(benchmark, wrapped_pair)
+    benchmark.extra_info["cache"] = wrapped_pair.near.registration.cache
+    benchmark.extra_info["registration"] = wrapped_pair.near.registration.to_dict()
+
+
+def bench_write(benchmark: Any, pair: Pair) -> None:
+    """One WRITE of the allocator-placed blocks per round, verified, with its baseline."""
     local, remote = pair.place("allocator", seed=1)
     pair.near.fill(local, seed=1)
     pair.peer.call("wipe", remote)

@@ -10,6 +10,7 @@ row exists, every byte was verified, and bad input or a failing peer ends the ru
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvmove.bench import perftest
+from kvmove.bench import engine_caches, perftest
 from kvmove.bench.peer import Peer, Side
 from kvmove.bench.report import BenchError
 from kvmove.bench.store import StoreBenchConfig, StoreReport, TtftRow, format_store
@@ -313,7 +314,8 @@ def test_store_bad_option_exits_2(bench: Bench, args: list[str], value: str) -> 
      (["--model", "llama-9"], "llama-9"), (["--iters", "0"], "got 0"),
      (["--error-mode", "sometimes"], "sometimes"), (["--timeout", "-1"], "-1"),
      (["--tokens", "many"], "many"), (["--transports", " "], "' '"),
-     (["--timeout", "inf"], "inf"), (["--plot", "no/such/folder/x.png"], "no/such/folder")],
+     (["--timeout", "inf"], "inf"), (["--plot", "no/such/folder/x.png"], "no/such/folder"),
+     (["--wrap", "bogus"], "bogus")],
 )
 def test_bad_option_exits_2(each_bench: Bench, args: list[str], value: str) -> None:
     result = each_bench("transfer", *args)
@@ -340,6 +342,11 @@ def test_config_rejects_non_positive(field: str) -> None:
 def test_config_rejects_unknown_placement() -> None:
     with pytest.raises(ConfigError, match="'diagonal'"):
         BenchConfig(placements=("diagonal",))
+
+
+def test_config_rejects_unknown_wrap_format() -> None:
+    with pytest.raises(ConfigError, match="wrap must be one of .*'flash-attn'"):
+        BenchConfig(wrap="flash-attn")
 
 
 # --- verification catches every kind of wrong byte ------------------------------------------
@@ -370,6 +377,109 @@ def test_placements(side: Side) -> None:
     scattered = side.place(8, "scatter", seed=0)
     assert len(set(scattered)) == 8 and scattered != sorted(scattered)
     assert side.cache.pool.num_free == 8  # the previous placement was given back
+
+
+# --- --wrap: engines' own tensors beside the native cache ----------------------------------
+
+# Ops per layer for 4 consecutive blocks: one per plane (K and V apart for flash and SGLang).
+PLANES = {"flash": 2, "flashinfer": 1, "vllm-cpu": 1, "sglang": 2, "mla": 1}
+
+
+@pytest.mark.parametrize("fmt", engine_caches.WRAP_FORMATS)
+def test_wrap_json_has_native_and_wrapped_rows_of_one_run(bench: Bench, fmt: str) -> None:
+    data = _json(bench("transfer", *TINY, "--wrap", fmt, "--json"))
+    assert data["verified"] is True and data["config"]["wrap"] == fmt
+    assert data["layout"]["mla"] is (fmt == "mla")
+    assert data["kv_bytes"] == TINY_BYTES  # MLA too: one latent of the same bytes per token
+    assert [(row["cache"], row["op"]) for row in data["rows"]] == [
+        ("native", "write"), ("native", "read"), (fmt, "write"), (fmt, "read")]
+    native = {row["op"]: row for row in data["rows"] if row["cache"] == "native"}
+    for row in data["rows"]:
+        assert row["verified"] is True and row["nbytes"] == TINY_BYTES
+        if row["cache"] == "native":
+            assert row["num_ops"] == TINY_OPS_ALLOCATOR and row["native_ratio"] is None
+            continue
+        assert row["num_ops"] == TINY_OPS_ALLOCATOR * PLANES[fmt]
+        assert row["native_num_ops"] == TINY_OPS_ALLOCATOR
+        assert row["native_ratio"] == pytest.approx(
+            row["gbytes_per_s"] / native[row["op"]]["gbytes_per_s"])
+    _check_registration(data, fmt)
+
+
+def _check_registration(data: dict, fmt: str) -> None:
+    """One entry per cache, over the near cache's bytes (twice the KV moved)."""
+    entries = data["registration"]
+    assert [r["cache"] for r in entries] == ["native", fmt]
+    for entry in entries:
+        assert entry["block_size"] == 16 and entry["nbytes"] == 2 * TINY_BYTES
+        assert entry["agent_seconds"] > 0
+        assert entry["seconds"] == pytest.approx(entry["wrap_seconds"] + entry["agent_seconds"])
+        assert entry["seconds_per_gb"] == pytest.approx(entry["seconds"] / (2 * TINY_BYTES / 1e9))
+    assert entries[0]["wrap_seconds"] == 0 and entries[1]["wrap_seconds"] > 0
+    assert "KVCache.wrap" in data["registration_timed"]
+    assert "ucp_mem_map" in data["registration_timed"]
+
+
+def test_wrap_text_shows_the_cache_the_ratio_and_registration(bench: Bench) -> None:
+    result = bench("transfer", *TINY, "--wrap", "sglang", "--scatter")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    for op in ("write", "read"):
+        for placement in ("allocator", "scatter"):
+            for cache in ("native", "sglang"):
+                line = next(line for line in lines if line.split()[:3] == [op, placement, cache])
+                ratio = line.split()[11]
+                assert (ratio == "-") if cache == "native" else (float(ratio) > 0), line
+                assert line.rstrip().endswith("yes"), line
+    for text in ("x native", "caches: native (KVCache), then sglang", "registration per GB",
+                 "s/GB", "ucp_mem_map", "memcpy (numpy copyto)", "ucx_perftest ucp_put_bw"):
+        assert text in result.stdout, text
+    assert [line.split()[0] for line in lines if line.split()[1:2] == ["16"]] == [
+        "native", "sglang"]  # the registration rows
+
+
+@pytest.mark.parametrize("fmt", engine_caches.ENGINES)
+def test_block_words_are_the_bytes_kvmove_moves(fmt: str) -> None:
+    """Each block's words, plane after plane, are the bytes of the cache's descriptors."""
+    layout = engine_caches.layout_for_format(fmt, KVLayout(2, 2, 8, block_size=4))
+    tensors = engine_caches.allocate(fmt, layout, 6)
+    cache = engine_caches.wrap_engine(fmt, tensors, layout)
+    words = engine_caches.block_words(fmt, tensors, 6)
+    for planes in words:
+        for plane in planes:
+            plane[:] = np.random.default_rng(len(plane)).integers(0, 2**63, plane.shape)
+    for layer in range(2):
+        for block in (0, 3, 5):
+            moved = b"".join(ctypes.string_at(addr, nbytes)
+                             for addr, nbytes in cache.descriptors([block], layers=[layer]))
+            mine = np.concatenate([plane[block] for plane in words[layer]]).tobytes()
+            assert moved == mine, (layer, block)
+
+
+def test_engine_caches_reject_what_they_cannot_allocate() -> None:
+    with pytest.raises(ConfigError, match="'trtllm'"):
+        engine_caches.allocate("trtllm", KVLayout(2, 2, 8), 4)
+    with pytest.raises(ConfigError, match="numpy has no bfloat16.*torch"):
+        engine_caches.allocate("flash", KVLayout(2, 2, 8, dtype="bfloat16"), 4)
+
+
+def test_wrapped_side_verifies_each_plane() -> None:
+    layout = KVLayout.preset("llama-3.2-1b")
+    side = Side("verify", layout, 16, {"transports": "tcp"}, wrap="flash")
+    try:
+        assert side.cache.wrapped and side.cache.num_parts == 2
+        assert side.registration.cache == "flash"
+        assert side.registration.nbytes == 16 * layout.bytes_per_block
+        ids = side.place(8, "scatter", seed=4)
+        side.fill(ids, seed=9)
+        assert side.mismatches(ids, ids, seed=9) == 0
+        layer = side.cache.tensors[3]  # [2, N, B, H, D]: flip one bit of a V block
+        layer[1, ids[5]].view(np.uint16).flat[100] ^= 1
+        assert side.mismatches(ids, ids, seed=9) == 1
+        side.wipe(ids)
+        assert side.mismatches(ids, ids, seed=9) == 16 * 8
+    finally:
+        side.close()
 
 
 # --- the peer process: errors and death surface, never hang ---------------------------------

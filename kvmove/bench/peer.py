@@ -4,13 +4,16 @@ data pattern that lets every byte be verified) here, and a ``Peer`` process driv
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
 
 from kvmove.agent import Agent
+from kvmove.bench.engine_caches import allocate, block_words, native_words, wrap_engine
 from kvmove.bench.harness import Child
 from kvmove.bench.report import BenchError
+from kvmove.bench.transfer_report import Registration
 from kvmove.errors import ConfigError, KVMoveError
 from kvmove.kv_cache import KVCache
 from kvmove.layout import KVLayout
@@ -25,13 +28,6 @@ STOP = b"stop"  # the notification that ends Side.echo
 
 
 # --- the data pattern -----------------------------------------------------------------------
-
-def _words(cache: KVCache) -> np.ndarray:
-    """The cache as writable uint64 words ``[L, N, words per block per layer]``."""
-    lay = cache.layout
-    raw = np.asarray(cache.region)
-    return raw.view(np.uint64).reshape(lay.num_layers, cache.num_blocks, -1)
-
 
 def _base(seed: int, num_words: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
@@ -49,21 +45,57 @@ def _keys(seed: int, layer: int, src_ids: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+def _cache(layout: KVLayout, num_blocks: int,
+           wrap: str | None) -> tuple[KVCache, list[list[np.ndarray]], float]:
+    """The cache, its ``block_words`` and the seconds ``KVCache.wrap`` took (0 for a cache
+    kvmove allocates). Every page is written before anything is timed, so no page fault
+    counts as registration."""
+    if wrap is None:
+        cache = KVCache(layout, num_blocks)
+        words = native_words(cache)
+        _touch(words)
+        return cache, words, 0.0
+    tensors = allocate(wrap, layout, num_blocks)
+    words = block_words(wrap, tensors, num_blocks)
+    _touch(words)
+    start = time.perf_counter()
+    cache = wrap_engine(wrap, tensors, layout, pool=True)
+    return cache, words, time.perf_counter() - start
+
+
+def _touch(words: list[list[np.ndarray]]) -> None:
+    for planes in words:
+        for plane in planes:
+            plane.fill(0)
+
+
 class Side:
-    """One process's cache and agent, and the pattern operations on its blocks."""
+    """One process's cache and agent, and the pattern operations on its blocks.
+
+    Args:
+        wrap: None for a ``KVCache`` kvmove allocates; else an engine of
+            ``engine_caches.WRAP_FORMATS`` whose tensors (numpy) are allocated and wrapped,
+            with a ``BlockPool`` so both kinds of cache place blocks alike.
+
+    Attributes:
+        registration: how long making the cache and agent took (``Registration``).
+    """
 
     def __init__(self, name: str, layout: KVLayout, num_blocks: int,
-                 agent_kwargs: dict[str, Any]) -> None:
+                 agent_kwargs: dict[str, Any], wrap: str | None = None) -> None:
         if layout.bytes_per_block_per_layer % 8:
             raise ConfigError(f"bytes per block per layer must be a multiple of 8, got "
                               f"{layout.bytes_per_block_per_layer}")
-        self.cache = KVCache(layout, num_blocks)
-        self.words = _words(self.cache)
+        self.cache, self.words, wrap_seconds = _cache(layout, num_blocks, wrap)
+        start = time.perf_counter()
         try:
             self.agent = Agent(name, self.cache, **agent_kwargs)
         except KVMoveError as error:
             raise BenchError(f"cannot create agent {name!r} with {agent_kwargs}: "
                              f"{error}") from error
+        self.registration = Registration(wrap or "native", layout.block_size,
+                                         num_blocks * layout.bytes_per_block, wrap_seconds,
+                                         time.perf_counter() - start)
         self._held: list[int] = []
         self._loads: dict[str, Any] = {}  # leased, not yet loaded
 
@@ -82,21 +114,32 @@ class Side:
         return list(self._held)
 
     def fill(self, ids: list[int], seed: int) -> None:
-        base, ids_arr = _base(seed, self.words.shape[2]), np.asarray(ids)
-        for layer in range(self.words.shape[0]):
-            self.words[layer, ids_arr] = base ^ _keys(seed, layer, ids_arr)[:, None]
+        ids_arr = np.asarray(ids)
+        base = _base(seed, self.num_words)
+        for layer, planes in enumerate(self.words):
+            pattern = base ^ _keys(seed, layer, ids_arr)[:, None]
+            for plane, part in zip(planes, np.split(pattern, len(planes), axis=1)):
+                plane[ids_arr] = part
 
     def wipe(self, ids: list[int]) -> None:
-        self.words[:, np.asarray(ids)] = _WIPE
+        ids_arr = np.asarray(ids)
+        for planes in self.words:
+            for plane in planes:
+                plane[ids_arr] = _WIPE
+
+    @property
+    def num_words(self) -> int:
+        """uint64 words of one block of one layer, all its planes."""
+        return sum(plane.shape[1] for plane in self.words[0])
 
     def mismatches(self, ids: list[int], src_ids: list[int], seed: int) -> int:
         """(layer, block) pairs of ``ids`` not holding the pattern of ``src_ids`` (same order)."""
-        base, ids_arr, src_arr = _base(seed, self.words.shape[2]), np.asarray(ids), \
+        base, ids_arr, src_arr = _base(seed, self.num_words), np.asarray(ids), \
             np.asarray(src_ids)
         bad = 0
-        for layer in range(self.words.shape[0]):
+        for layer, planes in enumerate(self.words):
             expected = base ^ _keys(seed, layer, src_arr)[:, None]
-            got = self.words[layer, ids_arr]
+            got = np.concatenate([plane[ids_arr] for plane in planes], axis=1)
             if not np.array_equal(got, expected):
                 bad += int(np.count_nonzero((got != expected).any(axis=1)))
         return bad
@@ -198,11 +241,12 @@ def stop_echo(agent: Agent, peer: str, local_id: int, remote_id: int, timeout: f
 
 
 def connect_pair(peer: Peer, layout: KVLayout, num_blocks: int, agent_kwargs: dict[str, Any],
-                 timeout: float) -> Side:
+                 timeout: float, wrap: str | None = None) -> Side:
     """A fresh ``Side`` named ``FAR`` in the peer process and one named ``NEAR`` here, each
-    with ``num_blocks`` blocks, connected through the peer's metadata listener."""
-    address = peer.call("setup", FAR, layout, num_blocks, agent_kwargs)
-    near = Side(NEAR, layout, num_blocks, agent_kwargs)
+    with ``num_blocks`` blocks (of engine ``wrap``'s tensors, if given), connected through
+    the peer's metadata listener."""
+    address = peer.call("setup", FAR, layout, num_blocks, agent_kwargs, wrap)
+    near = Side(NEAR, layout, num_blocks, agent_kwargs, wrap)
     try:
         near.agent.connect(*address, timeout=timeout)
     except BaseException:

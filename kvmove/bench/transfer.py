@@ -20,6 +20,12 @@ exactly, needs no hash library, runs at memory speed and counts the (layer, bloc
 that are wrong. The pattern of (seed, layer, source block id) is one random word string
 XORed with a per-(layer, block) key, so data landing in the wrong block or layer fails too.
 
+With ``--wrap FORMAT`` each block size runs twice, native caches first: then two caches of
+that engine's own tensors (``engine_caches``: numpy arrays in the engine's shapes, wrapped as
+docs/engines.md says) move the same KV through the same peer and pattern code, one pair of
+caches alive at a time; each wrapped row is compared with its native row of this run. Each
+near ``Side`` also times its registration (``transfer_report.REGISTRATION_TIMED``).
+
 Iteration 0 is an untimed warm-up (UCX wires endpoints up and unpacks keys on first use);
 a row reports the *best* of the ``iters`` timed iterations, since on a shared machine noise
 only ever slows a run down. Every iteration, the warm-up included, is verified.
@@ -46,8 +52,9 @@ from kvmove.bench import perftest
 from kvmove.bench.options import add_agent_args, add_output_args, add_prompt_args, check_plot
 from kvmove.bench.peer import FAR, Peer, Side, connect_pair, ping, stop_echo
 from kvmove.bench.progress import Progress, bar
-from kvmove.bench.transfer_report import (PERFTEST_TEST, SWEEP_BLOCK_SIZES, BenchConfig,
-                                          BenchReport, RoundTrip, TransferRow,
+from kvmove.bench.engine_caches import WRAP_FORMATS
+from kvmove.bench.transfer_report import (NATIVE, PERFTEST_TEST, SWEEP_BLOCK_SIZES, BenchConfig,
+                                          BenchReport, Registration, RoundTrip, TransferRow,
                                           format_transfer, plot_transfer)
 from kvmove.layout import KVLayout
 
@@ -69,13 +76,14 @@ def _timed(post: Callable[..., Any], *args: Any, timeout: float, **kwargs: Any
 
 
 def _row(op: str, placement: str, layout: KVLayout, ids: list[int],
-         results: list[tuple[Any, float, int]]) -> TransferRow:
+         results: list[tuple[Any, float, int]], cache: str) -> TransferRow:
     """The row of the best timed iteration; ``results[0]`` is the warm-up."""
     timed = results[1:]
     stats, seconds, _ = min(timed, key=lambda r: r[1])
     return TransferRow(op, placement, layout.block_size, stats.nbytes, len(ids), stats.num_ops,
                        stats.post_seconds, seconds, stats.complete_seconds,
-                       tuple(r[1] for r in timed), results[0][1], sum(r[2] for r in results))
+                       tuple(r[1] for r in timed), results[0][1], sum(r[2] for r in results),
+                       cache)
 
 
 def _write(near: Side, peer: Peer, local_ids: list[int], remote_ids: list[int], seed: int,
@@ -123,12 +131,16 @@ def _round_trip(near: Side, peer: Peer, local_id: int, remote_id: int,
                      float(np.median(rtts[_ROUND_TRIP_WARMUP:])) * 1e6)
 
 
-def _measure_block_size(peer: Peer, config: BenchConfig, block_size: int, progress: Progress,
-                        with_round_trip: bool) -> tuple[list[TransferRow], RoundTrip | None]:
+def _measure_cache(peer: Peer, config: BenchConfig, block_size: int, cache: str,
+                   progress: Progress, with_round_trip: bool
+                   ) -> tuple[list[TransferRow], RoundTrip | None, Registration]:
+    """The rows of one block size between two caches of kind ``cache`` (``NATIVE`` or a
+    wrapped format), and how long the near side's registration took."""
     layout = config.layout(block_size)
     num_blocks = layout.blocks_for(config.num_tokens)
     cache_blocks = num_blocks * config.spare_factor
-    near = connect_pair(peer, layout, cache_blocks, config.agent_kwargs, config.timeout)
+    near = connect_pair(peer, layout, cache_blocks, config.agent_kwargs, config.timeout,
+                        wrap=None if cache == NATIVE else cache)
     try:
         rows, round_trip = [], None
         for index, placement in enumerate(config.placements):
@@ -137,12 +149,12 @@ def _measure_block_size(peer: Peer, config: BenchConfig, block_size: int, progre
             remote_ids = peer.call("place", num_blocks, placement, seed + 1)
             for op, measure, op_seed in (("write", _write, seed), ("read", _read, seed + 2)):
                 results = measure(near, peer, local_ids, remote_ids, op_seed, config)
-                rows.append(_row(op, placement, layout, local_ids, results))
-                progress(f"{op} {placement} block {block_size}")
+                rows.append(_row(op, placement, layout, local_ids, results, cache))
+                progress(f"{op} {placement} {cache} block {block_size}")
             if with_round_trip and round_trip is None:
                 round_trip = _round_trip(near, peer, local_ids[0], remote_ids[0], config)
                 progress("round trip")
-        return rows, round_trip
+        return rows, round_trip, near.registration
     finally:
         near.close()
 
@@ -164,7 +176,7 @@ def _copy_seconds(dst: np.ndarray, src: np.ndarray) -> float:
 
 def count_steps(config: BenchConfig) -> int:
     """How many times ``run`` calls ``progress``."""
-    num_rows = 2 * len(config.block_sizes) * len(config.placements)
+    num_rows = 2 * len(config.block_sizes) * len(config.placements) * len(config.caches)
     # rows, ucx_perftest bandwidth per row and extra size, round trip, 2 latencies, memcpy
     return 2 * num_rows + len(config.perftest_sizes) + 1 + 2 + len(config.block_sizes)
 
@@ -178,7 +190,7 @@ def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
     """
     progress = progress or (lambda label: None)
     start = time.perf_counter()
-    rows, round_trip = _measure_transfers(config, progress)
+    rows, round_trip, registrations = _measure_transfers(config, progress)
     perftest_bw = _perftest_bandwidths(config, rows, progress)
     perftest_lat = []
     for size in (8, round_trip.nbytes):
@@ -191,21 +203,27 @@ def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
             memcpy[nbytes] = memcpy_gbytes_per_s(nbytes)
         progress(f"memcpy {nbytes} B")
     return BenchReport(config, tuple(rows), round_trip, memcpy, tuple(perftest_bw),
-                       tuple(perftest_lat), time.perf_counter() - start)
+                       tuple(perftest_lat), time.perf_counter() - start, tuple(registrations))
 
 
-def _measure_transfers(config: BenchConfig,
-                       progress: Progress) -> tuple[list[TransferRow], RoundTrip]:
+def _measure_transfers(config: BenchConfig, progress: Progress
+                       ) -> tuple[list[TransferRow], RoundTrip, list[Registration]]:
+    """Per block size, the native caches' rows, then the wrapped ones' (``config.caches``):
+    each pair of caches is made, measured and closed before the next, so two never compete
+    for memory."""
     peer = Peer(config.timeout)
     try:
         rows: list[TransferRow] = []
+        registrations: list[Registration] = []
         round_trip = None
         for block_size in config.block_sizes:
-            more, trip = _measure_block_size(peer, config, block_size, progress,
-                                             with_round_trip=round_trip is None)
-            rows += more
-            round_trip = round_trip or trip
-        return rows, round_trip
+            for cache in config.caches:
+                more, trip, registration = _measure_cache(
+                    peer, config, block_size, cache, progress, with_round_trip=round_trip is None)
+                rows += more
+                registrations.append(registration)
+                round_trip = round_trip or trip
+        return rows, round_trip, registrations
     finally:
         peer.stop()
 
@@ -272,6 +290,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     sub.add_argument("--sweep", action="store_true",
                      help=f"rows for block sizes {sweep_sizes}, and ucx_perftest at more "
                      "message sizes")
+    sub.add_argument("--wrap", choices=list(WRAP_FORMATS), default=None, metavar="FORMAT",
+                     help="also move the same KV between two caches of this engine's own "
+                     f"tensors, wrapped with KVCache.wrap, beside the native rows: one of "
+                     f"{', '.join(WRAP_FORMATS)} (docs/engines.md)")
     add_output_args(sub, "timed iterations per row, after one warm-up; the best is shown",
                     "also draw bandwidth vs bytes per operation (needs matplotlib)")
     sub.set_defaults(run=run_command)
@@ -303,6 +325,7 @@ def _transfer_config(args: argparse.Namespace) -> BenchConfig:
         model=args.model, num_tokens=args.tokens, block_sizes=sizes,
         placements=("allocator", "scatter") if args.scatter else ("allocator",),
         transports=args.transports, error_mode=args.error_mode, iters=args.iters,
-        perftest_sizes=SWEEP_MESSAGE_SIZES if args.sweep else (), timeout=args.timeout)
+        perftest_sizes=SWEEP_MESSAGE_SIZES if args.sweep else (), timeout=args.timeout,
+        wrap=args.wrap)
 
 

@@ -5,23 +5,33 @@ plot of them."""
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvmove.agent import ERROR_MODES
 from kvmove.bench import perftest
+from kvmove.bench.engine_caches import WRAP_FORMATS, layout_for_format
 from kvmove.bench.plan import DEFAULT_LINKS, transfer_ms
 from kvmove.bench.report import aligned, human_bytes, ms, pyplot, save_figure
 from kvmove.errors import ConfigError
 from kvmove.layout import KVLayout
 
-__all__ = ["BenchConfig", "BenchReport", "PERFTEST_TEST", "PLACEMENTS", "RoundTrip",
-           "SWEEP_BLOCK_SIZES", "TransferRow", "format_transfer", "plot_transfer"]
+__all__ = ["BenchConfig", "BenchReport", "NATIVE", "PERFTEST_TEST", "PLACEMENTS", "Registration",
+           "RoundTrip", "SWEEP_BLOCK_SIZES", "TransferRow", "format_transfer", "plot_transfer"]
 
 PLACEMENTS = ("allocator", "scatter")
 SWEEP_BLOCK_SIZES = (16, 32, 64, 128)
 # The ucx_perftest test each operation is compared against.
 PERFTEST_TEST = {"write": "ucp_put_bw", "read": "ucp_get"}
+# The cache label of rows moved between KVCaches kvmove allocated; wrapped rows carry the format.
+NATIVE = "native"
+# What a Registration times, for the text and the JSON.
+REGISTRATION_TIMED = (
+    "KVCache.wrap (0 for a native cache) + Agent(...) (a UCX context and worker, then one "
+    "ucp_mem_map per segment: per engine tensor, or the native cache's one region), in this "
+    "process, one sample per cache and block size; the memory was allocated and every page "
+    "written first, untimed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +51,9 @@ class BenchConfig:
         perftest_sizes: extra ``ucp_put_bw`` message sizes (the rows' op sizes always run).
         timeout: deadline in seconds of every wait (transfer, peer reply, ucx_perftest).
         seed: for the data pattern and the scattered placement.
+        wrap: also move the same KV between two caches of this engine's tensors
+            (``engine_caches.WRAP_FORMATS``) wrapped with ``KVCache.wrap``, after the native
+            rows; "mla" moves it as one latent of the same bytes per token, native rows too.
     """
 
     model: str = "llama-3.1-8b"
@@ -55,6 +68,7 @@ class BenchConfig:
     perftest_sizes: tuple[int, ...] = ()
     timeout: float = 60.0
     seed: int = 0
+    wrap: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_tokens", "iters", "spare_factor", "round_trips"):
@@ -76,9 +90,17 @@ class BenchConfig:
             raise ConfigError(f"perftest_sizes must be positive, got {self.perftest_sizes}")
         if not (isinstance(self.timeout, (int, float)) and 0 < self.timeout < math.inf):
             raise ConfigError(f"timeout must be positive and finite, got {self.timeout!r}")
+        if self.wrap is not None and self.wrap not in WRAP_FORMATS:
+            raise ConfigError(f"wrap must be one of {WRAP_FORMATS} or None, got {self.wrap!r}")
 
     def layout(self, block_size: int) -> KVLayout:
-        return KVLayout.preset(self.model, block_size=block_size)
+        layout = KVLayout.preset(self.model, block_size=block_size)
+        return layout_for_format(self.wrap, layout) if self.wrap else layout
+
+    @property
+    def caches(self) -> tuple[str, ...]:
+        """The caches moved, in order: ``NATIVE``, then the wrapped format if any."""
+        return (NATIVE,) + ((self.wrap,) if self.wrap else ())
 
     @property
     def agent_kwargs(self) -> dict[str, Any]:
@@ -102,6 +124,7 @@ class TransferRow:
     iter_seconds: tuple[float, ...]
     warmup_seconds: float
     mismatched_blocks: int
+    cache: str = NATIVE  # or the wrapped format both sides used
 
     @property
     def verified(self) -> bool:
@@ -145,6 +168,28 @@ class RoundTrip:
 
 
 @dataclass(frozen=True, slots=True)
+class Registration:
+    """Making one side's cache and agent ready to move ``nbytes`` (``REGISTRATION_TIMED``)."""
+
+    cache: str
+    block_size: int
+    nbytes: int
+    wrap_seconds: float
+    agent_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return self.wrap_seconds + self.agent_seconds
+
+    @property
+    def seconds_per_gb(self) -> float:
+        return self.seconds / (self.nbytes / 1e9)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "seconds": self.seconds, "seconds_per_gb": self.seconds_per_gb}
+
+
+@dataclass(frozen=True, slots=True)
 class BenchReport:
     """Everything one ``run`` measured; ``to_dict`` is ``kvmove-bench transfer --json``."""
 
@@ -155,10 +200,22 @@ class BenchReport:
     perftest_bw: tuple[perftest.PerftestResult, ...]
     perftest_lat: tuple[perftest.PerftestResult, ...]
     wall_seconds: float
+    registrations: tuple[Registration, ...] = ()
 
     @property
     def verified(self) -> bool:
         return all(row.verified for row in self.rows)
+
+    def native_for(self, row: TransferRow) -> TransferRow:
+        """The native row of the same op, placement and block size, measured in this run."""
+        return next(r for r in self.rows if r.cache == NATIVE and
+                    (r.op, r.placement, r.block_size) == (row.op, row.placement, row.block_size))
+
+    def native_ratio(self, row: TransferRow) -> float | None:
+        """A wrapped row's GB/s over its native row's (None for a native row)."""
+        if row.cache == NATIVE:
+            return None
+        return row.gbytes_per_s / self.native_for(row).gbytes_per_s
 
     def memcpy_pct(self, row: TransferRow) -> float:
         return row.gbytes_per_s / self.memcpy[row.nbytes] * 100.0
@@ -176,7 +233,7 @@ class BenchReport:
     def links(self) -> list[dict[str, Any]]:
         """The first allocator rows' bytes over the article's links and as measured here."""
         rows = [r for r in self.rows if r.placement == self.config.placements[0]
-                and r.block_size == self.config.block_sizes[0]]
+                and r.block_size == self.config.block_sizes[0] and r.cache == NATIVE]
         links = [{"name": link.name, "gbytes_per_s": link.gbytes_per_s,
                   "transfer_ms": transfer_ms(rows[0].nbytes, link), "measured": False}
                  for link in DEFAULT_LINKS]
@@ -189,7 +246,8 @@ class BenchReport:
         layout = self.config.layout(self.config.block_sizes[0])
         rows = [{**row.to_dict(), "memcpy_pct": self.memcpy_pct(row),
                  "perftest_pct": self.perftest_pct(row),
-                 "perftest_test": PERFTEST_TEST[row.op]} for row in self.rows]
+                 "perftest_test": PERFTEST_TEST[row.op], **self._vs_native(row)}
+                for row in self.rows]
         return {
             "config": config, "statistic": f"best of {self.config.iters} after 1 warm-up",
             "layout": asdict(layout), "kv_bytes": layout.bytes_for(self.config.num_tokens),
@@ -199,8 +257,16 @@ class BenchReport:
                 "perftest_bw": [p.to_dict() for p in self.perftest_bw],
                 "perftest_put_lat": [p.to_dict() for p in self.perftest_lat],
             },
+            "registration": [r.to_dict() for r in self.registrations],
+            "registration_timed": REGISTRATION_TIMED,
             "links": self.links(), "wall_seconds": self.wall_seconds,
         }
+
+    def _vs_native(self, row: TransferRow) -> dict[str, Any]:
+        if row.cache == NATIVE:
+            return {"native_ratio": None, "native_num_ops": None}
+        return {"native_ratio": self.native_ratio(row),
+                "native_num_ops": self.native_for(row).num_ops}
 
 
 # --- text and plot --------------------------------------------------------------------------
@@ -223,21 +289,51 @@ def format_transfer(report: BenchReport) -> str:
         f"transports {transports}, error mode {config.error_mode}; "
         f"best of {config.iters} after a warm-up, every byte verified on the receiving side"
     )
-    return "\n".join([header, "", *_transfer_table(report), "", *_baseline_lines(report), "",
+    return "\n".join([header, *_wrap_lines(report), "", *_transfer_table(report), "",
+                      *_registration_lines(report), "", *_baseline_lines(report), "",
                       *_round_trip_lines(report), "", *_link_lines(report),
                       "", f"measured in {report.wall_seconds:.1f} s"])
 
 
+def _wrap_lines(report: BenchReport) -> list[str]:
+    config = report.config
+    if config.wrap is None:
+        return []
+    layout = config.layout(config.block_sizes[0])
+    mla = (f", as one MLA latent of {layout.head_dim} per token (the same bytes; the native "
+           "cache too)" if config.wrap == "mla" else "")
+    return [f"caches: native (KVCache), then {config.wrap}: the engine's tensors as numpy "
+            f"arrays wrapped with KVCache.wrap as docs/engines.md says{mla}; 'x native' is "
+            "wrapped GB/s over native GB/s in this run (target >= 0.90)"]
+
+
 def _transfer_table(report: BenchReport) -> list[str]:
-    head = ["op", "placement", "block", "bytes", "blocks", "ops posted", "post ms", "total ms",
-            "post %", "GB/s", "% of memcpy", "% of perftest", "verified"]
-    rows = [[row.op, row.placement, str(row.block_size), f"{row.nbytes:,}",
-             f"{row.num_blocks:,}", f"{row.num_ops:,}", ms(row.post_seconds * 1e3),
-             ms(row.total_seconds * 1e3), f"{row.post_share_pct:.2f}%",
-             f"{row.gbytes_per_s:.2f}", f"{report.memcpy_pct(row):.1f}%",
-             _pct(report.perftest_pct(row)), "yes" if row.verified else "NO"]
-            for row in report.rows]
-    return aligned(head, rows, left={0, 1, len(head) - 1})
+    """One line per row; with ``--wrap``, a cache column and the ratio to native."""
+    wrap = report.config.wrap is not None
+    head = ["op", "placement", *["cache"] * wrap, "block", "bytes", "blocks", "ops posted",
+            "post ms", "total ms", "post %", "GB/s", *["x native"] * wrap, "% of memcpy",
+            "% of perftest", "verified"]
+    rows = []
+    for row in report.rows:
+        ratio = report.native_ratio(row)
+        rows.append([row.op, row.placement, *[row.cache] * wrap, str(row.block_size),
+                     f"{row.nbytes:,}", f"{row.num_blocks:,}", f"{row.num_ops:,}",
+                     ms(row.post_seconds * 1e3), ms(row.total_seconds * 1e3),
+                     f"{row.post_share_pct:.2f}%", f"{row.gbytes_per_s:.2f}",
+                     *[("-" if ratio is None else f"{ratio:.2f}")] * wrap,
+                     f"{report.memcpy_pct(row):.1f}%", _pct(report.perftest_pct(row)),
+                     "yes" if row.verified else "NO"])
+    return aligned(head, rows, left={0, 1, 2 * wrap, len(head) - 1})
+
+
+def _registration_lines(report: BenchReport) -> list[str]:
+    head = ["cache", "block", "bytes", "wrap ms", "Agent ms", "s/GB"]
+    rows = [[r.cache, str(r.block_size), f"{r.nbytes:,}", ms(r.wrap_seconds * 1e3),
+             ms(r.agent_seconds * 1e3), f"{r.seconds_per_gb:.3f}"]
+            for r in report.registrations]
+    timed = textwrap.wrap(f"timed: {REGISTRATION_TIMED}", width=98)
+    return ["registration per GB of cache:", *[f"  {line}" for line in timed],
+            *aligned(head, rows, left={0})]
 
 
 def _pct(value: float | None) -> str:
@@ -294,7 +390,7 @@ def plot_transfer(report: BenchReport, path: str) -> None:
     for row in report.rows:
         ax.scatter(row.op_nbytes, row.gbytes_per_s, s=50, color=_COLORS[row.op],
                    marker="o" if row.placement == "allocator" else "s",
-                   label=f"kvmove {row.op} ({row.placement})")
+                   label=f"kvmove {row.op} ({row.placement}, {row.cache})")
         ax.annotate(f"bs {row.block_size}", (row.op_nbytes, row.gbytes_per_s), fontsize=7,
                     xytext=(4, 4), textcoords="offset points")
     ax.axhline(max(report.memcpy.values()), linestyle=":", color="gray", label="memcpy")

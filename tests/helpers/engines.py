@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 import kvmove
+from kvmove.bench import engine_caches
 
 ENGINES = ("flash", "flash-hnd", "flashinfer", "vllm-cpu", "sglang", "mla", "native", "native-mla")
 MLA_ENGINES = ("mla", "native-mla")
@@ -29,47 +30,18 @@ def layout_for(engine: str, num_layers: int = 3, block_size: int = 4,
 
 
 def allocate(engine: str, layout: kvmove.KVLayout, num_blocks: int) -> Any:
-    """The engine's tensors, zero-filled, in its own shapes."""
-    n, b, h, d = num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim
+    """The engine's tensors, zero-filled torch tensors of the layout's dtype in its own shapes
+    (the bench's ``engine_caches.allocate``, which ``kvmove-bench transfer --wrap`` uses with
+    numpy)."""
 
-    def z(*shape: int) -> torch.Tensor:
+    def zeros(*shape: int) -> torch.Tensor:
         return torch.zeros(shape, dtype=getattr(torch, layout.dtype))
 
-    per_layer = range(layout.num_layers)
-    if engine == "flash":  # vLLM passes a dict: layer name -> tensor
-        return {f"model.layers.{i}.self_attn.attn": z(2, n, b, h, d) for i in per_layer}
-    if engine == "flash-hnd":
-        return {f"model.layers.{i}.self_attn.attn": z(2, n, h, b, d) for i in per_layer}
-    if engine == "flashinfer":
-        return {f"model.layers.{i}.self_attn.attn": z(n, 2, b, h, d) for i in per_layer}
-    if engine == "vllm-cpu":
-        return [z(n, h, b, 2 * d) for _ in per_layer]
-    if engine == "sglang":  # k_buffer[l], v_buffer[l]: [num_tokens, H, D]
-        return [(z(n * b, h, d), z(n * b, h, d)) for _ in per_layer]
-    if engine == "mla":
-        return [z(n, b, d) for _ in per_layer]
-    raise ValueError(engine)
+    return engine_caches.allocate(engine, layout, num_blocks, zeros=zeros)
 
 
-def wrap(engine: str, tensors: Any, layout: kvmove.KVLayout, pool: bool | None = None
-         ) -> kvmove.KVCache:
-    """The documented wrap call of each engine (docs/engines.md)."""
-    if engine == "flash":
-        return kvmove.KVCache.wrap(tensors, layout=layout, block_dim=1, kv_dim=0, pool=pool)
-    if engine == "flash-hnd":
-        return kvmove.KVCache.wrap(tensors, layout=layout, block_dim=1, kv_dim=0, order="HND",
-                                   pool=pool)
-    if engine == "flashinfer":
-        return kvmove.KVCache.wrap(tensors, layout=layout, block_dim=0, kv_dim=1, pool=pool)
-    if engine == "vllm-cpu":
-        return kvmove.KVCache.wrap(tensors, layout=layout, block_dim=0, order="vllm-cpu",
-                                   pool=pool)
-    if engine == "sglang":
-        return kvmove.KVCache.wrap(tensors, layout=layout, block_dim=0,
-                                   page_size=layout.block_size, pool=pool)
-    if engine == "mla":
-        return kvmove.KVCache.wrap(tensors, layout=layout, block_dim=0, order="mla", pool=pool)
-    raise ValueError(engine)
+# The documented wrap call of each engine (docs/engines.md), shared with the bench.
+wrap = engine_caches.wrap_engine
 
 
 def make(engine: str, layout: kvmove.KVLayout, num_blocks: int) -> tuple[Any, kvmove.KVCache]:
