@@ -64,8 +64,8 @@ class StagingArea:
 
     Args:
         name: the staging agent's name: the one the sender connects and writes to.
-        cache: the receiver's own cache, converted into: one plane per layer (a ``KVCache``, or
-            a wrap with K and V of a block together), order NHD or HND.
+        cache: the receiver's own cache, converted into: a ``KVCache`` or a wrapped engine
+            cache (K and V of a block together or in planes of their own), order NHD or HND.
         sender_layout: the sender's ``KVLayout``: same layers, heads and head_dim as
             ``cache``'s; block size and dtype may differ.
         sender_order: the sender's element order inside a block, "NHD" or "HND".
@@ -331,9 +331,6 @@ def check_convertible(sender_layout: KVLayout, sender_order: str,
         if dtype == "float8":
             raise ConfigError(f"KV layouts cannot convert on arrival: {side} dtype is float8, "
                               "whose per-block scales staging does not carry (not built yet)")
-    if cache.num_parts != 1:
-        raise ConfigError("KV layouts cannot convert into a cache with K and V in separate "
-                          "planes (num_parts 2): wrap a one-plane cache, or use a KVCache")
     if (sender_layout.block_size, sender_layout.dtype, sender_order, sender_heads) == (
             here.block_size, here.dtype, cache.order, heads):
         raise ConfigError("the sender's layout is the cache's own: no staging needed, expect "

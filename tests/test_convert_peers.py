@@ -31,15 +31,20 @@ NUM_BLOCKS = 16
 SEED = 5
 
 # name: (sender engine, sender block size, sender dtype, receiver order, receiver block size,
-#        receiver dtype, receiver wrapped as FlashInfer's one-plane tensors)
+#        receiver dtype, receiver engine: None for a kvmove KVCache, else the engine whose
+#        wrapped tensors it is: FlashInfer's one plane, or vLLM flash's K and V planes)
 CASES = {
-    "block-4-to-16": ("flash", 4, "float16", "NHD", 16, "float16", False),
-    "block-16-to-4": ("native", 16, "float16", "NHD", 4, "float16", True),
-    "nhd-to-hnd": ("flashinfer", 4, "float16", "HND", 4, "float16", False),
-    "hnd-to-nhd": ("flash-hnd", 4, "float16", "NHD", 4, "float16", True),
-    "float16-to-bfloat16": ("flash", 4, "float16", "NHD", 4, "bfloat16", False),
+    "block-4-to-16": ("flash", 4, "float16", "NHD", 16, "float16", None),
+    "block-16-to-4": ("native", 16, "float16", "NHD", 4, "float16", "flashinfer"),
+    "nhd-to-hnd": ("flashinfer", 4, "float16", "HND", 4, "float16", None),
+    "hnd-to-nhd": ("flash-hnd", 4, "float16", "NHD", 4, "float16", "flashinfer"),
+    "float16-to-bfloat16": ("flash", 4, "float16", "NHD", 4, "bfloat16", None),
     "bfloat16-hnd-4-to-float16-nhd-16": ("flash-hnd", 4, "bfloat16", "NHD", 16, "float16",
-                                         False),
+                                         None),
+    "block-4-to-16-into-k-and-v-planes": ("native", 4, "float16", "NHD", 16, "float16",
+                                          "flash"),
+    "nhd-float16-to-hnd-bfloat16-k-and-v-planes": ("flash", 4, "float16", "HND", 4,
+                                                   "bfloat16", "flash-hnd"),
 }
 
 
@@ -49,6 +54,7 @@ class Receiver:
 
     def __init__(self, case: str) -> None:
         engine, bs, dtype, order, dst_bs, dst_dtype, wrapped = CASES[case]
+        self.wrapped = wrapped
         self.engine = engine
         self.src_layout = engines.layout_for(engine, block_size=bs, dtype=dtype)
         self.layout = engines.layout_for("native", block_size=dst_bs, dtype=dst_dtype)
@@ -87,17 +93,23 @@ class Receiver:
         return out
 
 
-def _receiver_cache(layout: kvmove.KVLayout, order: str, wrapped: bool) -> kvmove.KVCache:
-    if wrapped:  # vLLM FlashInfer's [N, 2, B, H, D] per layer: one plane, NHD
-        _, cache = engines.make("flashinfer", layout, NUM_BLOCKS)
+def _receiver_cache(layout: kvmove.KVLayout, order: str, wrapped: str | None
+                    ) -> kvmove.KVCache:
+    if wrapped:  # FlashInfer's [N, 2, B, H, D] per layer, or flash's [2, N, B, H, D] (HND too)
+        _, cache = engines.make(wrapped, layout, NUM_BLOCKS)
         return cache
     return kvmove.KVCache(layout, NUM_BLOCKS, order=order)
 
 
-def blocks_view(cache: kvmove.KVCache, layout: kvmove.KVLayout, order: str) -> torch.Tensor:
-    """[L, N, 2, B, H, D] of the receiver's cache, read with torch (HND transposed)."""
-    if cache.wrapped:  # flashinfer tensors [N, 2, B, H, D] per layer
-        return torch.stack(engines.leaves(cache.tensors))
+def blocks_view(cache: kvmove.KVCache, layout: kvmove.KVLayout, order: str,
+                wrapped: str | None = None) -> torch.Tensor:
+    """[L, N, 2, B, H, D] of the receiver's cache, read with torch (HND transposed); a
+    wrapped one through the engines' reference (``engines.kv_of``)."""
+    if wrapped:
+        leaves = engines.leaves(cache.tensors)
+        return torch.stack([torch.stack([engines.kv_of(wrapped, leaves, layout, layer, block)
+                                         for block in range(cache.num_blocks)])
+                            for layer in range(layout.num_layers)])
     t = cache.torch()
     return t.transpose(3, 4) if order == "HND" else t
 
@@ -125,7 +137,7 @@ def _request(rx: Receiver, num_tokens: int, first_dst: int) -> tuple[list[int], 
 
 
 def _view(rx: Receiver) -> torch.Tensor:
-    return blocks_view(rx.cache, rx.layout, rx.order)
+    return blocks_view(rx.cache, rx.layout, rx.order, rx.wrapped)
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
@@ -306,14 +318,6 @@ def test_a_head_range_outside_the_model_is_refused():
     with pytest.raises(ConfigError, match=r"kv_heads \(1, 2\): heads \[1, 3\) "
                                           r"\(num_kv_heads 2\) must lie in \[0, 2\)"):
         kvmove.Agent("a", cache, kv_heads=(1, 2), **TCP)
-
-
-def test_a_cache_with_k_and_v_apart_is_refused_as_a_destination():
-    layout = engines.layout_for("flash")
-    _, cache = engines.make("flash", layout, 4)
-    with pytest.raises(ConfigError, match="separate planes"):
-        StagingArea("staging", cache, sender_layout=engines.layout_for("flash", block_size=8),
-                    num_blocks=4, **TCP)
 
 
 def test_an_allocated_cache_in_head_major_order_views_its_blocks_head_major():

@@ -11,17 +11,39 @@ namespace kvmove {
 
 namespace {
 
-// The planes of the given layers of cache, with its block shape.
+// The planes of the given layers of cache, one per layer, with its block shape (pack/unpack).
 CacheView view_of(const KVCache& cache, const std::vector<int64_t>& layers,
                   const BlockShape& shape) {
-    // Conversions address a block as one part; a cache with K and V apart (a wrapped engine
-    // cache) is not one of theirs yet.
-    KVMOVE_CHECK(cache.geometry().num_parts() == 1, Config,
-                 "pack, unpack and convert need one part per layer, the cache has "
-                     << cache.geometry().num_parts());
+    // pack/unpack move a block as one range; a cache with K and V apart (a wrapped engine
+    // cache) is not one of theirs yet (convert takes it: kv_view_of).
+    KVMOVE_CHECK(
+        cache.geometry().num_parts() == 1, Config,
+        "pack and unpack need one part per layer, the cache has " << cache.geometry().num_parts());
     CacheView view{{}, shape, cache.device()};
     for (int64_t layer : layers) {
         view.planes.push_back(cache.geometry().plane(layer, 0));
+    }
+    return view;
+}
+
+// The K and V planes of the given layers, planes[2 * li + kv]: a conversion addresses K and V
+// apart, so a cache that keeps them apart (two parts) and one that keeps them together
+// converts alike. In a one-part block V starts half a block after K, in either head order.
+CacheView kv_view_of(const KVCache& cache, const std::vector<int64_t>& layers,
+                     const BlockShape& shape) {
+    CacheView view{{}, shape, cache.device()};
+    for (int64_t layer : layers) {
+        if (cache.geometry().num_parts() == 2) {
+            view.planes.push_back(cache.geometry().plane(layer, 0));
+            view.planes.push_back(cache.geometry().plane(layer, 1));
+        } else {
+            Plane k = cache.geometry().plane(layer, 0);
+            k.block_nbytes /= 2;
+            Plane v = k;
+            v.base += k.block_nbytes;
+            view.planes.push_back(k);
+            view.planes.push_back(v);
+        }
     }
     return view;
 }
@@ -83,18 +105,20 @@ void convert_host_block(const ConvertPlan& p, size_t li, size_t bi, int kv) {
     const int64_t first = static_cast<int64_t>(bi) * d.block_size;
     const int64_t count = std::min<int64_t>(d.block_size, p.num_tokens - first);
     const HeadSpan& heads = p.heads;
-    char* dst_block = reinterpret_cast<char*>(block_address(p.dst.planes[li], p.dst_ids[bi]));
-    // A head's head_dim elements are contiguous on both sides (element_index(..., x) is the
-    // row's index + x): the loops below go a row at a time.
+    char* dst_block =
+        reinterpret_cast<char*>(block_address(p.dst.planes[2 * li + kv], p.dst_ids[bi]));
+    // The plane is K's or V's (kv_view_of): within it, index as K. A head's head_dim elements
+    // are contiguous on both sides (element_index(..., x) is the row's index + x): the loops
+    // below go a row at a time.
     auto src_row = [&](int64_t t, int h) {
         const char* block = reinterpret_cast<const char*>(
-            block_address(p.src.planes[li], p.src_ids[t / s.block_size]));
-        return block + dtype_nbytes(s.dtype) * element_index(s, kv,
+            block_address(p.src.planes[2 * li + kv], p.src_ids[t / s.block_size]));
+        return block + dtype_nbytes(s.dtype) * element_index(s, 0,
                                                              static_cast<int>(t % s.block_size),
                                                              heads.src_first + h, 0);
     };
     auto dst_row = [&](int64_t t, int h) {
-        return dst_block + dtype_nbytes(d.dtype) * element_index(d, kv, static_cast<int>(t - first),
+        return dst_block + dtype_nbytes(d.dtype) * element_index(d, 0, static_cast<int>(t - first),
                                                                  heads.dst_first + h, 0);
     };
     if (copies_bits(s.dtype, d.dtype)) {
@@ -199,8 +223,8 @@ void convert_blocks(const KVCache& src, const BlockShape& src_shape,
     src.geometry().check_ids(src_ids, "");
     dst.geometry().check_ids(dst_ids, "");
     const std::vector<int64_t> wanted = checked_layers(src, layers);
-    ConvertPlan plan{view_of(src, wanted, src_shape),
-                     view_of(dst, wanted, dst_shape),
+    ConvertPlan plan{kv_view_of(src, wanted, src_shape),
+                     kv_view_of(dst, wanted, dst_shape),
                      src_ids,
                      dst_ids,
                      num_tokens,

@@ -31,10 +31,10 @@
 
 namespace kvmove {
 
-// A cache as the conversions see it: the plane of each layer a call touches (planes[li] holds
-// the li-th selected layer; a kvmove cache has one part per layer), its block shape, and the
-// memory it lives in. Addresses come from block_address() (common/kv_geometry.h) on both the
-// host and the device.
+// A cache as the conversions see it: the planes a call touches, its block shape, and the
+// memory it lives in. pack/unpack: planes[li] holds the li-th selected layer (one part per
+// layer); convert: planes[2 * li + kv] holds K or V of it, wherever the cache keeps them.
+// Addresses come from block_address() (common/kv_geometry.h) on both the host and the device.
 struct CacheView {
     std::vector<Plane> planes;
     BlockShape shape;

@@ -76,7 +76,7 @@ __global__ void pack_kernel(const Plane* planes, int64_t num_layers, const int64
 }
 
 struct ConvertArgs {
-    const Plane* src_planes;  // one per selected layer, on the device
+    const Plane* src_planes;  // K and V of each selected layer, [2 * li + kv], on the device
     const Plane* dst_planes;
     BlockShape src_shape;
     BlockShape dst_shape;
@@ -94,12 +94,12 @@ __device__ float convert_value(const ConvertArgs& a, int64_t li, int kv, int64_t
     const BlockShape& s = a.src_shape;
     const int64_t sb = t / s.block_size;
     const char* block =
-        reinterpret_cast<const char*>(block_address(a.src_planes[li], a.src_ids[sb]));
+        reinterpret_cast<const char*>(block_address(a.src_planes[2 * li + kv], a.src_ids[sb]));
     const float scale =
         s.dtype == DType::Float8 ? a.scales[(li * a.num_src_ids + sb) * 2 + kv] : 1.0f;
     return load_element(
                block, s.dtype,
-               element_index(s, kv, static_cast<int>(t % s.block_size), a.heads.src_first + h, x)) *
+               element_index(s, 0, static_cast<int>(t % s.block_size), a.heads.src_first + h, x)) *
            scale;
 }
 
@@ -143,7 +143,8 @@ __global__ void convert_kernel(ConvertArgs a) {
             }
             __syncthreads();  // partial[0] is read by all before the next job overwrites it
         }
-        char* block = reinterpret_cast<char*>(block_address(a.dst_planes[li], a.dst_ids[bi]));
+        char* block =
+            reinterpret_cast<char*>(block_address(a.dst_planes[2 * li + kv], a.dst_ids[bi]));
         const bool bits = copies_bits(a.src_shape.dtype, d.dtype);
         const int64_t es = dtype_nbytes(d.dtype);
         for (int64_t e = threadIdx.x; e < elements; e += blockDim.x) {
@@ -151,13 +152,13 @@ __global__ void convert_kernel(ConvertArgs a) {
             const int h = static_cast<int>((e / d.head_dim) % heads);
             const int x = static_cast<int>(e % d.head_dim);
             const int64_t at =
-                element_index(d, kv, static_cast<int>(t - first), a.heads.dst_first + h, x);
+                element_index(d, 0, static_cast<int>(t - first), a.heads.dst_first + h, x);
             if (bits) {  // as the host path: the element's bytes, unchanged
                 const BlockShape& s = a.src_shape;
                 const char* src = reinterpret_cast<const char*>(
-                    block_address(a.src_planes[li], a.src_ids[t / s.block_size]));
+                    block_address(a.src_planes[2 * li + kv], a.src_ids[t / s.block_size]));
                 memcpy(block + es * at,
-                       src + es * element_index(s, kv, static_cast<int>(t % s.block_size),
+                       src + es * element_index(s, 0, static_cast<int>(t % s.block_size),
                                                 a.heads.src_first + h, x),
                        static_cast<size_t>(es));
             } else {
@@ -208,7 +209,7 @@ void convert_blocks_cuda(const ConvertPlan& plan) {
                      dst_ids.get(),
                      static_cast<int64_t>(plan.src_ids.size()),
                      static_cast<int64_t>(plan.dst_ids.size()),
-                     static_cast<int64_t>(plan.src.planes.size()),
+                     static_cast<int64_t>(plan.src.planes.size() / 2),
                      plan.num_tokens,
                      plan.heads,
                      plan.scales};
