@@ -219,3 +219,51 @@ def test_save_layer_posts_only_after_its_cuda_event():
                 assert np.array_equal(got[layer, remote], expected[layer]), f"layer {layer}"
     finally:
         far.stop()
+
+
+# --- an engine's own device tensors (KVCache.wrap, docs/engines.md) -----------------------------
+
+def _flash_tensors(seed: int) -> dict[str, torch.Tensor]:
+    """vLLM flash-attention's per-layer [2, N, B, H, D] on the device, random values."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (2, NUM_BLOCKS, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    return {f"model.layers.{i}.self_attn.attn":
+            torch.randn(shape, generator=g).to(torch.float16).to(DEVICE)
+            for i in range(LAYOUT.num_layers)}
+
+
+def test_wrapped_device_tensors_are_a_device_cache_of_k_and_v_planes():
+    tensors = _flash_tensors(1)
+    cache = KVCache.wrap(tensors, layout=LAYOUT, block_dim=1, kv_dim=0, pool=None)
+    assert cache.device == DEVICE and cache.wrapped and cache.num_parts == 2
+    assert cache.layer_names == list(tensors)
+    mixed = dict(tensors)
+    mixed["model.layers.2.self_attn.attn"] = mixed["model.layers.2.self_attn.attn"].cpu()
+    with pytest.raises(ConfigError, match="must agree on devices"):
+        KVCache.wrap(mixed, layout=LAYOUT, block_dim=1, kv_dim=0, pool=None)
+
+
+def test_a_write_from_wrapped_device_tensors_lands_every_byte_in_another_process():
+    """vLLM flash tensors on the GPU (K and V planes) written into a kvmove device cache in
+    another process: each moved block there is K then V of the engine's block."""
+    tensors = _flash_tensors(3)
+    cache = KVCache.wrap(tensors, layout=LAYOUT, block_dim=1, kv_dim=0, pool=None)
+    far = gpu_peer("dst", LAYOUT_KW, NUM_BLOCKS, AGENT, DEVICE)
+    try:
+        with Agent("src", cache, **AGENT) as agent:
+            far.call("fill", 2)
+            far.call("add_peer", agent.metadata())
+            agent.add_peer(far.call("metadata"))
+            src_ids, dst_ids = [3, 4, 5, 10, 11], [20, 21, 7, 8, 9]
+            agent.write("dst", src_ids, dst_ids, notify=b"done").wait(TIMEOUT)
+            assert far.call("wait_notification", TIMEOUT) == ("src", b"done")
+            after = far.call("snapshot")
+        bn = LAYOUT.bytes_per_block_per_layer
+        expected = pattern(2, LAYOUT.num_layers, NUM_BLOCKS, bn).copy()
+        for layer, t in enumerate(tensors.values()):
+            kv = t.cpu().view(torch.uint8).numpy()  # [2, N, B, H, 2 * D]: each plane's bytes
+            for s, d in zip(src_ids, dst_ids):
+                expected[layer, d] = np.concatenate([kv[0, s].reshape(-1), kv[1, s].reshape(-1)])
+        assert np.array_equal(after, expected)
+    finally:
+        far.stop()
