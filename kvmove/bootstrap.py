@@ -183,5 +183,6 @@ def exchange(own_metadata: bytes, host: str, port: int, timeout: float) -> bytes
         sock.close(linger=0)
         context.term()
     if reply[:2] != b"OK":
-        raise PeerError(f"{host}:{port} rejected our metadata: {reply[2:].decode(errors='replace')}")
+        why = reply[2:].decode(errors="replace")
+        raise PeerError(f"{host}:{port} rejected our metadata: {why}")
     return reply[2:]
