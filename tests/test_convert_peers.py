@@ -12,7 +12,9 @@ block, and the positions past the sequence in its last block, must keep their by
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -196,29 +198,32 @@ def test_no_staging_room_is_none_until_a_request_is_done():
         area.close()
 
 
-def test_an_expect_without_room_is_none_and_a_cancelled_load_gives_its_blocks_back():
+@contextlib.contextmanager
+def _area_with_a_sender() -> Iterator[StagingArea]:
+    """A 4-block staging area (block size 4) peered with an agent named "sender"."""
     area = _local_area(engines.layout_for("native", block_size=4), num_blocks=4)
     sender = kvmove.Agent("sender", kvmove.KVCache(area.staging.layout, 4), **TCP)
     try:
         area.agent.add_peer(sender.metadata())
         sender.add_peer(area.agent.metadata())
+        yield area
+    finally:
+        sender.close()
+        area.close()
+
+
+def test_an_expect_without_room_is_none_and_a_cancelled_load_gives_its_blocks_back():
+    with _area_with_a_sender() as area:
         load = area.expect("sender", "req-1", [0], 16)
         assert load is not None and area.num_free == 0
         assert area.expect("sender", "req-2", [1], 1) is None
         load.cancel()
         assert load.stream.wait_released(WAIT)
         assert area.num_free == 4
-    finally:
-        sender.close()
-        area.close()
 
 
 def test_a_load_dropped_unfinished_is_cancelled_and_gives_its_blocks_back():
-    area = _local_area(engines.layout_for("native", block_size=4), num_blocks=4)
-    sender = kvmove.Agent("sender", kvmove.KVCache(area.staging.layout, 4), **TCP)
-    try:
-        area.agent.add_peer(sender.metadata())
-        sender.add_peer(area.agent.metadata())
+    with _area_with_a_sender() as area:
         load = area.expect("sender", "req-1", [0], 16)
         stream = load.stream
         del load
@@ -226,9 +231,6 @@ def test_a_load_dropped_unfinished_is_cancelled_and_gives_its_blocks_back():
         assert stream.state == kvmove.StreamState.FAILED
         assert stream.wait_released(WAIT)
         assert area.num_free == 4
-    finally:
-        sender.close()
-        area.close()
 
 
 def test_a_staged_write_finishes_once():
