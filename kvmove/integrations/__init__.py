@@ -1,0 +1,1 @@
+"""kvmove inside serving engines: ``kvmove.integrations.vllm`` is vLLM's KV connector."""

