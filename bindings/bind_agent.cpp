@@ -136,8 +136,10 @@ void register_agent(py::module_& m) {
         .def("metadata", [](const Agent& a) { return to_bytes(a.metadata()); })
         .def(
             "add_peer",
-            [](Agent& a, const std::string& meta) { return a.add_peer(to_vector(meta)); },
-            py::arg("metadata"), release())
+            [](Agent& a, const std::string& meta, bool rejoin) {
+                return a.add_peer(to_vector(meta), rejoin);
+            },
+            py::arg("metadata"), py::arg("rejoin") = false, release())
         .def("remove_peer", &Agent::remove_peer, py::arg("name"), release())
         .def_property_readonly("peers", &Agent::peers)
         .def("write", transfer_method(&Agent::write), py::arg("peer"), py::arg("local_ids"),

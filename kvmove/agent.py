@@ -155,7 +155,9 @@ def _weak_add_peer(agent: Agent) -> Callable[[bytes], str]:
         target = ref()
         if target is None:
             raise PeerError("the listening agent is gone")
-        return target.add_peer(metadata)
+        # A connecting agent whose earlier connect timed out (it never saw our answer) asks
+        # again with the same metadata: answer it, rather than lock it out for good.
+        return target._core.add_peer(target.key.verify(metadata), rejoin=True)
 
     return add_peer
 
@@ -370,7 +372,9 @@ class Agent:
             raise ConfigError(f"agent {self.name!r} serves on {self.host} (loopback) and cannot "
                               f"reach {host!r}: create it with host=<an address of this host> "
                               "on the network to use")
-        return self.add_peer(exchange(self.metadata(), host, port, timeout))
+        # rejoin: connecting again to the same run of a peer we have keeps it as it is.
+        return self._core.add_peer(self.key.verify(exchange(self.metadata(), host, port,
+                                                            timeout)), rejoin=True)
 
     def stream_to(self, peer: str, local_ids: Sequence[int], remote_ids: Sequence[int],
                   request_id: str, *, epoch: int, checksums: bool | None = None) -> SaveStream:

@@ -819,20 +819,35 @@ def test_reject_bad_connect_timeout(pair, timeout):
     assert "timeout" in message and f"{timeout:g}" in message, message
 
 
-def test_listener_rejecting_our_metadata_is_a_peer_error(pair):
-    """The listener rejects metadata it cannot add (here: of another KV layout): it answers
-    "ER" + its error, and the connecting agent raises PeerError with that message. Neither
-    side changed."""
-    host, port = pair.a.listen()
-    odd = {**LAYOUT, "head_dim": LAYOUT["head_dim"] * 2}
-    with kvmove.Agent("odd", make_cache(odd, A_BLOCKS), **TCP) as other:
-        pair.a.add_peer(other.metadata())
+def test_listener_rejecting_our_metadata_is_a_peer_error():
+    """The listener rejects metadata it cannot add (here: it has ``max_peers`` already): it
+    answers "ER" + its error, and the connecting agent raises PeerError with that message.
+    Neither side changed."""
+    with kvmove.Agent("full", make_cache(LAYOUT, A_BLOCKS), max_peers=1, **TCP) as full, \
+            kvmove.Agent("first", make_cache(LAYOUT, A_BLOCKS), **TCP) as first, \
+            kvmove.Agent("odd", make_cache(LAYOUT, A_BLOCKS), **TCP) as other:
+        host, port = full.listen()
+        first.connect(host, port, timeout=WAIT)
         with pytest.raises(PeerError, match="rejected our metadata") as excinfo:
             other.connect(host, port, timeout=WAIT)
-        names(excinfo, f"{host}:{port}", "peer 'odd' is already added")
+        names(excinfo, f"{host}:{port}", "its limit (max_peers)", "'odd'")
         assert other.peers == []
-        pair.a.remove_peer("odd")
-    assert pair.a.peers == ["b"]
+        assert full.peers == ["first"]
+
+
+def test_connecting_again_to_a_listener_that_already_added_us(pair):
+    """A connect whose answer never arrived (it timed out on our side after the listener
+    added us) must not lock us out: the listener answers the same run of us again, keeps the
+    peer as it was, and we become its peer."""
+    host, port = pair.a.listen()
+    with kvmove.Agent("again", make_cache(LAYOUT, A_BLOCKS), **TCP) as other:
+        pair.a.add_peer(other.metadata())   # as if our first connect's answer got lost
+        assert other.connect(host, port, timeout=WAIT) == "a"
+        assert other.connect(host, port, timeout=WAIT) == "a"   # and once more
+        assert sorted(pair.a.peers) == ["again", "b"]
+        assert other.peers == ["a"]
+        other.read("a", [0], [1]).wait(WAIT)   # the kept endpoint works
+        pair.a.remove_peer("again")
     pair.assert_untouched()
 
 

@@ -169,7 +169,7 @@ void Agent::check_open() const {
     KVMOVE_CHECK(!closed_, Config, "agent '" << name_ << "' is closed");
 }
 
-std::string Agent::add_peer(const std::vector<uint8_t>& metadata) {
+std::string Agent::add_peer(const std::vector<uint8_t>& metadata, bool rejoin) {
     AgentMetadata meta = decode(metadata);
     WorkerLock lock(*this);
     check_open();
@@ -178,6 +178,9 @@ std::string Agent::add_peer(const std::vector<uint8_t>& metadata) {
         const AgentMetadata& known = old->second->meta;
         const bool same =
             known.incarnation == meta.incarnation && known.worker_address == meta.worker_address;
+        if (same && rejoin && old->second->failure.empty()) {
+            return meta.name;
+        }
         KVMOVE_CHECK(!old->second->failure.empty() || !same, Peer,
                      "peer '" << meta.name << "' is already added to agent '" << name_ << "'");
         // An earlier run's metadata (a replay, or a stale copy) never displaces a later one.

@@ -60,7 +60,9 @@ public:
     uint32_t incarnation() const { return incarnation_; }
     bool closed() const { return closed_; }
     std::vector<uint8_t> metadata() const { return metadata_; }
-    std::string add_peer(const std::vector<uint8_t>& metadata);
+    // rejoin: the same run of an agent announcing itself again (a connect whose answer it
+    // never got) is no error: the peer is kept as it is.
+    std::string add_peer(const std::vector<uint8_t>& metadata, bool rejoin = false);
     void remove_peer(const std::string& name);
     std::vector<std::string> peers() const;
 
