@@ -31,21 +31,26 @@ CONNECTOR_MODULE = "kvmove.integrations.vllm"
 # vLLM's CPU attention needs head_dim of 32 or more; "small" is the issue's larger model
 # (8 layers, hidden 512) on which a 2,000-token prefill is visible.
 SHAPES: dict[str, dict[str, int]] = {
-    "tiny": dict(vocab_size=320, hidden_size=256, intermediate_size=512, num_layers=2,
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_layers=2,
                  num_heads=4, num_kv_heads=2, head_dim=64),
-    "small": dict(vocab_size=320, hidden_size=512, intermediate_size=1536, num_layers=8,
+    "small": dict(hidden_size=512, intermediate_size=1536, num_layers=8,
                   num_heads=8, num_kv_heads=2, head_dim=64),
 }
 
 
 def write_checkpoint(path: str, shape: str = "tiny", seed: int = 0) -> str:
     """Random Llama weights of ``SHAPES[shape]`` (kvmove's engine writes the Hugging Face
-    files) and a byte-level BPE tokenizer; returns ``path``."""
+    files) and a byte-level BPE tokenizer; returns ``path``. The model's vocabulary is the
+    tokenizer's, so every sampled id decodes to text."""
+    from tokenizers import Tokenizer
+
     from kvmove.engine.model import LlamaForCausalLM, ModelConfig
 
     os.makedirs(path, exist_ok=True)
-    LlamaForCausalLM.random(ModelConfig(**SHAPES[shape]), seed=seed).save_pretrained(path)
     write_bpe_tokenizer(path)
+    vocab = Tokenizer.from_file(os.path.join(path, "tokenizer.json")).get_vocab_size()
+    config = ModelConfig(**dict(SHAPES[shape], vocab_size=vocab))
+    LlamaForCausalLM.random(config, seed=seed).save_pretrained(path)
     return path
 
 
@@ -81,8 +86,8 @@ class VLLMServer:
                "--seed", "0", *args]
         if kv_config is not None:
             cmd += ["--kv-transfer-config", kv_config]
-        child_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="INFO",
-                         **{TAG_VARIABLE: self.tag}, **(env or {}))
+        child_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+                     "VLLM_LOGGING_LEVEL": "INFO", TAG_VARIABLE: self.tag, **(env or {})}
         self.log_path = os.path.join(log_dir or "/tmp", f"{self.tag}.log")
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(cmd, env=child_env, stdout=self._log,

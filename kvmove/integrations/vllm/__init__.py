@@ -50,16 +50,20 @@ class KVMoveConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         config = ConnectorConfig.from_vllm(vllm_config)
         self.config = config
-        if config.offload:
-            from kvmove.integrations.vllm import offload as impl
-        else:
-            from kvmove.integrations.vllm import pd as impl  # type: ignore[no-redef]
         self._scheduler: Any = None
         self._worker: Any = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = impl.Scheduler(vllm_config, config, kv_cache_config)
+            if config.offload:
+                from kvmove.integrations.vllm.offload import Scheduler
+            else:
+                from kvmove.integrations.vllm.pd import Scheduler  # type: ignore[assignment]
+            self._scheduler = Scheduler(vllm_config, config, kv_cache_config)
         else:
-            self._worker = impl.Worker(vllm_config, config, kv_cache_config)
+            if config.offload:
+                from kvmove.integrations.vllm.offload import Worker
+            else:
+                from kvmove.integrations.vllm.pd_worker import Worker  # type: ignore[assignment]
+            self._worker = Worker(vllm_config, config, kv_cache_config)
 
     # ---- scheduler side -------------------------------------------------------------------
 
