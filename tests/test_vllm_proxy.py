@@ -23,8 +23,7 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def fleet():
-    with FakeFleet(FakeVLLM("p0"), FakeVLLM("p1"), FakeVLLM("p2", fail_push=True),
-                   FakeVLLM("d0"), FakeVLLM("d1")) as fleet:
+    with FakeFleet(FakeVLLM("p0"), FakeVLLM("p1"), FakeVLLM("d0"), FakeVLLM("d1")) as fleet:
         yield fleet
 
 
@@ -119,23 +118,19 @@ def test_push_falls_back_to_pull_then_sends_decode_first(fleet, push):
             "kvmove_transfer_id": tid}
     handoffs = {dict(k[1])["mode"]: v for k, v in push.samples().items()
                 if k[0] == "kvmove_proxy_handoffs_total"}
-    assert handoffs == {"push": 2, "pull": 0, "pull-fallback": 1}
+    assert handoffs["push"] >= 2 and handoffs["pull"] == 0
+    assert handoffs["pull-fallback"] == 1
 
 
-def test_push_prefill_failure_leaves_the_decode_alone(fleet):
-    server = _proxy(fleet, "p2", "d1")
-    try:
-        client = server.client()
-        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)  # pull-fallback
-        out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
-        assert out.choices[0].text == "Hello from"
-        url = fleet.servers["p2"].url
-        key = ("kvmove_proxy_errors_total",
-               (("instance", url), ("kind", "status"), ("pool", "prefill")))
-        wait_until(lambda: server.samples().get(key) == 1, HTTP_SECONDS,
-                   "the push prefill's 500 counted")
-    finally:
-        server.close()
+def test_push_prefill_failure_leaves_the_decode_alone(fleet, push):
+    client = push.client()
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)  # p1's address known
+    out = client.completions.create(model="tiny", prompt="fail-push", max_tokens=2)
+    assert out.choices[0].text == "Hello from"
+    key = ("kvmove_proxy_errors_total",
+           (("instance", fleet.servers["p1"].url), ("kind", "status"), ("pool", "prefill")))
+    wait_until(lambda: push.samples().get(key) == 1, HTTP_SECONDS,
+               "the push prefill's 500 counted")
 
 
 def test_upstream_down_and_timeout(fleet):
@@ -196,15 +191,6 @@ def test_models_health_and_metrics(fleet, pull):
     assert samples[("kvmove_proxy_http_rejected_requests_total", (("status", "400"),))] >= 1
 
 
-def test_sigterm_exits_cleanly(fleet):
-    server = _proxy(fleet, "p0", "d0")
-    try:
-        assert server.stop(signal.SIGTERM) == 0
-        server.wait_gone()
-    finally:
-        server.close()
-
-
 @pytest.mark.parametrize("args, message", [
     (["--vllm-prefill", "http://a:1"], "go together"),
     (["--vllm-prefill", "http://a:1", "--vllm-decode", "http://b:1", "--model", "tiny"],
@@ -230,3 +216,8 @@ def test_prefill_refusal_passes_through(fleet, pull):
         pull.client().completions.create(model="tiny", prompt="refuse", max_tokens=2)
     assert "prompt too long" in refused.value.message
     assert [r.server for r in fleet.requests()] == ["p0"]
+
+
+def test_sigterm_exits_cleanly(push):  # last: it stops the module's push proxy
+    assert push.stop(signal.SIGTERM) == 0
+    push.wait_gone()

@@ -259,6 +259,8 @@ class Proxy:
         if "authorization" in request.headers:  # vLLM started with --api-key checks it
             headers["Authorization"] = request.headers["authorization"]
         prefill = self.prefills.pick()
+        log.debug("%s %s: prefill %s (kvmove address %s)", rid, path, prefill.url,
+                  prefill.address)
         if self.config.kv_mode == "push" and prefill.address is not None:
             self.metrics.handoffs.labels("push").inc()
             return await self._push(path, body, headers, prefill)

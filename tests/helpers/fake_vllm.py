@@ -6,8 +6,8 @@ All of them run on one event loop in one thread (``FakeFleet``): a request whose
 first is handled first, so the order of ``FakeFleet.log`` is the order the proxy sent in.
 
 Prompts steer them: ``"refuse"`` is answered 400; ``"hang"`` answers after ``HANG_SECONDS``; ``"slow"`` streams a chunk
-every 0.1 s and records whether the stream was cut (``FakeVLLM.cut``); a server with
-``fail_push`` refuses push prefills with 500. A push decode request waits (at most
+every 0.1 s and records whether the stream was cut (``FakeVLLM.cut``); ``"fail-push"`` is
+answered 500 when it is a push prefill. A push decode request waits (at most
 ``PAIR_SECONDS``) until its prefill request has arrived: the proxy must not wait for the
 decode's answer before it sends the prefill.
 """
@@ -47,7 +47,6 @@ class Record:
 @dataclass(eq=False)
 class FakeVLLM:
     name: str
-    fail_push: bool = False
     port: int = 0
     cut: list[bool] = field(default_factory=list)  # per "slow" stream: cut short?
 
@@ -138,7 +137,7 @@ class FakeFleet:
                 event = self._pair(params["kvmove_transfer_id"])
                 if params.get("do_remote_decode"):
                     event.set()
-                    if fake.fail_push:
+                    if "fail-push" in prompt:
                         return JSONResponse({"error": "push refused"}, status_code=500)
                 else:
                     await asyncio.wait_for(event.wait(), PAIR_SECONDS)
