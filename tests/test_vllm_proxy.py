@@ -15,7 +15,9 @@ import pytest
 
 from helpers.fake_vllm import FakeFleet, FakeVLLM
 from helpers.serve import HTTP_SECONDS, Server, wait_until
+from kvmove.errors import ConfigError
 from kvmove.serve.cli import main
+from kvmove.serve.vllm_pools import Pool, ProxyConfig
 from kvmove.serve.vllm_proxy import PULL_PARAMS
 
 PROMPT = "The capital of France is"
@@ -221,3 +223,24 @@ def test_prefill_refusal_passes_through(fleet, pull):
 def test_sigterm_exits_cleanly(push):  # last: it stops the module's push proxy
     assert push.stop(signal.SIGTERM) == 0
     push.wait_gone()
+
+
+def test_pool_picks_least_in_flight_then_in_turn():
+    pool = Pool.of("decode", ("http://a:1", "http://b:1", "http://c:1"))
+    assert [pool.pick().url for _ in range(4)] == [
+        "http://a:1", "http://b:1", "http://c:1", "http://a:1"]
+    pool.instances[0].in_flight = 2
+    pool.instances[2].in_flight = 1
+    assert [pool.pick().url for _ in range(2)] == ["http://b:1", "http://b:1"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"prefill": ()}, "--vllm-prefill needs at least one URL"),
+    ({"decode": ("http://d:1/",)}, "trailing slash"),
+    ({"decode": ("http://d:1", "http://d:1")}, "names an instance twice"),
+    ({"kv_mode": "both"}, "--kv-mode must be one of push, pull"),
+    ({"request_timeout": 0.0}, "--request-timeout must be positive"),
+])
+def test_config_refusals(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        ProxyConfig(**{"prefill": ("http://p:1",), "decode": ("http://d:1",), **kwargs})
