@@ -7,7 +7,7 @@ starts one process per engine instance, waits until every one is ready, prints
 every worker process before exiting (none is left behind: workers also exit by themselves
 when the server process is gone).
 
-    kvmove-serve --vllm-prefill http://p0:8100 --vllm-decode http://d0:8200 d1:8200 ...
+    kvmove-serve --vllm-prefill http://p0:8100 --vllm-decode http://d0:8200 http://d1:8200
 
 fronts vLLM instances instead (``vllm_proxy.py``): no workers, no model here, so the engine's
 flags are refused with it.

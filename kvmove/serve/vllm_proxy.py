@@ -142,7 +142,6 @@ class _Call:
                 self._first_byte()
                 chunks.append(chunk)
         except httpx.HTTPError as error:
-            await self.close(response)
             raise self.error(error) from None
         finally:
             await self.close(response)
