@@ -198,6 +198,8 @@ async def _serve(config: ServeConfig) -> int:
 async def _serve_proxy(config: ProxyConfig) -> int:
     from kvmove.serve.vllm_proxy import Proxy, create_app
 
+    if config.log_level != "debug":  # httpx logs every upstream request at info
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     listener = _listen(config.host, config.port)
     about = (f"vLLM proxy, kv-mode {config.kv_mode}, prefill: {' '.join(config.prefill)}, "
              f"decode: {' '.join(config.decode)}")

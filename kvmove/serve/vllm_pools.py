@@ -79,6 +79,7 @@ class Instance:
     pool: str
     in_flight: int = 0
     address: dict[str, Any] | None = None
+    warned: bool = False  # said once that it returns no kv_transfer_params
 
     def learn_address(self, params: Any) -> None:
         """Remembers the kvmove address in a prefill's ``kv_transfer_params``, if it has one

@@ -295,10 +295,12 @@ class Proxy:
                                      f"JSON object: {content[:200]!r}", kind="upstream_error")
         params = answer.get("kv_transfer_params")
         if not isinstance(params, dict):
-            call.count("no_kv_params")
-            log.warning("prefill instance %s returned no kv_transfer_params (is its vLLM "
-                        "running a KV connector?): the decode instance computes the prompt "
-                        "itself", call.instance.url)
+            call.count("no_kv_params")  # once in the log, every time in the metrics
+            level = logging.DEBUG if call.instance.warned else logging.WARNING
+            call.instance.warned = True
+            log.log(level, "prefill instance %s returned no kv_transfer_params (is its vLLM "
+                    "running a KV connector?): the decode instance computes the prompt "
+                    "itself", call.instance.url)
             return None
         call.instance.learn_address(params)
         return params
