@@ -214,8 +214,17 @@ def test_prefill_refusal_passes_through(fleet, pull):
     assert [r.server for r in fleet.requests()] == ["p0"]
 
 
-def test_sigterm_exits_cleanly(push):  # last: it stops the module's push proxy
-    assert push.stop(signal.SIGTERM) == 0
+def test_sigterm_with_a_stream_in_flight_exits_cleanly(push):  # last: it stops the proxy
+    with httpx.stream("POST", f"{push.url}/v1/completions", timeout=HTTP_SECONDS,
+                      json={"model": "tiny", "prompt": "slow", "stream": True}) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert push.stop(signal.SIGTERM) == 0  # within STOP_SECONDS
+        try:  # it ended: finished, or cut at the graceful shutdown's end (5 s)
+            for _ in lines:
+                pass
+        except httpx.HTTPError:
+            pass
     push.wait_gone()
 
 
