@@ -25,23 +25,22 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import anyio
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvmove.serve.admission import Admission
-from kvmove.serve.api import APIError, error_body, install_error_handlers
+from kvmove.serve.api import APIError, install_error_handlers
 from kvmove.serve.vllm_pools import Instance, Pool, ProxyConfig, ProxyMetrics
+from kvmove.serve.vllm_upstream import Call, Relay, UpstreamError
 
-__all__ = ["PULL_PARAMS", "Proxy", "UpstreamError", "create_app"]
+__all__ = ["PULL_PARAMS", "Proxy", "create_app"]
 
 log = logging.getLogger(__name__)
 
@@ -52,151 +51,6 @@ PULL_PARAMS: dict[str, Any] = {
     "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
     "remote_block_ids": None, "remote_host": None, "remote_port": None}
 HEALTH_SECONDS = 5.0  # one instance's /health (at most --request-timeout)
-
-
-class UpstreamError(APIError):
-    """An upstream call that failed: 502 (unreachable, broken answer) or 504 (timed out)."""
-
-
-def _kind(error: httpx.HTTPError) -> str:
-    if isinstance(error, httpx.TimeoutException):
-        return "timeout"
-    return "connect" if isinstance(error, httpx.ConnectError) else "protocol"
-
-
-class _Call:
-    """One request to one instance, counted in flight and timed from send to last byte."""
-
-    def __init__(self, proxy: Proxy, instance: Instance) -> None:
-        self.proxy, self.instance = proxy, instance
-        self.labels = (instance.pool, instance.url)
-        self.start = time.monotonic()
-        self.waiting_first = True
-        self.ended = False
-        self.finished = False  # the whole answer arrived
-        instance.in_flight += 1
-        proxy.metrics.requests.labels(*self.labels).inc()
-        proxy.metrics.in_flight.labels(*self.labels).inc()
-
-    def count(self, kind: str) -> None:
-        self.proxy.metrics.errors.labels(*self.labels, kind).inc()
-
-    def end(self) -> None:
-        if self.ended:
-            return
-        self.ended = True
-        self.instance.in_flight -= 1
-        self.proxy.metrics.in_flight.labels(*self.labels).dec()
-        self.proxy.metrics.latency.labels(*self.labels).observe(time.monotonic() - self.start)
-
-    def error(self, error: httpx.HTTPError) -> UpstreamError:
-        """Counts ``error`` and ends the call; the client's 502 or 504."""
-        self.count(_kind(error))
-        self.end()
-        return self.describe(error)
-
-    def describe(self, error: httpx.HTTPError) -> UpstreamError:
-        kind = _kind(error)
-        where = f"{self.instance.pool} instance {self.instance.url}"
-        if kind == "timeout":
-            timeout = self.proxy.config.request_timeout
-            return UpstreamError(504, f"{where} did not answer within {timeout:g} s "
-                                      f"(--request-timeout)", kind="upstream_timeout")
-        what = "is unreachable" if kind == "connect" else "broke off its answer"
-        detail = str(error) or type(error).__name__
-        return UpstreamError(502, f"{where} {what}: {detail}", kind="upstream_error")
-
-    async def open(self, method: str, path: str, body: dict | None = None,
-                   headers: dict[str, str] | None = None,
-                   sent: asyncio.Event | None = None) -> httpx.Response:
-        """Sends the request; returns once the answer's headers arrived. ``sent`` is set once
-        the request's body is on the wire (or sending failed)."""
-        extensions: dict[str, Any] = {}
-        if sent is not None:
-            async def trace(name: str, info: dict) -> None:
-                if name.endswith(("send_request_body.complete", ".failed")):
-                    sent.set()
-            extensions["trace"] = trace
-        client = self.proxy.client
-        request = client.build_request(method, self.instance.url + path, json=body,
-                                       headers=headers, extensions=extensions)
-        try:
-            response = await client.send(request, stream=True)
-        except httpx.HTTPError as error:
-            raise self.error(error) from None
-        except BaseException:
-            self.end()
-            raise
-        finally:
-            if sent is not None:
-                sent.set()
-        if not response.is_success:
-            self.count("status")
-        return response
-
-    async def read(self, response: httpx.Response) -> bytes:
-        """The whole answer; the call ends here."""
-        chunks = []
-        try:
-            async for chunk in response.aiter_bytes():
-                self._first_byte()
-                chunks.append(chunk)
-        except httpx.HTTPError as error:
-            raise self.error(error) from None
-        finally:
-            await self.close(response)
-        self.finished = True
-        return b"".join(chunks)
-
-    async def relay(self, response: httpx.Response) -> AsyncIterator[bytes]:
-        """The answer chunk by chunk, as it comes; a stream broken upstream ends with an
-        ``error`` event (the status line has long been sent), which OpenAI's client raises."""
-        try:
-            async for chunk in response.aiter_bytes():
-                self._first_byte()
-                yield chunk
-            self.finished = True
-        except httpx.HTTPError as error:
-            upstream = self.describe(error)
-            self.count("stream")
-            log.warning("%s", upstream)
-            yield f"data: {json.dumps(error_body(str(upstream), upstream.kind))}\n\n".encode()
-        finally:
-            await self.close(response)
-
-    async def close(self, response: httpx.Response) -> None:
-        """Closes the upstream answer (a stream cut short closes its connection, so vLLM
-        aborts the request) and ends the call, even while being cancelled."""
-        with anyio.CancelScope(shield=True):
-            await response.aclose()
-        self.end()
-
-    def _first_byte(self) -> None:
-        if self.waiting_first:
-            self.waiting_first = False
-            elapsed = time.monotonic() - self.start
-            self.proxy.metrics.ttfb.labels(*self.labels).observe(elapsed)
-
-
-class _Relay(StreamingResponse):
-    """A decode instance's stream passed through. However it ends (finished, client gone,
-    never started because the client left first) the upstream stream is closed, and a push's
-    prefill, no longer of use when the decode did not finish, is cancelled."""
-
-    def __init__(self, call: _Call, upstream: httpx.Response, rid: str,
-                 prefill: asyncio.Task | None) -> None:
-        super().__init__(call.relay(upstream), status_code=upstream.status_code,
-                         media_type=upstream.headers.get("content-type", "text/event-stream"),
-                         headers={"X-Request-Id": rid})
-        self.call, self.upstream, self.prefill = call, upstream, prefill
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.call.close(self.upstream)
-            if self.prefill is not None and not self.call.finished:
-                self.prefill.cancel()
 
 
 def _prefill_body(body: dict, path: str, params: dict) -> dict:
@@ -269,7 +123,7 @@ class Proxy:
 
     async def _pull(self, path: str, body: dict, headers: dict[str, str],
                     prefill: Instance) -> Response:
-        call = _Call(self, prefill)
+        call = self._call(prefill)
         upstream = await call.open("POST", path, _prefill_body(body, path, PULL_PARAMS),
                                    headers)
         content = await call.read(upstream)
@@ -279,11 +133,11 @@ class Proxy:
         decode_body = dict(body)
         if params is not None:
             decode_body["kv_transfer_params"] = params
-        decode = _Call(self, self.decodes.pick())
+        decode = self._call(self.decodes.pick())
         upstream = await decode.open("POST", path, decode_body, headers)
         return await self._answer(decode, upstream, body, headers, None)
 
-    def _kv_params(self, call: _Call, content: bytes) -> dict | None:
+    def _kv_params(self, call: Call, content: bytes) -> dict | None:
         """The ``kv_transfer_params`` of a prefill's answer (and its kvmove address, kept)."""
         try:
             answer = json.loads(content)
@@ -316,7 +170,7 @@ class Proxy:
             "do_remote_prefill": True, "do_remote_decode": False, **push, **prefill.address}}
         prefill_body = _prefill_body(body, path, {
             "do_remote_decode": True, "do_remote_prefill": False, **push})
-        decode = _Call(self, self.decodes.pick())
+        decode = self._call(self.decodes.pick())
         sent = asyncio.Event()
         opening = asyncio.create_task(decode.open("POST", path, decode_body, headers, sent))
         task: asyncio.Task | None = None
@@ -334,7 +188,7 @@ class Proxy:
                             headers: dict[str, str]) -> None:
         """A push's prefill request. Its failure is logged and counted, never the client's:
         the decode's connector gives the hand-off up at its deadline and vLLM recomputes."""
-        call = _Call(self, prefill)
+        call = self._call(prefill)
         try:
             upstream = await call.open("POST", path, body, headers)
             content = await call.read(upstream)
@@ -350,12 +204,15 @@ class Proxy:
         except (ValueError, AttributeError):
             call.count("protocol")
 
-    async def _answer(self, call: _Call, upstream: httpx.Response, body: dict,
+    async def _answer(self, call: Call, upstream: httpx.Response, body: dict,
                       headers: dict[str, str], prefill: asyncio.Task | None) -> Response:
         rid = headers["X-Request-Id"]
         if body.get("stream") is True and upstream.is_success:
-            return _Relay(call, upstream, rid, prefill)
+            return Relay(call, upstream, rid, prefill)
         return _passed(upstream, await call.read(upstream), rid)
+
+    def _call(self, instance: Instance) -> Call:
+        return Call(self.client, self.metrics, self.config.request_timeout, instance)
 
     def _spawn(self, coroutine: Any) -> asyncio.Task:
         task = asyncio.create_task(coroutine)
@@ -364,7 +221,7 @@ class Proxy:
         return task
 
     async def models(self) -> Response:
-        call = _Call(self, self.decodes.pick())
+        call = self._call(self.decodes.pick())
         upstream = await call.open("GET", "/v1/models")
         return _passed(upstream, await call.read(upstream), uuid.uuid4().hex)
 

@@ -5,11 +5,11 @@ prefill call (``do_remote_decode``) with ``kv_transfer_params`` naming a kvmove 
 All of them run on one event loop in one thread (``FakeFleet``): a request whose bytes arrive
 first is handled first, so the order of ``FakeFleet.log`` is the order the proxy sent in.
 
-Prompts steer them: ``"refuse"`` is answered 400; ``"hang"`` answers after ``HANG_SECONDS``; ``"slow"`` streams a chunk
-every 0.1 s and records whether the stream was cut (``FakeVLLM.cut``); ``"fail-push"`` is
-answered 500 when it is a push prefill. A push decode request waits (at most
-``PAIR_SECONDS``) until its prefill request has arrived: the proxy must not wait for the
-decode's answer before it sends the prefill.
+Prompts steer them: ``"refuse"`` is answered 400; ``"hang"`` answers after ``HANG_SECONDS``;
+``"slow"`` streams a chunk every 0.1 s and records whether the stream was cut
+(``FakeVLLM.cut``); ``"fail-push"`` is answered 500 when it is a push prefill. A push decode
+request waits (at most ``PAIR_SECONDS``) until its prefill request has arrived: the proxy
+must not wait for the decode's answer before it sends the prefill.
 """
 
 from __future__ import annotations
