@@ -6,6 +6,11 @@ starts one process per engine instance, waits until every one is ready, prints
 ``kvmove-serve ready on http://HOST:PORT ...`` and serves until SIGINT or SIGTERM, then stops
 every worker process before exiting (none is left behind: workers also exit by themselves
 when the server process is gone).
+
+    kvmove-serve --vllm-prefill http://p0:8100 --vllm-decode http://d0:8200 http://d1:8200
+
+fronts vLLM instances instead (``vllm_proxy.py``): no workers, no model here, so the engine's
+flags are refused with it.
 """
 
 from __future__ import annotations
@@ -19,12 +24,20 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 
 import kvmove
 from kvmove import _log
 from kvmove.errors import ConfigError, KVMoveError
 from kvmove.serve.config import MODES, ServeConfig
-from kvmove.serve.router import Router
+from kvmove.serve.vllm_pools import KV_MODES, ProxyConfig
+
+# Flags that configure kvmove's own engine workers: meaningless in front of vLLM.
+_ENGINE_ONLY = ("mode", "workers", "prefill", "decode", "chunk_size", "model", "num_blocks",
+                "block_size", "max_num_seqs", "agent_host", "key_file", "transports",
+                "no_pin_cpus", "transfer_timeout", "store_dir", "store_host_gb",
+                "store_disk_gb", "no_checksums", "no_restart")
+_UNSET = object()
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _DEFAULTS = ServeConfig()
@@ -96,6 +109,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", choices=sorted(_log.LEVELS), default=None,
                    help="the router's, uvicorn's and every worker's log level (default: "
                    "KVMOVE_LOG_LEVEL, else info); workers' output is logged with their names")
+    p.add_argument("--vllm-prefill", nargs="+", metavar="URL", default=None,
+                   help="front these vLLM prefill instances (with --vllm-decode) instead of "
+                   "running engine workers; vLLM's P/D protocol (docs/serving.md)")
+    p.add_argument("--vllm-decode", nargs="+", metavar="URL", default=None,
+                   help="the vLLM decode instances (with --vllm-prefill)")
+    p.add_argument("--kv-mode", choices=KV_MODES, default=None,
+                   help="with --vllm-*: push (kvmove's layer-wise hand-off, the decode "
+                   "reserves blocks first) or pull (vLLM's: the decode reads the prefill's "
+                   "KV once it is done); default push")
     p.add_argument("--version", action="version", version=f"kvmove-serve {kvmove.__version__}")
     return p
 
@@ -157,9 +179,8 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 async def _serve(config: ServeConfig) -> int:
-    import uvicorn
-
-    from kvmove.serve.app import create_app
+    from kvmove.serve.app import create_app  # with the router: torch, not needed before
+    from kvmove.serve.router import Router
 
     tokenizer, max_positions = _model_facts(config.model)
     name = os.path.basename(config.model.rstrip("/"))
@@ -167,12 +188,37 @@ async def _serve(config: ServeConfig) -> int:
     router = Router(config)
     app = create_app(router, tokenizer, name, max_positions,
                      tokenizer_dir=getattr(tokenizer, "path", None))
+    roles = ", ".join(f"{n} ({r})" for n, r in config.roles())
+    # streams in flight get an error event instead of a long wait
+    return await _run(app, listener, config.log_level,
+                      lambda: router.abort_all("the server is shutting down"),
+                      f"mode {config.mode}, model {name}, workers: {roles}")
+
+
+async def _serve_proxy(config: ProxyConfig) -> int:
+    from kvmove.serve.vllm_proxy import Proxy, create_app
+
+    if config.log_level != "debug":  # httpx logs every upstream request at info
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+    listener = _listen(config.host, config.port)
+    about = (f"vLLM proxy, kv-mode {config.kv_mode}, prefill: {' '.join(config.prefill)}, "
+             f"decode: {' '.join(config.decode)}")
+    return await _run(create_app(Proxy(config)), listener, config.log_level, lambda: None,
+                      about)
+
+
+async def _run(app: object, listener: socket.socket, level: str, abort: Callable[[], None],
+               about: str) -> int:
+    """Serves ``app`` on ``listener`` until SIGINT or SIGTERM (``abort()`` first), printing
+    the ready line (``about`` in its parentheses) once it listens."""
+    import uvicorn
+
     # log_config None: uvicorn's loggers keep their level (ours) and use our handler and format
-    server = _server_class()(uvicorn.Config(app, log_config=None, log_level=config.log_level,
+    server = _server_class()(uvicorn.Config(app, log_config=None, log_level=level,
                                             lifespan="on", timeout_graceful_shutdown=5))
 
-    def shut_down() -> None:  # streams in flight get an error event instead of a long wait
-        router.abort_all("the server is shutting down")
+    def shut_down() -> None:
+        abort()
         server.should_exit = True
 
     loop = asyncio.get_running_loop()
@@ -183,17 +229,45 @@ async def _serve(config: ServeConfig) -> int:
         await asyncio.sleep(0.05)
     if server.started:
         host, port = listener.getsockname()[:2]
-        roles = ", ".join(f"{n} ({r})" for n, r in config.roles())
-        print(f"kvmove-serve ready on http://{host}:{port} (mode {config.mode}, model {name}, "
-              f"workers: {roles})", flush=True)
+        print(f"kvmove-serve ready on http://{host}:{port} ({about})", flush=True)
     await serving
     return 0 if server.started else 1
+
+
+def _proxy_config(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                  argv: list[str] | None) -> ProxyConfig | None:
+    """The vLLM proxy's config when ``--vllm-*`` is given; None for the engine's serve.
+    A misuse exits with status 2, as argparse's own errors do."""
+    if args.vllm_prefill is None and args.vllm_decode is None:
+        if args.kv_mode is not None:
+            parser.error("--kv-mode needs --vllm-prefill and --vllm-decode")
+        return None
+    if args.vllm_prefill is None or args.vllm_decode is None:
+        parser.error("--vllm-prefill and --vllm-decode go together")
+    probe = _parser()  # which engine flags were given, whatever their value
+    probe.set_defaults(**{dest: _UNSET for dest in _ENGINE_ONLY})
+    given = [d for d in _ENGINE_ONLY if getattr(probe.parse_args(argv), d) is not _UNSET]
+    if given:
+        flags = ", ".join("--" + d.replace("_", "-") for d in given)
+        parser.error(f"{flags}: kvmove's own engine workers' flags, which do not combine "
+                     "with --vllm-prefill/--vllm-decode (vLLM runs the model)")
+    return ProxyConfig(
+        prefill=tuple(args.vllm_prefill), decode=tuple(args.vllm_decode),
+        kv_mode=args.kv_mode or "push", host=args.host, port=args.port,
+        request_timeout=args.request_timeout, max_pending=args.max_pending,
+        max_body_bytes=args.max_body_bytes, log_level=log_level(args.log_level),
+        allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(","))
+        if args.allowed_hosts is not None else None)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
+        proxy = _proxy_config(parser, args, argv)
+        if proxy is not None:
+            _setup_logging(proxy.log_level)
+            return asyncio.run(_serve_proxy(proxy))
         config = ServeConfig(
             mode=args.mode, workers=args.workers, prefill=args.prefill, decode=args.decode,
             model=args.model, chunk_size=args.chunk_size, num_blocks=args.num_blocks,

@@ -86,8 +86,10 @@ def wait_until(predicate: Callable[[], bool], seconds: float,
 class Server:
     """One ``kvmove-serve`` process (and, through it, its workers)."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        self.args = ["--port", "0", "--model", "tiny", *args]
+    def __init__(self, *args: str, env: dict[str, str] | None = None,
+                 engine: bool = True) -> None:
+        """``engine`` False: a vLLM proxy (``--vllm-*`` in ``args``), no model, no workers."""
+        self.args = ["--port", "0", *(["--model", "tiny"] if engine else []), *args]
         self.tag = uuid.uuid4().hex
         self.stderr = tempfile.TemporaryFile(mode="w+")  # a file: a full pipe cannot block it
         self.process = subprocess.Popen(
@@ -100,7 +102,8 @@ class Server:
         self._clients: list[openai.OpenAI] = []
         try:
             self.url = self._wait_ready()
-            self.worker_pids = [w["pid"] for w in self.health()["workers"]]
+            if engine:
+                self.worker_pids = [w["pid"] for w in self.health()["workers"]]
         except BaseException:
             self.kill()
             raise

@@ -1,0 +1,153 @@
+"""The vLLM instances ``kvmove-serve --vllm-prefill ... --vllm-decode ...`` fronts: its
+configuration, the two pools and their Prometheus metrics (``vllm_proxy.py`` speaks the
+protocol over them).
+
+A pool picks the instance with the fewest requests in flight, ties in turn (round robin): a
+proxy sees every request it sends, so its own count is exact for instances it alone feeds and
+costs no round trip, unlike asking vLLM for its queue. Each prefill instance also remembers
+its kvmove address (``remote_engine_id``, ``remote_host``, ``remote_port``) from the last
+``kv_transfer_params`` it returned: push mode cannot start without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvmove.errors import ConfigError
+from kvmove.serve.config import LOOPBACK_HOSTS
+
+__all__ = ["ADDRESS_FIELDS", "KV_MODES", "Instance", "Pool", "ProxyConfig", "ProxyMetrics"]
+
+KV_MODES = ("push", "pull")
+# The fields of a prefill's kv_transfer_params that say where its kvmove agent listens.
+ADDRESS_FIELDS = ("remote_engine_id", "remote_host", "remote_port")
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    120.0)
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    """What the proxy needs; ``__post_init__`` refuses what cannot work."""
+
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    kv_mode: str = "push"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    request_timeout: float = 120.0  # seconds: any upstream call, and a stream's gap
+    max_pending: int = 256
+    max_body_bytes: int = 4 * 2**20
+    allowed_hosts: tuple[str, ...] | None = None
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        for flag, urls in (("--vllm-prefill", self.prefill), ("--vllm-decode", self.decode)):
+            if not urls:
+                raise ConfigError(f"{flag} needs at least one URL")
+            for url in urls:
+                if not url.startswith(("http://", "https://")) or url.endswith("/"):
+                    raise ConfigError(f"{flag} {url!r} is not an http(s) URL without a "
+                                      "trailing slash, like http://10.0.0.1:8100")
+            if len(set(urls)) != len(urls):
+                raise ConfigError(f"{flag} names an instance twice: {' '.join(urls)}")
+        if self.kv_mode not in KV_MODES:
+            raise ConfigError(f"--kv-mode must be one of {', '.join(KV_MODES)}, got "
+                              f"{self.kv_mode!r}")
+        if not self.request_timeout > 0:
+            raise ConfigError(f"--request-timeout must be positive, got {self.request_timeout}")
+        for name in ("max_pending", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    def hosts(self) -> frozenset[str] | None:
+        """The Host names served, as ``ServeConfig.hosts`` (DNS rebinding); None: any."""
+        names = self.allowed_hosts or (*LOOPBACK_HOSTS, self.host)
+        if "*" in names:
+            return None
+        return frozenset(n.lower().strip("[]") for n in names)
+
+
+@dataclass(eq=False)
+class Instance:
+    """One vLLM server: its URL, its pool, its requests in flight here and (prefill only)
+    its kvmove address once it has told us."""
+
+    url: str
+    pool: str
+    in_flight: int = 0
+    address: dict[str, Any] | None = None
+    warned: bool = False  # said once that it returns no kv_transfer_params
+
+    def learn_address(self, params: Any) -> None:
+        """Remembers the kvmove address in a prefill's ``kv_transfer_params``, if it has one
+        (a vLLM without the kvmove connector returns none, or null)."""
+        if isinstance(params, dict) and all(params.get(f) is not None for f in ADDRESS_FIELDS):
+            self.address = {f: params[f] for f in ADDRESS_FIELDS}
+
+
+@dataclass(eq=False)
+class Pool:
+    """The prefill or the decode instances."""
+
+    name: str
+    instances: list[Instance] = field(default_factory=list)
+    _next: int = 0
+
+    @classmethod
+    def of(cls, name: str, urls: tuple[str, ...]) -> Pool:
+        return cls(name, [Instance(url, name) for url in urls])
+
+    def pick(self) -> Instance:
+        """The instance with the fewest requests in flight; among equals, the first at or
+        after the one after the last pick (round robin, so idle instances share the load)."""
+        least = min(i.in_flight for i in self.instances)
+        n = len(self.instances)
+        for k in range(n):
+            instance = self.instances[(self._next + k) % n]
+            if instance.in_flight == least:
+                self._next = (self._next + k + 1) % n
+                return instance
+        raise AssertionError("unreachable: some instance has the least in flight")
+
+
+class ProxyMetrics:
+    """The proxy's Prometheus families, in their own registry (``docs/serving.md`` lists
+    them). ``pending`` and ``rejected`` are the two ``admission.Admission`` records."""
+
+    def __init__(self, pools: list[Pool]) -> None:
+        self.registry = r = CollectorRegistry()
+        labels = ["pool", "instance"]
+        self.requests = Counter("kvmove_proxy_requests", "Requests sent to an instance.",
+                                labels, registry=r)
+        self.in_flight = Gauge("kvmove_proxy_requests_in_flight",
+                               "Requests sent to an instance and not finished.", labels,
+                               registry=r)
+        self.errors = Counter("kvmove_proxy_errors", "Failed upstream calls by kind: connect, "
+                              "timeout, status (non-2xx), protocol (a malformed answer), stream "
+                              "(broken mid-stream), no_kv_params (a prefill returned none).",
+                              [*labels, "kind"], registry=r)
+        self.latency = Histogram("kvmove_proxy_upstream_seconds", "An upstream call: request "
+                                 "sent to its last byte received.", labels,
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttfb = Histogram("kvmove_proxy_upstream_ttfb_seconds", "An upstream call: "
+                              "request sent to its first body byte (a stream's first chunk).",
+                              labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.handoffs = Counter("kvmove_proxy_handoffs", "Completions by KV hand-off: push, "
+                                "pull, or pull-fallback (push asked, the prefill's kvmove "
+                                "address not known yet).", ["mode"], registry=r)
+        self.pending = Gauge("kvmove_proxy_http_pending_requests",
+                             "Completions admitted and not finished (at most --max-pending).",
+                             registry=r)
+        self.rejected = Counter("kvmove_proxy_http_rejected_requests", "Client requests "
+                                "refused before any upstream call: malformed body (400), body "
+                                "too large (413), too many pending (429), Host not allowed "
+                                "(421).", ["status"], registry=r)
+        for pool in pools:  # every series from the start: rate() needs the zero
+            for i in pool.instances:
+                self.requests.labels(pool.name, i.url)
+                self.in_flight.labels(pool.name, i.url)
+        for mode in ("push", "pull", "pull-fallback"):
+            self.handoffs.labels(mode)

@@ -1,0 +1,288 @@
+"""``kvmove-serve --vllm-prefill URL... --vllm-decode URL...``: the OpenAI API in front of vLLM
+prefill and decode instances, speaking vLLM's P/D protocol (``kv_transfer_params``) to them.
+
+The protocol is the one vLLM's NixlConnector toy proxy speaks, so this proxy and that one are
+interchangeable in front of the same servers:
+
+* **pull** (vLLM's flow): the client's body goes to a prefill instance with ``max_tokens`` 1,
+  ``stream`` false and ``kv_transfer_params`` asking for a remote decode (``PULL_PARAMS``);
+  the ``kv_transfer_params`` it answers with go, unchanged, into the client's body to a decode
+  instance, which pulls the KV; the decode's answer is the client's.
+* **push** (kvmove's layer-wise flow): the decode instance reserves blocks first and the prefill
+  streams each layer into them while it computes, so the decode request starts first and the
+  prefill's runs alongside; both carry one ``kvmove_transfer_id``, and the decode's also the
+  prefill instance's kvmove address. That address is known only from an earlier answer of the
+  same prefill instance, so its first request goes the pull way (``pull-fallback``).
+
+Both upstream requests carry the client's ``X-Request-Id`` (or a new one). Upstream failures
+reach the client as OpenAI's error body naming the instance: 502 (unreachable, broken answer)
+or 504 (no answer within ``--request-timeout``); an upstream's own refusal (a 400 for a prompt
+too long) is passed through as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvmove.serve.admission import Admission
+from kvmove.serve.api import APIError, install_error_handlers
+from kvmove.serve.vllm_pools import Instance, Pool, ProxyConfig, ProxyMetrics
+from kvmove.serve.vllm_upstream import Call, Relay, UpstreamError
+
+__all__ = ["PULL_PARAMS", "Proxy", "create_app"]
+
+log = logging.getLogger(__name__)
+
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
+# What a prefill request carries in pull mode: exactly what vLLM's toy proxy sends.
+PULL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None}
+HEALTH_SECONDS = 5.0  # one instance's /health (at most --request-timeout)
+
+
+def _prefill_body(body: dict, path: str, params: dict) -> dict:
+    """The client's body as a prefill request: one token, no stream."""
+    out = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": params}
+    out.pop("stream_options", None)
+    if path == CHAT_PATH:
+        out["max_completion_tokens"] = 1
+    return out
+
+
+def _passed(upstream: httpx.Response, content: bytes, rid: str) -> Response:
+    return Response(content, status_code=upstream.status_code, headers={"X-Request-Id": rid},
+                    media_type=upstream.headers.get("content-type", "application/json"))
+
+
+async def _json_object(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except ValueError as error:
+        raise APIError(400, f"the body is not JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+class Proxy:
+    """The pools, the upstream client and the hand-off protocol."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.prefills = Pool.of("prefill", config.prefill)
+        self.decodes = Pool.of("decode", config.decode)
+        self.metrics = ProxyMetrics([self.prefills, self.decodes])
+        self.client = httpx.AsyncClient()  # replaced in start(), inside the event loop
+        self.background: set[asyncio.Task] = set()  # push prefills the client does not await
+
+    async def start(self) -> None:
+        # trust_env False: an HTTP_PROXY meant for the internet must not catch our instances
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(self.config.request_timeout), trust_env=False,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+    async def stop(self) -> None:
+        for task in self.background:
+            task.cancel()
+        await asyncio.gather(*self.background, return_exceptions=True)
+        await self.client.aclose()
+
+    async def complete(self, request: Request, path: str) -> Response:
+        try:
+            body = await _json_object(request)
+        except APIError:
+            self.metrics.rejected.labels("400").inc()
+            raise
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        headers = {"X-Request-Id": rid}
+        if "authorization" in request.headers:  # vLLM started with --api-key checks it
+            headers["Authorization"] = request.headers["authorization"]
+        prefill = self.prefills.pick()
+        log.debug("%s %s: prefill %s (kvmove address %s)", rid, path, prefill.url,
+                  prefill.address)
+        if self.config.kv_mode == "push" and prefill.address is not None:
+            self.metrics.handoffs.labels("push").inc()
+            return await self._push(path, body, headers, prefill)
+        mode = "pull" if self.config.kv_mode == "pull" else "pull-fallback"
+        self.metrics.handoffs.labels(mode).inc()
+        return await self._pull(path, body, headers, prefill)
+
+    async def _pull(self, path: str, body: dict, headers: dict[str, str],
+                    prefill: Instance) -> Response:
+        call = self._call(prefill)
+        upstream = await call.open("POST", path, _prefill_body(body, path, PULL_PARAMS),
+                                   headers)
+        content = await call.read(upstream)
+        if not upstream.is_success:  # its refusal (prompt too long...) is the client's answer
+            return _passed(upstream, content, headers["X-Request-Id"])
+        params = self._kv_params(call, content)
+        decode_body = dict(body)
+        if params is not None:
+            decode_body["kv_transfer_params"] = params
+        decode = self._call(self.decodes.pick())
+        upstream = await decode.open("POST", path, decode_body, headers)
+        return await self._answer(decode, upstream, body, headers, None)
+
+    def _kv_params(self, call: Call, content: bytes) -> dict | None:
+        """The ``kv_transfer_params`` of a prefill's answer (and its kvmove address, kept)."""
+        try:
+            answer = json.loads(content)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            call.count("protocol")
+            raise UpstreamError(502, f"prefill instance {call.instance.url} answered with no "
+                                     f"JSON object: {content[:200]!r}", kind="upstream_error")
+        params = answer.get("kv_transfer_params")
+        if not isinstance(params, dict):
+            call.count("no_kv_params")  # once in the log, every time in the metrics
+            level = logging.DEBUG if call.instance.warned else logging.WARNING
+            call.instance.warned = True
+            log.log(level, "prefill instance %s returned no kv_transfer_params (is its vLLM "
+                    "running a KV connector?): the decode instance computes the prompt "
+                    "itself", call.instance.url)
+            return None
+        call.instance.learn_address(params)
+        return params
+
+    async def _push(self, path: str, body: dict, headers: dict[str, str],
+                    prefill: Instance) -> Response:
+        """The decode request first (its body on the wire, not its answer: the decode's
+        connector reserves the blocks the prefill's layers land in), then the prefill's."""
+        assert prefill.address is not None
+        transfer_id = uuid.uuid4().hex
+        push = {"transfer_mode": "push", "kvmove_transfer_id": transfer_id}
+        decode_body = {**body, "kv_transfer_params": {
+            "do_remote_prefill": True, "do_remote_decode": False, **push, **prefill.address}}
+        prefill_body = _prefill_body(body, path, {
+            "do_remote_decode": True, "do_remote_prefill": False, **push})
+        decode = self._call(self.decodes.pick())
+        sent = asyncio.Event()
+        opening = asyncio.create_task(decode.open("POST", path, decode_body, headers, sent))
+        task: asyncio.Task | None = None
+        try:
+            await sent.wait()  # open() sets it whatever happens
+            task = self._spawn(self._push_prefill(prefill, path, prefill_body, headers))
+            return await self._answer(decode, await opening, body, headers, task)
+        except BaseException:  # no decode to push into (or no client): the prefill is moot
+            opening.cancel()
+            if task is not None:
+                task.cancel()
+            raise
+
+    async def _push_prefill(self, prefill: Instance, path: str, body: dict,
+                            headers: dict[str, str]) -> None:
+        """A push's prefill request. Its failure is logged and counted, never the client's:
+        the decode's connector gives the hand-off up at its deadline and vLLM recomputes."""
+        call = self._call(prefill)
+        try:
+            upstream = await call.open("POST", path, body, headers)
+            content = await call.read(upstream)
+        except UpstreamError as error:
+            log.warning("push prefill failed, the decode instance recomputes: %s", error)
+            return
+        if not upstream.is_success:
+            log.warning("prefill instance %s refused a push prefill with %d: %r", prefill.url,
+                        upstream.status_code, content[:200])
+            return
+        try:
+            prefill.learn_address(json.loads(content).get("kv_transfer_params"))
+        except (ValueError, AttributeError):
+            call.count("protocol")
+
+    async def _answer(self, call: Call, upstream: httpx.Response, body: dict,
+                      headers: dict[str, str], prefill: asyncio.Task | None) -> Response:
+        rid = headers["X-Request-Id"]
+        if body.get("stream") is True and upstream.is_success:
+            return Relay(call, upstream, rid, prefill)
+        return _passed(upstream, await call.read(upstream), rid)
+
+    def _call(self, instance: Instance) -> Call:
+        return Call(self.client, self.metrics, self.config.request_timeout, instance)
+
+    def _spawn(self, coroutine: Any) -> asyncio.Task:
+        task = asyncio.create_task(coroutine)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return task
+
+    async def models(self) -> Response:
+        call = self._call(self.decodes.pick())
+        upstream = await call.open("GET", "/v1/models")
+        return _passed(upstream, await call.read(upstream), uuid.uuid4().hex)
+
+    async def health(self) -> JSONResponse:
+        """200 when every instance's ``/health`` answers 200, else 503 naming the others."""
+        instances = [*self.prefills.instances, *self.decodes.instances]
+        problems = await asyncio.gather(*(self._check(i) for i in instances))
+        failing = {i.url: p for i, p in zip(instances, problems) if p is not None}
+        report: dict[str, Any] = {
+            "status": "unhealthy" if failing else "ok",
+            "instances": {i.url: {"pool": i.pool, "in_flight": i.in_flight,
+                                  "kvmove_address": i.address} for i in instances}}
+        if failing:
+            report["failing"] = failing
+        return JSONResponse(report, status_code=503 if failing else 200)
+
+    async def _check(self, instance: Instance) -> str | None:
+        timeout = min(HEALTH_SECONDS, self.config.request_timeout)
+        try:
+            response = await self.client.get(instance.url + "/health", timeout=timeout)
+        except httpx.HTTPError as error:
+            return f"{instance.pool} instance {instance.url}: {type(error).__name__} {error}"
+        if response.status_code != 200:
+            return f"{instance.pool} instance {instance.url}: /health {response.status_code}"
+        return None
+
+
+def create_app(proxy: Proxy) -> FastAPI:
+    """The proxy's app; its lifespan starts and stops the upstream client."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await proxy.start()
+        yield
+        await proxy.stop()
+
+    config = proxy.config
+    app = FastAPI(title="kvmove-serve (vLLM proxy)", lifespan=lifespan)
+    # Admission records in .pending and .rejected, which ProxyMetrics has too
+    app.add_middleware(Admission, hosts=config.hosts(), max_body_bytes=config.max_body_bytes,
+                       max_pending=config.max_pending, metrics=proxy.metrics)
+    install_error_handlers(app)
+
+    @app.post(COMPLETIONS_PATH)
+    async def completions(request: Request) -> Response:
+        return await proxy.complete(request, COMPLETIONS_PATH)
+
+    @app.post(CHAT_PATH)
+    async def chat_completions(request: Request) -> Response:
+        return await proxy.complete(request, CHAT_PATH)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await proxy.models()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return await proxy.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(proxy.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
