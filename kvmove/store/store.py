@@ -41,7 +41,7 @@ from kvmove.store.tiers import DiskTier, HostTier, OpenTier, TierStats
 from kvmove.wrap import ORDERS
 
 __all__ = ["DiskTier", "HostTier", "KVStore", "LOAD_POLICIES", "Lookup", "StoreHandle",
-           "StoreStats"]
+           "StoreStats", "decide_load"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,37 @@ class Lookup:
         return len(self.tiers)
 
     __index__ = __int__
+
+
+def decide_load(tiers: Sequence[str], read_gbps: dict[str, float | None],
+                prefill_tokens_per_second: float | None, layout: KVLayout,
+                load_policy: str = "auto") -> Lookup:
+    """The load-or-recompute rule of ``KVStore.lookup``, for a caller that holds the inputs
+    but not the store (vLLM's scheduler decides while the store lives in the worker).
+
+    Args:
+        tiers: the tier name of each leading stored block.
+        read_gbps: measured read bandwidth per tier name (None: not measured yet).
+        prefill_tokens_per_second: the engine's measured prefill throughput (None: unknown).
+        layout: gives the bytes and tokens of one block.
+        load_policy: "auto" (decide from the measurements) or "always".
+    """
+    tiers = tuple(tiers)
+    per_block = layout.bytes_per_block
+    load = [0.0 if read_gbps.get(name) is None else per_block / (read_gbps[name] * 1e9)
+            for name in tiers]
+    tps = prefill_tokens_per_second
+    compute = None if tps is None else layout.block_size / tps
+    best, saved, gain = len(tiers), 0.0, 0.0  # unmeasured: load everything
+    if compute is not None and load_policy == "auto":
+        best = 0
+        for i, cost in enumerate(load):
+            saved += compute - cost
+            if saved > gain:
+                best, gain = i + 1, saved
+    unknown = any(read_gbps.get(name) is None for name in tiers[:best])
+    return Lookup(tiers, best, None if unknown else sum(load[:best]),
+                  None if compute is None else compute * best, dict(read_gbps), tps)
 
 
 @dataclass
@@ -193,6 +224,7 @@ class KVStore:
         self._prefill_tps: float | None = None
         self._lookups = self._lookup_misses = 0
         self._decisions = {"load": 0, "partial": 0, "recompute": 0, "miss": 0}
+        self._changed = {h for t in self._tiers for h in t.index}  # see take_changes
         self._closed = False
 
     @property
@@ -224,20 +256,7 @@ class KVStore:
 
     def _decide(self, tiers: tuple[str, ...]) -> Lookup:
         read = {t.name: t.stats.read_gbps for t in self._tiers}
-        tps = self._prefill_tps
-        per_block = self.layout.bytes_per_block
-        load = [0.0 if read[name] is None else per_block / (read[name] * 1e9) for name in tiers]
-        compute = (None if tps is None else self.layout.block_size / tps)
-        best, saved, gain = len(tiers), 0.0, 0.0  # unmeasured: load everything
-        if compute is not None and self.load_policy == "auto":
-            best = 0
-            for i, cost in enumerate(load):
-                saved += compute - cost
-                if saved > gain:
-                    best, gain = i + 1, saved
-        unknown = any(read[name] is None for name in tiers[:best])
-        return Lookup(tiers, best, None if unknown else sum(load[:best]),
-                      None if compute is None else compute * best, read, tps)
+        return decide_load(tiers, read, self._prefill_tps, self.layout, self.load_policy)
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """The engine's measured prefill throughput (a moving average of these)."""
@@ -321,6 +340,7 @@ class KVStore:
         written = tier.write(cache, [i for _, i in new], [h for h, _ in new], slots)
         with self._lock:
             tier.insert(written)
+            self._changed.update(h for h, _, _ in written)
 
     def _make_room(self, level: int, n: int, keep: set[int]) -> None:
         tier = self._tiers[level]
@@ -335,6 +355,7 @@ class KVStore:
         with self._lock:
             tier.remove(victims)
             tier.stats.evicted += len(victims)
+            self._changed.update(victims)
 
     def _get(self, hashes: list[int], cache: KVCache, ids: list[int]) -> int:
         """Reads runs of blocks tier by tier; stops at the first block missing or bad."""
@@ -354,10 +375,21 @@ class KVStore:
                 if done + n < end:  # corrupt, torn or unreadable: never served again
                     tier.stats.corrupt += 1
                     tier.remove([hashes[done + n]])
+                    self._changed.add(hashes[done + n])
             done += n
             if done < end:
                 break
         return done
+
+    def take_changes(self) -> dict[int, str | None]:
+        """Blocks whose tier changed since the last call (all blocks held, on the first):
+        hash -> the fastest tier holding it now, or None when none does (dropped, or found
+        corrupt). For a mirror of the index kept elsewhere: vLLM's scheduler decides what to
+        load in another process than the worker that holds the store, and needs to know
+        what is held without asking per request. Costs O(changes), not O(blocks held)."""
+        with self._lock:
+            changed, self._changed = self._changed, set()
+            return {h: getattr(self._holder(h), "name", None) for h in changed}
 
     def _holder(self, block_hash: int) -> OpenTier | None:
         """The fastest tier holding a block. The I/O thread, the index's only writer, calls

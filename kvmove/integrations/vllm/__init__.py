@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from kvmove.integrations.vllm.config import ConnectorConfig
@@ -115,6 +116,11 @@ class KVMoveConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        # Offload reports its store's changes to the scheduler's index; P/D may not need to.
+        build = getattr(self._worker, "build_connector_worker_meta", None)
+        return None if build is None else build()
 
     def shutdown(self) -> None:
         if self._worker is not None:
