@@ -105,7 +105,8 @@ class KVMoveConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        self._worker.save_kv_layer(layer_name, kv_layer)
+        # The bound metadata: vLLM may call start_load_kv only after the forward pass.
+        self._worker.save_kv_layer(layer_name, kv_layer, self._get_connector_metadata())
 
     def wait_for_save(self) -> None:
         self._worker.wait_for_save()

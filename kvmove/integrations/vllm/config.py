@@ -16,7 +16,6 @@ EXTRA_KEYS: dict[str, tuple[type | tuple[type, ...], Any]] = {
     "host": (str, "127.0.0.1"),         # the address this instance's kvmove agents serve on
     "lease_seconds": ((int, float), 60.0),   # P holds finished blocks this long for D at most
     "load_timeout": ((int, float), 30.0),    # D gives a hand-off up after this long
-    "push_wait": ((int, float), 10.0),  # P waits this long for D's reservation (push mode)
     "checksums": (bool, False),         # per-block XXH64, verified by the receiver
     "transports": ((str, type(None)), None),  # UCX transports (None: UCX's choice)
     "key_file": ((str, type(None)), None),    # the deployment key (docs/security.md)

@@ -318,7 +318,7 @@ class Worker:
         if self._step_start is None:
             self._step_start = time.perf_counter()
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, meta: Any) -> None:
         """Nothing per layer: whole blocks (every layer) are saved in wait_for_save."""
 
     def wait_for_save(self) -> None:

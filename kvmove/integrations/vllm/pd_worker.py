@@ -57,6 +57,7 @@ class _Outgoing:
     key: str                       # what the decode asks for: transfer id or request id
     blocks: list[int]
     layers: set[int] = field(default_factory=set)  # saved by the forward pass so far
+    posted: set[int] = field(default_factory=set)  # streamed to the decode
     complete: bool = False         # every layer is in the blocks
     stream: Any = None             # kvmove.SaveStream once the decode asked
     sent: bool = False             # the stream ended (or there was nothing to send)
@@ -95,6 +96,7 @@ class Worker:
         self._out: dict[str, _Outgoing] = {}            # by key
         self._out_by_req: dict[str, _Outgoing] = {}
         self._step: list[_Outgoing] = []                 # pushes in this forward pass
+        self._step_meta: Metadata | None = None          # whose pushes _step holds
         self._reservations: dict[str, _Reservation] = {}
         self._done_keys: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._sent: set[str] = set()
@@ -148,32 +150,43 @@ class Worker:
     # ---- vLLM's model thread ----------------------------------------------------------------
 
     def start_load_kv(self, meta: Metadata) -> None:
+        # vLLM 0.32 calls this after the forward pass when no load is synchronous: the pushes
+        # of this step began at its first save_kv_layer already (_begin_step is idempotent).
         for spec in meta.loads:
             self._pool.submit(self._load, spec)
         with self._lock:
-            self._step = [self._begin_push(p) for p in meta.pushes]
+            self._begin_step(meta)
             for send in meta.sends:
                 self._hold(send)
+
+    def _begin_step(self, meta: Metadata) -> None:
+        if meta is not self._step_meta:
+            self._step_meta = meta
+            self._step = [self._begin_push(p) for p in meta.pushes]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish before vLLM schedules the request (asynchronous loading)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any) -> None:
-        if not self._step:
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, meta: Metadata) -> None:
+        """Layer ``layer_name``'s KV is in vLLM's blocks: post it to every decode already
+        waiting for a request of this forward pass (the others get it once they ask)."""
+        if not meta.pushes:
             return
         layer = self.layer_index[layer_name]
         with self._lock:
+            self._begin_step(meta)
             for out in self._step:
                 out.layers.add(layer)
-                if out.stream is not None and not out.sent:
-                    self._guard(out, out.stream.save_layer, layer)
+                self._post_ready(out)
 
     def wait_for_save(self) -> None:
+        """The forward pass is over: every layer of its pushes is in the blocks (also those
+        no ``save_kv_layer`` reported: an attention backend that does not call it)."""
         with self._lock:
             for out in self._step:
+                out.layers.update(range(len(self.layer_index)))
                 out.complete = True
-                if out.stream is not None and not out.sent:
-                    self._finish(out)
+                self._post_ready(out)
             self._step = []
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
@@ -242,6 +255,10 @@ class Worker:
             self._release_if_done(out)
             return
         assert self.agent is not None
+        logger.debug("kvmove: streaming %s to %s (%s, layers so far %s)", out.key, want.peer,
+                     "complete" if out.complete else "in the forward pass", sorted(out.layers))
+        if out.complete:
+            out.layers.update(range(len(self.layer_index)))
         src = out.blocks[len(out.blocks) - len(want.blocks):]
         try:
             out.stream = self.agent.stream_to(want.peer, src, want.blocks, out.key,
@@ -251,15 +268,18 @@ class Worker:
             out.sent = True
             self._release_if_done(out)
             return
-        layers = range(len(self.layer_index)) if out.complete else sorted(out.layers)
-        for layer in layers:
-            self._guard(out, out.stream.save_layer, layer)
-        if out.complete:
-            self._finish(out)
+        self._post_ready(out)
 
-    def _finish(self, out: _Outgoing) -> None:
-        self._guard(out, out.stream.finish)
-        self._pool.submit(self._await_send, out)
+    def _post_ready(self, out: _Outgoing) -> None:
+        """Streams the layers in the blocks not streamed yet; finishes once all are."""
+        if out.stream is None or out.sent:
+            return
+        for layer in sorted(out.layers - out.posted):
+            self._guard(out, out.stream.save_layer, layer)
+            out.posted.add(layer)
+        if out.complete and len(out.posted) == len(self.layer_index):
+            self._guard(out, out.stream.finish)
+            self._pool.submit(self._await_send, out)
 
     def _guard(self, out: _Outgoing, call: Any, *args: Any) -> None:
         """A stream call; a stream that failed already (its decode died or gave up) is left
@@ -386,7 +406,7 @@ class Worker:
             name = self._peers.get((host, port))
             assert self.agent is not None
             if name is None or name not in self.agent.peers:
-                name = self.agent.connect(host, port, timeout=MESSAGE_SECONDS)
+                name = self.agent.connect(host, port, timeout=self.config.load_timeout)
                 self._peers[(host, port)] = name
             return name
 
