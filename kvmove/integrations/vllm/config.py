@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import kvmove
 from kvmove.errors import ConfigError
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -88,3 +89,37 @@ def parse_extra(extra: dict[str, Any]) -> dict[str, Any]:
 def _kind_name(kind: type | tuple[type, ...]) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
     return " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+
+
+_TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
+                 "float8_e4m3fn": "float8"}
+
+
+def layout_of(vllm_config: Any) -> kvmove.KVLayout:
+    """The KV layout of one worker (its tensor-parallel share of the KV heads)."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    torch_dtype = str(model.dtype).removeprefix("torch.")
+    dtype = _TORCH_DTYPES.get(torch_dtype if cache_dtype == "auto" else cache_dtype)
+    if dtype is None:
+        raise ConfigError(f"kvmove's connector moves KV of dtype {sorted(_TORCH_DTYPES)}, got "
+                          f"cache dtype {cache_dtype!r} (model dtype {torch_dtype})")
+    return kvmove.KVLayout(num_layers=model.get_num_layers(parallel),
+                           num_kv_heads=model.get_num_kv_heads(parallel),
+                           head_dim=model.get_head_size(), dtype=dtype,
+                           block_size=vllm_config.cache_config.block_size)
+
+
+def wrap_kv_caches(kv_caches: dict[str, Any], layout: kvmove.KVLayout) -> kvmove.KVCache:
+    """vLLM's own KV tensors (``register_kv_caches``), wrapped zero-copy: the CPU backend's
+    ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` per layer, or flash-attention's
+    ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` on a GPU."""
+    from vllm.platforms import current_platform
+
+    if len(kv_caches) != layout.num_layers:
+        raise ConfigError(f"vLLM registered {len(kv_caches)} KV tensors, the model config "
+                          f"has {layout.num_layers} layers")
+    if current_platform.is_cpu():
+        return kvmove.KVCache.wrap(kv_caches, layout=layout, block_dim=0, order="vllm-cpu",
+                                   pool=None)
+    return kvmove.KVCache.wrap(kv_caches, layout=layout, block_dim=1, kv_dim=0, pool=None)

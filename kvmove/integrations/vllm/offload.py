@@ -49,37 +49,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 import kvmove
 from kvmove.errors import ConfigError, TimeoutError
+from kvmove.integrations.vllm.config import layout_of, wrap_kv_caches
 from kvmove.store import decide_load
 
-__all__ = ["OffloadMeta", "OffloadWorkerMeta", "Scheduler", "Worker", "layout_of",
-           "store_key"]
+__all__ = ["OffloadMeta", "OffloadWorkerMeta", "Scheduler", "Worker", "store_key"]
 
 logger = logging.getLogger(__name__)
 
 _GB = 1 << 30
-_TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
-                 "float8_e4m3fn": "float8"}
-
-
 def store_key(block_hash: bytes) -> int:
     """A store key (64 bits) for one of vLLM's block hashes. BLAKE2b rather than the first
     8 bytes: some of vLLM's hash functions give fewer than 8 well-mixed leading bytes."""
     return int.from_bytes(hashlib.blake2b(bytes(block_hash), digest_size=8).digest(), "little")
-
-
-def layout_of(vllm_config: Any) -> kvmove.KVLayout:
-    """The KV layout of one worker (its tensor-parallel share of the KV heads)."""
-    model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    torch_dtype = str(model.dtype).removeprefix("torch.")
-    dtype = _TORCH_DTYPES.get(torch_dtype if cache_dtype == "auto" else cache_dtype)
-    if dtype is None:
-        raise ConfigError(f"kvmove offload stores KV of dtype {sorted(_TORCH_DTYPES)}, got "
-                          f"cache dtype {cache_dtype!r} (model dtype {torch_dtype})")
-    return kvmove.KVLayout(num_layers=model.get_num_layers(parallel),
-                           num_kv_heads=model.get_num_kv_heads(parallel),
-                           head_dim=model.get_head_size(), dtype=dtype,
-                           block_size=vllm_config.cache_config.block_size)
 
 
 @dataclass
@@ -280,11 +261,7 @@ class Worker:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Wraps vLLM's CPU KV tensors (``[num_blocks, num_kv_heads, block_size,
         2 * head_dim]`` per layer, zero-copy) and opens the store's tiers here, beside them."""
-        if len(kv_caches) != self.layout.num_layers:
-            raise ConfigError(f"vLLM registered {len(kv_caches)} KV tensors, the model config "
-                              f"has {self.layout.num_layers} layers")
-        self.cache = kvmove.KVCache.wrap(kv_caches, layout=self.layout, block_dim=0,
-                                         order="vllm-cpu", pool=None)
+        self.cache = wrap_kv_caches(kv_caches, self.layout)
         tiers: list[Any] = [kvmove.HostTier(int(self.config.store_host_gb * _GB))]
         if self.config.store_disk_dir is not None:
             path = self.config.store_disk_dir

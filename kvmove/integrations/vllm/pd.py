@@ -90,6 +90,7 @@ class Metadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     sends: list[SendSpec] = field(default_factory=list)
     pushes: list[PushSpec] = field(default_factory=list)
+    idle: bool = False         # the step computes nothing (vLLM polls for transfers)
 
 
 def transfer_id(params: dict[str, Any] | None) -> str | None:
@@ -160,7 +161,8 @@ class Scheduler:
     # ---- both ------------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Metadata:
-        meta = Metadata(loads=self._loads, sends=self._sends)
+        meta = Metadata(loads=self._loads, sends=self._sends,
+                        idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._loads, self._sends = [], []
         if self._pushing:
             self._collect_pushes(scheduler_output, meta)

@@ -37,7 +37,7 @@ from vllm.logger import init_logger
 import kvmove
 from kvmove.auth import key_from_file
 from kvmove.errors import ChecksumError, KVMoveError
-from kvmove.integrations.vllm.config import ConnectorConfig
+from kvmove.integrations.vllm.config import ConnectorConfig, layout_of, wrap_kv_caches
 from kvmove.integrations.vllm.pd import LoadSpec, Metadata, PushSpec, SendSpec
 
 logger = init_logger("vllm.kvmove.pd_worker")
@@ -46,6 +46,10 @@ MAX_MESSAGE = 1 << 16          # bytes of one notification
 MAX_RESERVATIONS = 4096        # "want"s waiting for a request the prefill has not seen yet
 REMEMBER_DONE = 65536          # keys of ended sends, so a late "want" is refused at once
 POLL_SECONDS = 0.05
+# vLLM steps without pause while a request waits for its KV (or holds it for a decode), one
+# empty step after the other: an idle step's get_finished waits this long for a transfer to
+# end (it returns at once when one does), so the wait does not spin a core.
+IDLE_WAIT_SECONDS = 0.02
 MESSAGE_SECONDS = 5.0
 
 
@@ -79,16 +83,12 @@ class Worker:
 
     def __init__(self, vllm_config: Any, config: ConnectorConfig, kv_cache_config: Any) -> None:
         self.config = config
-        model = vllm_config.model_config
-        cache = vllm_config.cache_config
-        self.block_size = cache.block_size
-        self.num_kv_heads = model.get_num_kv_heads(vllm_config.parallel_config)
-        self.head_dim = model.get_head_size()
-        dtype = cache.cache_dtype if cache.cache_dtype != "auto" else model.dtype
-        self.dtype = str(dtype).replace("torch.", "")
+        self.layout = layout_of(vllm_config)
         self.agent: kvmove.Agent | None = None
         self.layer_index: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a transfer ended
+        self._idle = False
         self._closed = threading.Event()
         self._pool = ThreadPoolExecutor(8, thread_name_prefix="kvmove-vllm")
         self._thread: threading.Thread | None = None
@@ -111,18 +111,8 @@ class Worker:
     # ---- set-up ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        from vllm.platforms import current_platform
-
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
-        layout = kvmove.KVLayout(num_layers=len(kv_caches), num_kv_heads=self.num_kv_heads,
-                                 head_dim=self.head_dim, dtype=self.dtype,
-                                 block_size=self.block_size)
-        if current_platform.is_cpu():   # [num_blocks, kv_heads, block_size, 2 * head_dim]
-            cache = kvmove.KVCache.wrap(kv_caches, layout=layout, block_dim=0,
-                                        order="vllm-cpu", pool=None)
-        else:                            # flash-attention: [2, num_blocks, block_size, h, d]
-            cache = kvmove.KVCache.wrap(kv_caches, layout=layout, block_dim=1, kv_dim=0,
-                                        pool=None)
+        cache = wrap_kv_caches(kv_caches, self.layout)
         cfg = self.config
         key = key_from_file(cfg.key_file).secret if cfg.key_file else None
         role = "prefill" if cfg.producer else "decode"
@@ -135,7 +125,7 @@ class Worker:
                                         daemon=True)
         self._thread.start()
         logger.info("kvmove: %s agent %s over %d layers of %s (%s)%s", role, self.agent.name,
-                    len(kv_caches), layout, cache.device,
+                    len(kv_caches), self.layout, cache.device,
                     f", listening on {cfg.host}:{cfg.port + cfg.tp_rank}" if cfg.producer
                     else "")
 
@@ -155,6 +145,7 @@ class Worker:
         for spec in meta.loads:
             self._pool.submit(self._load, spec)
         with self._lock:
+            self._idle = bool(getattr(meta, "idle", False)) and not meta.loads
             self._begin_step(meta)
             for send in meta.sends:
                 self._hold(send)
@@ -192,6 +183,9 @@ class Worker:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                  set[str] | None]:
         with self._lock:
+            if self._idle and not (self._sent or self._received) and \
+                    (self._loads or self._out):
+                self._changed.wait(IDLE_WAIT_SECONDS)
             self._release_expired(time.monotonic())
             sent, self._sent = self._sent, set()
             received, self._received = self._received, set()
@@ -311,6 +305,7 @@ class Worker:
         if not (out.held and out.sent):
             return
         self._sent.add(out.req_id)
+        self._changed.notify_all()
         self._out.pop(out.key, None)
         self._out_by_req.pop(out.req_id, None)
         self._done_keys[out.key] = None
@@ -399,6 +394,7 @@ class Worker:
             self._loads.pop(spec.key, None)
             if spec.blocks:
                 self._received.add(spec.req_id)
+                self._changed.notify_all()
             self._load_errors.update(errors)
 
     def _peer(self, host: str, port: int) -> str:
