@@ -34,7 +34,7 @@ from helpers.vllm_servers import (  # noqa: E402
     write_checkpoint,
 )
 
-START_SECONDS = 300.0   # three servers starting at once on 2 cores
+START_SECONDS = 600.0   # three servers starting at once on 2 cores (often shared)
 HTTP_SECONDS = 120.0
 MAX_TOKENS = 12
 BLOCK_SIZE = 32         # vLLM's CPU attention takes multiples of 32: prompts span many blocks
