@@ -121,10 +121,13 @@ def test_pull_and_push_give_single_vllm_text_with_the_kv_moved(fleet):
     after = source_tokens(fleet["decode"])
     computed = after["local_compute"] - before["local_compute"]
     transferred = after["external_kv_transfer"] - before["external_kv_transfer"]
-    assert computed == sent, f"the decode computed {computed} prompt tokens for {sent} requests"
     new = loads(fleet["decode"])[loaded_before:]
     assert len(new) == sent, new
-    assert transferred == sum(tokens - 1 for _, _, tokens, _, _ in new) > 0
+    prompt_tokens = sum(tokens for _, _, tokens, _, _ in new)
+    # vLLM counts each prompt token once, by where it came from; the decode recomputes at
+    # most the last token of each prompt (vLLM may count it as transferred).
+    assert computed + transferred == prompt_tokens, (computed, transferred, prompt_tokens)
+    assert computed <= sent, f"the decode computed {computed} prompt tokens for {sent} requests"
     modes = [mode for _, mode, _, _, _ in new]
     # The push proxy's first request to a prefill learns its address the pull way.
     assert modes[:len(PROMPTS)] == ["pull"] * len(PROMPTS)

@@ -62,6 +62,7 @@ class _Outgoing:
     blocks: list[int]
     layers: set[int] = field(default_factory=set)  # saved by the forward pass so far
     posted: set[int] = field(default_factory=set)  # streamed to the decode
+    overlapped: int = 0            # layers posted before the forward pass ended
     complete: bool = False         # every layer is in the blocks
     stream: Any = None             # kvmove.SaveStream once the decode asked
     sent: bool = False             # the stream ended (or there was nothing to send)
@@ -175,6 +176,7 @@ class Worker:
         no ``save_kv_layer`` reported: an attention backend that does not call it)."""
         with self._lock:
             for out in self._step:
+                out.overlapped = len(out.posted)
                 out.layers.update(range(len(self.layer_index)))
                 out.complete = True
                 self._post_ready(out)
@@ -287,8 +289,10 @@ class Worker:
         started = time.monotonic()
         try:
             out.stream.wait_for_save(timeout=self.config.load_timeout)
-            logger.debug("kvmove: sent %s (%d blocks) in %.1f ms", out.key, len(out.blocks),
-                         1e3 * (time.monotonic() - started))
+            logger.info("kvmove: sent %s (%d blocks, %d of %d layers during the forward "
+                        "pass), acknowledged %.1f ms after the last", out.key, len(out.blocks),
+                        out.overlapped, len(self.layer_index),
+                        1e3 * (time.monotonic() - started))
         except KVMoveError as error:
             logger.warning("kvmove: sending %s to %s failed: %s", out.key, out.stream.peer,
                            error)
