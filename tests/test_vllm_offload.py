@@ -31,7 +31,7 @@ from helpers.vllm_servers import (  # noqa: E402
 
 BLOCK_SIZE = 32   # vLLM's CPU attention takes multiples of 32
 HOST_BLOCKS = 3
-START_SECONDS = 300.0   # two servers starting at once on a shared 2-core machine
+START_SECONDS = 600.0   # two servers starting at once on a shared 2-core machine
 SERVER_ARGS = ("--no-enable-prefix-caching", "--block-size", str(BLOCK_SIZE))
 LOADED = re.compile(r"loaded (\d+) of (\d+) blocks \((\d+) tokens, (\d+) bytes\) of "
                     r"request (\S+)")
