@@ -421,10 +421,12 @@ class Worker:
     # ---- notifications ----------------------------------------------------------------------
 
     def _send(self, peer: str, message: dict[str, Any], check: bool = False) -> None:
+        """A message to ``peer``; ``check``: a decode's "want", which may take the load's
+        whole deadline on a loaded host (its failure fails the load)."""
         assert self.agent is not None
+        seconds = self.config.load_timeout if check else MESSAGE_SECONDS
         try:
-            self.agent.write(peer, [], [], notify=json.dumps(message).encode()).wait(
-                MESSAGE_SECONDS)
+            self.agent.write(peer, [], [], notify=json.dumps(message).encode()).wait(seconds)
         except KVMoveError as error:
             if check:
                 raise
