@@ -133,8 +133,9 @@ def _one(mode: Mode, prompt: list[int], max_tokens: int) -> dict:
     return out
 
 
-def _diff(before: dict, after: dict, name: str, **labels: str) -> float:
-    return _total(after, name, **labels) - _total(before, name, **labels)
+def _diff(before: dict, after: dict, which: str, name: str, **labels: str) -> float:
+    """How much ``name`` grew on instance ``which`` (prefill, decode, proxy)."""
+    return _total(after[which], name, **labels) - _total(before[which], name, **labels)
 
 
 def _handoff(mode: Mode, rid: str, before: dict) -> dict:
@@ -143,8 +144,7 @@ def _handoff(mode: Mode, rid: str, before: dict) -> dict:
     deadline = time.monotonic() + 10.0
     while time.monotonic() < deadline:
         after = mode.snapshot()
-        done = _diff(before, after, "vllm:request_prefill_time_seconds_count") >= 1 \
-            if "prefill" in after else True
+        done = _diff(before, after, "prefill", "vllm:request_prefill_time_seconds_count") >= 1
         if mode.connector == "kvmove":
             m = [m for m in LOADED.finditer(mode.decode.log_text()) if rid in m[1]]
             if m and done:
@@ -152,38 +152,43 @@ def _handoff(mode: Mode, rid: str, before: dict) -> dict:
                            handoff_tokens=int(m[-1][3]), handoff_mode=m[-1][2])
                 break
         else:
-            n = _diff(before, after, "vllm:nixl_xfer_time_seconds_count")
+            n = _diff(before, after, "decode", "vllm:nixl_xfer_time_seconds_count")
             if n >= 1 and done:
-                out.update(handoff_ms=1e3 * _diff(before, after,
+                out.update(handoff_ms=1e3 * _diff(before, after, "decode",
                                                   "vllm:nixl_xfer_time_seconds_sum") / n,
-                           handoff_bytes=_diff(before, after,
+                           handoff_bytes=_diff(before, after, "decode",
                                                "vllm:nixl_bytes_transferred_sum"))
                 break
         time.sleep(0.1)
     else:
         out["missing"] = "no hand-off logged within 10 s"
         after = mode.snapshot()
-    n = _diff(before, after, "vllm:request_prefill_time_seconds_count")
+    n = _diff(before, after, "prefill", "vllm:request_prefill_time_seconds_count")
     if n >= 1:
         out["prefill_compute_ms"] = 1e3 * _diff(
-            before, after, "vllm:request_prefill_time_seconds_sum") / n
+            before, after, "prefill", "vllm:request_prefill_time_seconds_sum") / n
         out["prefill_e2e_ms"] = 1e3 * _diff(
-            before, after, "vllm:e2e_request_latency_seconds_sum") / n
+            before, after, "prefill", "vllm:e2e_request_latency_seconds_sum") / n
     if "proxy" in after:
         p, d = mode.prefill.url, mode.decode.url
         out["proxy_prefill_call_ms"] = 1e3 * _diff(
-            before, after, "kvmove_proxy_upstream_seconds_sum", instance=p)
+            before, after, "proxy", "kvmove_proxy_upstream_seconds_sum", instance=p)
         out["proxy_decode_ttfb_ms"] = 1e3 * _diff(
-            before, after, "kvmove_proxy_upstream_ttfb_seconds_sum", instance=d)
+            before, after, "proxy", "kvmove_proxy_upstream_ttfb_seconds_sum", instance=d)
     return out
 
 
 def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    """``count`` prompts of ``length`` token ids, pairwise different from their first token
-    on (so no prefix-cache block is shared)."""
+    """``count`` prompts of ``length`` random token ids (the 4 special ids left out), each with
+    a first block (``BLOCK_SIZE`` tokens) no other prompt has, so no prefix-cache hit."""
     rng = random.Random(seed)
-    firsts = rng.sample(range(300, vocab), count)
-    return [[f] + [rng.randrange(300, vocab) for _ in range(length - 1)] for f in firsts]
+    prompts, firsts = [], set()
+    while len(prompts) < count:
+        p = [rng.randrange(4, vocab) for _ in range(length)]
+        if tuple(p[:BLOCK_SIZE]) not in firsts:
+            firsts.add(tuple(p[:BLOCK_SIZE]))
+            prompts.append(p)
+    return prompts
 
 
 def _nixl_config() -> str:
