@@ -282,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         total = args.warmup + args.requests
         prompts = _prompts(total * len(modes), args.prompt_tokens, vocab, args.seed)
         load_before = _uptime()
+        report: dict = {}
         for i in range(total):
             for j, mode in enumerate(modes):
                 try:
@@ -293,13 +294,20 @@ def main(argv: list[str] | None = None) -> int:
                 mode.samples.append(sample)
             print(f"# round {i + 1}/{total} done ({time.monotonic() - started:.0f} s)",
                   flush=True)
-        load_after = _uptime()
-        report = _report(args, modes, load_before, load_after)
-        report["server_logs"] = {s.name: s.log_path for s in servers}
-        with open(out_path, "w") as f:
-            json.dump(report, f, indent=1)
+            # after every round: a run cut short (Ctrl-C, timeout -s INT) keeps what it has
+            report = _report(args, modes, load_before, _uptime())
+            report["rounds_done"] = i + 1
+            report["server_logs"] = {s.name: s.log_path for s in servers}
+            with open(out_path, "w") as f:
+                json.dump(report, f, indent=1)
         print(report["table"])
-        print(f"\nloadavg before: {load_before}; after: {load_after}; JSON: {out_path}")
+        print(f"\nloadavg before: {load_before}; after: {report['loadavg_after']}; "
+              f"JSON: {out_path}")
+    except KeyboardInterrupt:
+        if report:
+            print(f"# interrupted after {report['rounds_done']} rounds; so far:\n"
+                  f"{report['table']}\nJSON: {out_path}", flush=True)
+        raise
     finally:
         for p in proxies:
             p.close()
