@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from helpers.checks import WORKDIR
 from helpers.hf_checkpoint import write_bpe_tokenizer
 from helpers.serve import TAG_VARIABLE, tagged_pids
 
@@ -90,7 +91,9 @@ class VLLMServer:
                      "VLLM_LOGGING_LEVEL": "INFO", TAG_VARIABLE: self.tag, **(env or {})}
         self.log_path = os.path.join(log_dir or "/tmp", f"{self.tag}.log")
         self._log = open(self.log_path, "w")
-        self.process = subprocess.Popen(cmd, env=child_env, stdout=self._log,
+        # cwd outside the checkout: ``python -m`` puts its cwd first on sys.path, and the
+        # checkout's kvmove/ (no compiled core) would shadow the installed one.
+        self.process = subprocess.Popen(cmd, env=child_env, stdout=self._log, cwd=WORKDIR,
                                         stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout: float = START_SECONDS) -> VLLMServer:
