@@ -147,6 +147,9 @@ class MetadataServer:
             except KVMoveError as e:
                 logger.warning("metadata exchange rejected: %s", e)
                 self._socket.send(b"ER" + str(e).encode())
+            except Exception as e:  # noqa: BLE001 - a REP socket unanswered serves no one again
+                logger.exception("metadata exchange failed")
+                self._socket.send(b"ER internal error: " + repr(e).encode())
 
     def close(self) -> None:
         """Stops serving and releases the socket. Idempotent."""

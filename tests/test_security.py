@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 import kvmove
 from kvmove import StreamState, _C
 from kvmove.auth import DeploymentKey, resolve_key
-from kvmove.bootstrap import MAX_EXCHANGES_PER_SECOND, MAX_MESSAGE_BYTES
+from kvmove.bootstrap import MAX_EXCHANGES_PER_SECOND, MAX_MESSAGE_BYTES, MetadataServer
 from kvmove.errors import ConfigError, MetadataError, PeerError
 
 from helpers.checks import listening_addresses, names
@@ -242,6 +242,27 @@ def test_finding_3_junk_on_the_side_channel_is_answered_and_the_listener_keeps_s
     with agent("late") as late:
         assert late.connect(*address, timeout=WAIT) == "a"
     pair.assert_serving()
+
+
+def test_finding_3_a_listener_whose_add_peer_breaks_still_answers_and_keeps_serving():
+    """Not from the review: an unexpected exception (not a KVMoveError) in the listener's
+    add_peer used to end its thread, and every later connect went unanswered."""
+    calls: list[bytes] = []
+
+    def add_peer(metadata: bytes) -> str:
+        calls.append(metadata)
+        if len(calls) == 1:
+            raise RuntimeError("a bug")
+        return "peer"
+
+    server = MetadataServer(b"own", add_peer)
+    try:
+        first = zmq_request(server.address, b"first", int(WAIT * 1000))
+        assert first is not None and first.startswith(b"ER internal error: RuntimeError"), first
+        assert zmq_request(server.address, b"second", int(WAIT * 1000)) == b"OKown"
+        assert calls == [b"first", b"second"]
+    finally:
+        server.close()
 
 
 # --- 4: active messages were attributed by the name in their header --------------------------
