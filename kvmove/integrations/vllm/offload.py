@@ -49,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 import kvmove
 from kvmove.errors import ConfigError, TimeoutError
-from kvmove.integrations.vllm.config import layout_of, wrap_kv_caches
+from kvmove.integrations.vllm.config import layout_of, unpinned, wrap_kv_caches
 from kvmove.store import decide_load
 
 __all__ = ["OffloadMeta", "OffloadWorkerMeta", "Scheduler", "Worker", "store_key"]
@@ -262,14 +262,15 @@ class Worker:
         """Wraps vLLM's CPU KV tensors (``[num_blocks, num_kv_heads, block_size,
         2 * head_dim]`` per layer, zero-copy) and opens the store's tiers here, beside them."""
         self.cache = wrap_kv_caches(kv_caches, self.layout)
-        tiers: list[Any] = [kvmove.HostTier(int(self.config.store_host_gb * _GB))]
-        if self.config.store_disk_dir is not None:
-            path = self.config.store_disk_dir
-            if self.config.tp_size > 1:
-                path = os.path.join(path, f"rank{self.config.tp_rank}")
-            tiers.append(kvmove.DiskTier(path, int(self.config.store_disk_gb * _GB)))
-        self.store = kvmove.KVStore(self.layout, tiers, namespace=self.namespace,
-                                    order="vllm-cpu")
+        with unpinned():   # the tiers' and the store's threads (see config.unpinned)
+            tiers: list[Any] = [kvmove.HostTier(int(self.config.store_host_gb * _GB))]
+            if self.config.store_disk_dir is not None:
+                path = self.config.store_disk_dir
+                if self.config.tp_size > 1:
+                    path = os.path.join(path, f"rank{self.config.tp_rank}")
+                tiers.append(kvmove.DiskTier(path, int(self.config.store_disk_gb * _GB)))
+            self.store = kvmove.KVStore(self.layout, tiers, namespace=self.namespace,
+                                        order="vllm-cpu")
         logger.info("kvmove offload: %r over %d vLLM blocks", self.store, self.cache.num_blocks)
 
     def start_load_kv(self, metadata: Any) -> None:

@@ -37,7 +37,8 @@ from vllm.logger import init_logger
 import kvmove
 from kvmove.auth import key_from_file
 from kvmove.errors import ChecksumError, KVMoveError
-from kvmove.integrations.vllm.config import ConnectorConfig, layout_of, wrap_kv_caches
+from kvmove.integrations.vllm.config import (ConnectorConfig, layout_of, unpin, unpinned,
+                                             wrap_kv_caches)
 from kvmove.integrations.vllm.pd import LoadSpec, Metadata, PushSpec, SendSpec
 
 logger = init_logger("vllm.kvmove.pd_worker")
@@ -91,7 +92,7 @@ class Worker:
         self._changed = threading.Condition(self._lock)  # a transfer ended
         self._idle = False
         self._closed = threading.Event()
-        self._pool = ThreadPoolExecutor(8, thread_name_prefix="kvmove-vllm")
+        self._pool = ThreadPoolExecutor(8, thread_name_prefix="kvmove-vllm", initializer=unpin)
         self._thread: threading.Thread | None = None
         # prefill side
         self._out: dict[str, _Outgoing] = {}            # by key
@@ -105,6 +106,7 @@ class Worker:
         self._peers: dict[tuple[str, int], str] = {}
         self._connect_lock = threading.Lock()
         self._loads: dict[str, Any] = {}                 # key -> LoadStream
+        self._loading = 0                                # loads submitted, not yet ended
         self._received: set[str] = set()
         self._load_errors: set[int] = set()
         self.bytes_loaded = 0
@@ -117,14 +119,15 @@ class Worker:
         cfg = self.config
         key = key_from_file(cfg.key_file).secret if cfg.key_file else None
         role = "prefill" if cfg.producer else "decode"
-        self.agent = kvmove.Agent(f"vllm-{role}-{cfg.engine_id}-{cfg.tp_rank}", cache,
-                                  transports=cfg.transports, checksums=cfg.checksums,
-                                  key=key, host=cfg.host)
-        if cfg.producer:
-            self.agent.listen(cfg.host, cfg.port + cfg.tp_rank)
-        self._thread = threading.Thread(target=self._serve, name="kvmove-vllm-notify",
-                                        daemon=True)
-        self._thread.start()
+        with unpinned():   # the agent's threads, its listener's and ours
+            self.agent = kvmove.Agent(f"vllm-{role}-{cfg.engine_id}-{cfg.tp_rank}", cache,
+                                      transports=cfg.transports, checksums=cfg.checksums,
+                                      key=key, host=cfg.host)
+            if cfg.producer:
+                self.agent.listen(cfg.host, cfg.port + cfg.tp_rank)
+            self._thread = threading.Thread(target=self._serve, name="kvmove-vllm-notify",
+                                            daemon=True)
+            self._thread.start()
         logger.info("kvmove: %s agent %s over %d layers of %s (%s)%s", role, self.agent.name,
                     len(kv_caches), self.layout, cache.device,
                     f", listening on {cfg.host}:{cfg.port + cfg.tp_rank}" if cfg.producer
@@ -143,6 +146,8 @@ class Worker:
     def start_load_kv(self, meta: Metadata) -> None:
         # vLLM 0.32 calls this after the forward pass when no load is synchronous: the pushes
         # of this step began at its first save_kv_layer already (_begin_step is idempotent).
+        with self._lock:
+            self._loading += len(meta.loads)
         for spec in meta.loads:
             self._pool.submit(self._load, spec)
         with self._lock:
@@ -186,7 +191,7 @@ class Worker:
                                                                  set[str] | None]:
         with self._lock:
             if self._idle and not (self._sent or self._received) and \
-                    (self._loads or self._out):
+                    (self._loading or self._out):
                 self._changed.wait(IDLE_WAIT_SECONDS)
             self._release_expired(time.monotonic())
             sent, self._sent = self._sent, set()
@@ -396,6 +401,7 @@ class Worker:
                              spec.req_id)
         with self._lock:
             self._loads.pop(spec.key, None)
+            self._loading -= 1
             if spec.blocks:
                 self._received.add(spec.req_id)
                 self._changed.notify_all()
