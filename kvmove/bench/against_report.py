@@ -5,6 +5,7 @@ as the text lines that put kvmove's figure, NIXL's and kvmove / NIXL side by sid
 from __future__ import annotations
 
 import statistics
+import textwrap
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -137,10 +138,13 @@ def nixl_lines(run: NixlRun, rows: tuple[TransferRow, ...], trip: RoundTrip,
                           f"{nixl.gbytes_per_s:.2f}", f"{run.ratio(row):.2f}",
                           "yes" if nixl.verified else "NO"])
     nixl_trip = run.round_trip
-    return [f"against {run.version} in this run ({setting}; NIXL's UCX backend): "
-            f"{NIXL_METHOD}; best of the same iterations, every byte verified:",
-            *aligned(head, cells, left={0, 1, len(head) - 1}),
-            f"one-block write + notification, one way ({trip.nbytes:,} B, median of "
-            f"{nixl_trip.iterations}): kvmove {trip.one_way_us:.1f} us, NIXL "
-            f"{nixl_trip.one_way_us:.1f} us (one prepared request, posted again each time); "
-            f"kvmove / NIXL time {run.round_trip_ratio(trip):.2f} (below 1: kvmove faster)"]
+    header = (f"against {run.version} in this run ({setting}, NIXL's UCX backend, no NIXL "
+              f"progress thread): {NIXL_METHOD}; best of the same iterations, every byte "
+              "verified:")
+    trip_line = (f"one-block write + notification, one way ({trip.nbytes:,} B, median of "
+                 f"{nixl_trip.iterations}): kvmove {trip.one_way_us:.1f} us, NIXL "
+                 f"{nixl_trip.one_way_us:.1f} us (one prepared request, posted again each "
+                 f"time): kvmove / NIXL time {run.round_trip_ratio(trip):.2f} (below 1: kvmove "
+                 "faster)")
+    return [*textwrap.wrap(header, width=100), *aligned(head, cells, left={0, 1, len(head) - 1}),
+            *textwrap.wrap(trip_line, width=100)]

@@ -49,11 +49,13 @@ _PACKAGES = ("nixl", "nixl_cu13", "nixl_cu12")
 _MEM = "DRAM"
 _STOP = b"stop"  # the notification that ends NixlSide.echo
 _IDLE_SECONDS = 600.0  # as the kvmove peer
-# NIXL's own progress thread is off: both sides poll instead (the caller's check_xfer_state
-# and get_new_notifs progress the worker). Measured here (2 cores), a one-block write +
-# notification took ~54 ms one way with the thread (NIXL's default) and ~60 us without it;
-# we compare against NIXL at its best. (TEMP: env override while measuring)
-_PROGRESS_THREAD = os.environ.get("KVMOVE_BENCH_NIXL_PTHREAD") == "1"
+# NIXL's own progress thread is off: both sides poll instead (check_xfer_state and
+# get_new_notifs progress the worker; the far side polls for the notification during every
+# transfer). We compare against NIXL at its best, and on this machine (2 cores, loaded) its
+# default thread made it slower: with it, 0.30-0.51 GB/s for the rows (Llama-3.1-8B, 4,000
+# tokens) and a one-block write + notification ~64 ms one way; without it 0.68-1.42 GB/s and
+# ~56 us, the same run.
+_PROGRESS_THREAD = False
 
 
 def import_nixl_api() -> ModuleType:
