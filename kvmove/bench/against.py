@@ -7,6 +7,11 @@ both sides; WRITE with a notification, the far side checking every byte after it
 READ, checked here; one warm-up and ``iters`` timed iterations, the best reported. Then the
 one-block write + notification round trip. ``nixl_side`` says what NIXL is asked to do.
 
+NIXL runs without its progress thread (``nixl_side`` has the measurement), so a side makes
+progress only while it polls: during each timed transfer the far side polls for a
+notification, the WRITE's own, or for a READ one the near side sends after the timed span
+(kvmove's READ notifies no one, so neither does NIXL's inside it).
+
 NIXL runs after kvmove's rows, once kvmove's peer is gone, and before the baselines, so
 nothing else competes with either.
 """
