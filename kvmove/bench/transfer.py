@@ -35,6 +35,9 @@ row's bytes (``np.copyto``), and ``ucx_perftest`` on the same transports and err
 best of ``iters`` runs like the rows: ``ucp_put_bw`` for WRITE rows and ``ucp_get`` for READ
 rows, at the row's mean bytes per posted op; ``ucp_put_lat`` at 8 B and at the round trip's
 size for the one-block write + notification round trip.
+
+With ``--against nixl`` (``against``) the native rows' workload and the round trip run through
+NIXL as well, after kvmove's rows and before the baselines, and each row shows kvmove / NIXL.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from kvmove.bench import against, perftest
 from kvmove.bench.options import add_agent_args, add_output_args, add_prompt_args, check_plot
 from kvmove.bench.peer import FAR, Peer, Side, connect_pair, ping, stop_echo
 from kvmove.bench.progress import Progress, bar
+from kvmove.bench.against_report import AGAINST
 from kvmove.bench.engine_caches import WRAP_FORMATS
 from kvmove.bench.transfer_report import (NATIVE, PERFTEST_TEST, ROUND_TRIP_WARMUP,
                                           SWEEP_BLOCK_SIZES, BenchConfig, BenchReport,
@@ -296,7 +300,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                      help="also move the same KV between two caches of this engine's own "
                      f"tensors, wrapped with KVCache.wrap, beside the native rows: one of "
                      f"{', '.join(WRAP_FORMATS)} (docs/engines.md)")
-    sub.add_argument("--against", choices=["nixl"], default=None,
+    sub.add_argument("--against", choices=list(AGAINST), default=None,
                      help="also run the same workload (native rows, round trip) through this "
                      "library in the same run and print kvmove / it per row; nixl needs "
                      "'pip install --no-deps nixl-cu13'")
