@@ -11,7 +11,9 @@ row exists, every byte was verified, and bad input or a failing peer ends the ru
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
+import math
 import os
 import shutil
 import signal
@@ -25,10 +27,12 @@ import numpy as np
 import pytest
 
 from kvmove.bench import engine_caches, perftest
+from kvmove.bench.against_report import NixlRoundTrip, NixlRow, NixlRun
 from kvmove.bench.peer import Peer, Side
 from kvmove.bench.report import BenchError
 from kvmove.bench.store import StoreBenchConfig, StoreReport, TtftRow, format_store
-from kvmove.bench.transfer_report import BenchConfig
+from kvmove.bench.transfer_report import (BenchConfig, BenchReport, RoundTrip, TransferRow,
+                                          format_transfer)
 from kvmove.errors import ConfigError
 from kvmove.layout import KVLayout
 
@@ -98,7 +102,7 @@ def test_json_reports_verified_rows_and_baselines(bench: Bench) -> None:
     assert data["verified"] is True
     assert {"config", "layout", "kv_bytes", "rows", "baselines", "round_trip", "links",
             "wall_seconds"} <= data.keys()
-    assert data["kv_bytes"] == TINY_BYTES
+    assert data["kv_bytes"] == TINY_BYTES and data["against"] is None
     rows = {(row["op"], row["placement"]): row for row in data["rows"]}
     assert set(rows) == {(op, p) for op in ("write", "read") for p in ("allocator", "scatter")}
     for (op, placement), row in rows.items():
@@ -111,6 +115,7 @@ def test_json_reports_verified_rows_and_baselines(bench: Bench) -> None:
                     "post_share_pct"):
             assert row[key] > 0, key
         assert row["perftest_test"] == {"write": "ucp_put_bw", "read": "ucp_get"}[op]
+        assert row["nixl_gbytes_per_s"] is row["nixl_ratio"] is None  # no --against
     baselines = data["baselines"]
     assert [m["nbytes"] for m in baselines["memcpy"]] == [TINY_BYTES]
     sizes = {(p["test"], p["message_nbytes"]) for p in baselines["perftest_bw"]}
@@ -149,20 +154,101 @@ def test_sweep_plots_every_block_size(bench: Bench, tmp_path: Path) -> None:
     assert "kvmove-bench transfer:" not in result.stderr  # --json to a pipe: no bar
 
 
-def _without(module: str, tmp_path: Path) -> Bench:
-    """The CLI with ``module`` failing to import, as if it were not installed."""
-    fake = tmp_path / "hidden" / module
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text(f"raise ModuleNotFoundError('{module} hidden by the test')\n")
-    return _runner(COMMANDS[0], tmp_path, {**os.environ, "PYTHONPATH": str(fake.parent)})
+def _without(tmp_path: Path, *modules: str) -> Bench:
+    """The CLI with each of ``modules`` failing to import, as if it were not installed (its
+    spawned processes too: they inherit ``sys.path``)."""
+    hidden = tmp_path / "hidden"
+    for module in modules:
+        fake = hidden / module
+        fake.mkdir(parents=True)
+        (fake / "__init__.py").write_text(
+            f"raise ModuleNotFoundError('{module} hidden by the test')\n")
+    path = os.pathsep.join(filter(None, [str(hidden), os.environ.get("PYTHONPATH")]))
+    return _runner(COMMANDS[0], tmp_path, {**os.environ, "PYTHONPATH": path})
 
 
 def test_plot_without_matplotlib_exits_2(tmp_path: Path) -> None:
-    result = _without("matplotlib", tmp_path)("transfer", *TINY, "--plot", "x.png")
+    result = _without(tmp_path, "matplotlib")("transfer", *TINY, "--plot", "x.png")
     assert result.returncode == 2
     assert "pip install kvmove[bench]" in result.stderr
     assert result.stdout == "" and "Traceback" not in result.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+# --- --against nixl -------------------------------------------------------------------------
+
+@functools.cache
+def _nixl_missing() -> str:
+    """Why NIXL does not import here ('' when it does), asked of a fresh interpreter so that
+    this process never loads NIXL's UCX beside kvmove's."""
+    probe = ("from kvmove.bench.nixl_side import import_nixl_api\n"
+             "try:\n    import_nixl_api()\nexcept ImportError as e:\n    print(e)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            timeout=RUN_SECONDS, env=env)
+    return result.stdout.strip() or result.stderr.strip()[-300:]
+
+
+def test_against_nixl_reports_nixl_rows_and_ratios(bench: Bench) -> None:
+    if _nixl_missing():
+        pytest.skip(f"NIXL does not import here ({_nixl_missing()}): "
+                    "pip install --no-deps nixl-cu13")
+    data = _json(bench("transfer", *TINY, "--scatter", "--against", "nixl", "--json"))
+    assert data["verified"] is True and data["config"]["against"] == "nixl"
+    against = data["against"]
+    assert against["library"] == "nixl" and against["verified"] is True
+    assert against["version"].startswith("nixl")
+    nixl = {(row["op"], row["placement"]): row for row in against["rows"]}
+    assert set(nixl) == {(op, p) for op in ("write", "read") for p in ("allocator", "scatter")}
+    for row in data["rows"]:
+        twin = nixl[row["op"], row["placement"]]
+        assert twin["verified"] is True and twin["mismatched_blocks"] == 0
+        assert (twin["nbytes"], twin["num_blocks"]) == (row["nbytes"], row["num_blocks"])
+        # NIXL merges what kvmove coalesces: the same operations on the wire
+        assert twin["num_descs"] == row["num_ops"]
+        assert row["nixl_gbytes_per_s"] == twin["gbytes_per_s"] > 0
+        assert math.isfinite(row["nixl_ratio"]) and row["nixl_ratio"] > 0
+    assert against["round_trip"]["nbytes"] == data["round_trip"]["nbytes"]
+    assert math.isfinite(against["round_trip_time_ratio"])
+    assert against["round_trip_time_ratio"] > 0
+
+
+def test_against_nixl_without_nixl_exits_2_saying_how_to_get_it(tmp_path: Path) -> None:
+    start = time.monotonic()
+    result = _without(tmp_path, "nixl", "nixl_cu13", "nixl_cu12")(
+        "transfer", *TINY, "--against", "nixl")
+    assert result.returncode == 2, result.stderr
+    assert "--against nixl needs NIXL's Python package" in result.stderr
+    assert "hidden by the test" in result.stderr  # the import's own reason
+    assert "pip install --no-deps nixl-cu13" in result.stderr
+    assert result.stdout == "" and "Traceback" not in result.stderr
+    assert time.monotonic() - start < RUN_SECONDS / 2  # before measuring, not after
+
+
+def test_text_puts_kvmove_and_nixl_side_by_side() -> None:
+    config = BenchConfig(model="llama-3.2-1b", num_tokens=64, against="nixl")
+    kvmove_row = TransferRow("write", "allocator", 16, 2_000_000, 4, 16, 0.0001, 0.001,
+                             0.0009, (0.001,), 0.002, 0)
+    nixl_row = NixlRow("write", "allocator", 16, 2_000_000, 4, 16, 0.0001, 0.0001, 0.004,
+                       (0.004,), 0.005, 0)
+    perf = perftest.PerftestResult("ucp_put_bw", kvmove_row.op_nbytes, None, True, False,
+                                   reason="not run")
+    report = BenchReport(config, (kvmove_row,), RoundTrip(32768, 200, 100.0),
+                         {2_000_000: 10.0}, (perf,), (), 1.0,
+                         nixl=NixlRun("nixl-cu13 1.5.1", (nixl_row,),
+                                      NixlRoundTrip(32768, 200, 40.0)))
+    text = format_transfer(report)
+    line = next(line for line in text.splitlines() if line.startswith("write  allocator")
+                and "0.50" in line)
+    assert line.split()[-2:] == ["4.00", "yes"]  # 2.00 GB/s over 0.50: kvmove / NIXL
+    assert "against nixl-cu13 1.5.1" in text
+    assert "kvmove 50.0 us, NIXL 20.0 us" in text and "kvmove / NIXL time 2.50" in text
+    assert report.to_dict()["rows"][0]["nixl_ratio"] == pytest.approx(4.0)
+
+
+def test_config_rejects_unknown_against() -> None:
+    with pytest.raises(ConfigError, match="against must be one of .*'mooncake'"):
+        BenchConfig(against="mooncake")
 
 
 # --- stream ---------------------------------------------------------------------------------
@@ -315,7 +401,7 @@ def test_store_bad_option_exits_2(bench: Bench, args: list[str], value: str) -> 
      (["--error-mode", "sometimes"], "sometimes"), (["--timeout", "-1"], "-1"),
      (["--tokens", "many"], "many"), (["--transports", " "], "' '"),
      (["--timeout", "inf"], "inf"), (["--plot", "no/such/folder/x.png"], "no/such/folder"),
-     (["--wrap", "bogus"], "bogus")],
+     (["--wrap", "bogus"], "bogus"), (["--against", "mooncake"], "mooncake")],
 )
 def test_bad_option_exits_2(each_bench: Bench, args: list[str], value: str) -> None:
     result = each_bench("transfer", *args)

@@ -3,7 +3,8 @@
 Subcommands:
     transfer  (default) moves one prompt's KV cache between two processes with kvmove, verifies
               every byte, and compares the bandwidth with memcpy and ``ucx_perftest`` measured
-              in the same run, then with the article's links.
+              in the same run, then with the article's links; ``--against nixl`` runs the same
+              workload through NIXL too and prints kvmove / NIXL per row.
     stream    how much of that hand-off layer-wise streaming hides behind a (simulated) prefill:
               bulk vs streamed, between two processes, every byte verified.
     engine    the reference engine's prefill and decode throughput on this machine, and the

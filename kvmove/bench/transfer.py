@@ -35,6 +35,9 @@ row's bytes (``np.copyto``), and ``ucx_perftest`` on the same transports and err
 best of ``iters`` runs like the rows: ``ucp_put_bw`` for WRITE rows and ``ucp_get`` for READ
 rows, at the row's mean bytes per posted op; ``ucp_put_lat`` at 8 B and at the round trip's
 size for the one-block write + notification round trip.
+
+With ``--against nixl`` (``against``) the native rows' workload and the round trip run through
+NIXL as well, after kvmove's rows and before the baselines, and each row shows kvmove / NIXL.
 """
 
 from __future__ import annotations
@@ -48,19 +51,19 @@ from typing import Any
 
 import numpy as np
 
-from kvmove.bench import perftest
+from kvmove.bench import against, perftest
 from kvmove.bench.options import add_agent_args, add_output_args, add_prompt_args, check_plot
 from kvmove.bench.peer import FAR, Peer, Side, connect_pair, ping, stop_echo
 from kvmove.bench.progress import Progress, bar
+from kvmove.bench.against_report import AGAINST
 from kvmove.bench.engine_caches import WRAP_FORMATS
-from kvmove.bench.transfer_report import (NATIVE, PERFTEST_TEST, SWEEP_BLOCK_SIZES, BenchConfig,
-                                          BenchReport, Registration, RoundTrip, TransferRow,
-                                          format_transfer, plot_transfer)
+from kvmove.bench.transfer_report import (NATIVE, PERFTEST_TEST, ROUND_TRIP_WARMUP,
+                                          SWEEP_BLOCK_SIZES, BenchConfig, BenchReport,
+                                          Registration, RoundTrip, TransferRow, format_transfer,
+                                          plot_transfer)
 from kvmove.layout import KVLayout
 
 __all__ = ["add_parser", "count_steps", "memcpy_gbytes_per_s", "run", "run_command"]
-
-_ROUND_TRIP_WARMUP = 20
 
 
 # --- measuring ------------------------------------------------------------------------------
@@ -120,7 +123,7 @@ def _round_trip(near: Side, peer: Peer, local_id: int, remote_id: int,
     near.agent.notifications()
     peer.send("echo", remote_id, local_id, config.timeout)
     rtts = []
-    for _ in range(_ROUND_TRIP_WARMUP + config.round_trips):
+    for _ in range(ROUND_TRIP_WARMUP + config.round_trips):
         start = time.perf_counter()
         ping(near.agent, FAR, local_id, remote_id, config.timeout)
         rtts.append(time.perf_counter() - start)
@@ -128,7 +131,7 @@ def _round_trip(near: Side, peer: Peer, local_id: int, remote_id: int,
     peer.reply("echo")
     nbytes = near.cache.layout.bytes_per_block_per_layer
     return RoundTrip(nbytes, config.round_trips,
-                     float(np.median(rtts[_ROUND_TRIP_WARMUP:])) * 1e6)
+                     float(np.median(rtts[ROUND_TRIP_WARMUP:])) * 1e6)
 
 
 def _measure_cache(peer: Peer, config: BenchConfig, block_size: int, cache: str,
@@ -178,7 +181,8 @@ def count_steps(config: BenchConfig) -> int:
     """How many times ``run`` calls ``progress``."""
     num_rows = 2 * len(config.block_sizes) * len(config.placements) * len(config.caches)
     # rows, ucx_perftest bandwidth per row and extra size, round trip, 2 latencies, memcpy
-    return 2 * num_rows + len(config.perftest_sizes) + 1 + 2 + len(config.block_sizes)
+    steps = 2 * num_rows + len(config.perftest_sizes) + 1 + 2 + len(config.block_sizes)
+    return steps + (against.count_steps(config) if config.against else 0)
 
 
 def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
@@ -191,6 +195,7 @@ def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
     progress = progress or (lambda label: None)
     start = time.perf_counter()
     rows, round_trip, registrations = _measure_transfers(config, progress)
+    nixl = against.run(config, progress) if config.against == "nixl" else None
     perftest_bw = _perftest_bandwidths(config, rows, progress)
     perftest_lat = []
     for size in (8, round_trip.nbytes):
@@ -203,7 +208,8 @@ def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
             memcpy[nbytes] = memcpy_gbytes_per_s(nbytes)
         progress(f"memcpy {nbytes} B")
     return BenchReport(config, tuple(rows), round_trip, memcpy, tuple(perftest_bw),
-                       tuple(perftest_lat), time.perf_counter() - start, tuple(registrations))
+                       tuple(perftest_lat), time.perf_counter() - start, tuple(registrations),
+                       nixl)
 
 
 def _measure_transfers(config: BenchConfig, progress: Progress
@@ -294,6 +300,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                      help="also move the same KV between two caches of this engine's own "
                      f"tensors, wrapped with KVCache.wrap, beside the native rows: one of "
                      f"{', '.join(WRAP_FORMATS)} (docs/engines.md)")
+    sub.add_argument("--against", choices=list(AGAINST), default=None,
+                     help="also run the same workload (native rows, round trip) through this "
+                     "library in the same run and print kvmove / it per row; nixl needs "
+                     "'pip install --no-deps nixl-cu13'")
     add_output_args(sub, "timed iterations per row, after one warm-up; the best is shown",
                     "also draw bandwidth vs bytes per operation (needs matplotlib)")
     sub.set_defaults(run=run_command)
@@ -303,14 +313,18 @@ def run_command(args: argparse.Namespace) -> int:
     config = _transfer_config(args)
     if args.plot:
         check_plot(args.plot)
+    if config.against:
+        against.probe(config)
     with bar(args, count_steps(config)) as progress:
         report = run(config, progress)
     if args.plot:
         plot_transfer(report, args.plot)
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_transfer(report))
     if not report.verified:
-        bad = [f"{r.op} {r.placement} block {r.block_size}: {r.mismatched_blocks}"
-               for r in report.rows if not r.verified]
+        nixl_rows = report.nixl.rows if report.nixl else ()
+        bad = [f"{who}{r.op} {r.placement} block {r.block_size}: {r.mismatched_blocks}"
+               for who, rows in (("", report.rows), ("NIXL ", nixl_rows))
+               for r in rows if not r.verified]
         print(f"kvmove-bench transfer: error: bytes arrived wrong ((layer, block) pairs per "
               f"row, all iterations): {'; '.join(bad)}", file=sys.stderr)
         return 1
@@ -326,6 +340,6 @@ def _transfer_config(args: argparse.Namespace) -> BenchConfig:
         placements=("allocator", "scatter") if args.scatter else ("allocator",),
         transports=args.transports, error_mode=args.error_mode, iters=args.iters,
         perftest_sizes=SWEEP_MESSAGE_SIZES if args.sweep else (), timeout=args.timeout,
-        wrap=args.wrap)
+        wrap=args.wrap, against=args.against)
 
 

@@ -11,14 +11,16 @@ from typing import Any
 
 from kvmove.agent import ERROR_MODES
 from kvmove.bench import perftest
+from kvmove.bench.against_report import AGAINST, NixlRun, nixl_lines
 from kvmove.bench.engine_caches import WRAP_FORMATS, layout_for_format
 from kvmove.bench.plan import DEFAULT_LINKS, transfer_ms
 from kvmove.bench.report import aligned, human_bytes, ms, pyplot, save_figure
 from kvmove.errors import ConfigError
 from kvmove.layout import KVLayout
 
-__all__ = ["BenchConfig", "BenchReport", "NATIVE", "PERFTEST_TEST", "PLACEMENTS", "Registration",
-           "RoundTrip", "SWEEP_BLOCK_SIZES", "TransferRow", "format_transfer", "plot_transfer"]
+__all__ = ["BenchConfig", "BenchReport", "NATIVE", "PERFTEST_TEST", "PLACEMENTS",
+           "ROUND_TRIP_WARMUP", "Registration", "RoundTrip", "SWEEP_BLOCK_SIZES", "TransferRow",
+           "format_transfer", "plot_transfer"]
 
 PLACEMENTS = ("allocator", "scatter")
 SWEEP_BLOCK_SIZES = (16, 32, 64, 128)
@@ -26,6 +28,8 @@ SWEEP_BLOCK_SIZES = (16, 32, 64, 128)
 PERFTEST_TEST = {"write": "ucp_put_bw", "read": "ucp_get"}
 # The cache label of rows moved between KVCaches kvmove allocated; wrapped rows carry the format.
 NATIVE = "native"
+# Untimed round trips before the timed ones (kvmove's and a peer library's alike).
+ROUND_TRIP_WARMUP = 20
 # What a Registration times, for the text and the JSON.
 REGISTRATION_TIMED = (
     "KVCache.wrap (0 for a native cache) + Agent(...) (a UCX context and worker, then one "
@@ -54,6 +58,8 @@ class BenchConfig:
         wrap: also move the same KV between two caches of this engine's tensors
             (``engine_caches.WRAP_FORMATS``) wrapped with ``KVCache.wrap``, after the native
             rows; "mla" moves it as one latent of the same bytes per token, native rows too.
+        against: also run the native rows' workload and the round trip through this library
+            (``against_report.AGAINST``: "nixl") in the same run, compared row by row.
     """
 
     model: str = "llama-3.1-8b"
@@ -69,6 +75,7 @@ class BenchConfig:
     timeout: float = 60.0
     seed: int = 0
     wrap: str | None = None
+    against: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_tokens", "iters", "spare_factor", "round_trips"):
@@ -92,6 +99,9 @@ class BenchConfig:
             raise ConfigError(f"timeout must be positive and finite, got {self.timeout!r}")
         if self.wrap is not None and self.wrap not in WRAP_FORMATS:
             raise ConfigError(f"wrap must be one of {WRAP_FORMATS} or None, got {self.wrap!r}")
+        if self.against is not None and self.against not in AGAINST:
+            raise ConfigError(f"against must be one of {AGAINST} or None, got "
+                              f"{self.against!r}")
 
     def layout(self, block_size: int) -> KVLayout:
         layout = KVLayout.preset(self.model, block_size=block_size)
@@ -201,10 +211,13 @@ class BenchReport:
     perftest_lat: tuple[perftest.PerftestResult, ...]
     wall_seconds: float
     registrations: tuple[Registration, ...] = ()
+    nixl: NixlRun | None = None  # with against="nixl"
 
     @property
     def verified(self) -> bool:
-        return all(row.verified for row in self.rows)
+        """Every byte of every row arrived right: kvmove's and, with ``against``, NIXL's."""
+        return all(row.verified for row in self.rows) and (self.nixl is None or
+                                                           self.nixl.verified)
 
     def native_for(self, row: TransferRow) -> TransferRow:
         """The native row of the same op, placement and block size, measured in this run."""
@@ -246,7 +259,8 @@ class BenchReport:
         layout = self.config.layout(self.config.block_sizes[0])
         rows = [{**row.to_dict(), "memcpy_pct": self.memcpy_pct(row),
                  "perftest_pct": self.perftest_pct(row),
-                 "perftest_test": PERFTEST_TEST[row.op], **self._vs_native(row)}
+                 "perftest_test": PERFTEST_TEST[row.op], **self._vs_native(row),
+                 **self._vs_nixl(row)}
                 for row in self.rows]
         return {
             "config": config, "statistic": f"best of {self.config.iters} after 1 warm-up",
@@ -260,7 +274,15 @@ class BenchReport:
             "registration": [r.to_dict() for r in self.registrations],
             "registration_timed": REGISTRATION_TIMED,
             "links": self.links(), "wall_seconds": self.wall_seconds,
+            "against": None if self.nixl is None else self.nixl.to_dict(self.round_trip),
         }
+
+    def _vs_nixl(self, row: TransferRow) -> dict[str, Any]:
+        """NIXL's GB/s for ``row``'s workload and kvmove / NIXL (None without one)."""
+        nixl = None if self.nixl is None else self.nixl.row_for(row)
+        if nixl is None:
+            return {"nixl_gbytes_per_s": None, "nixl_ratio": None}
+        return {"nixl_gbytes_per_s": nixl.gbytes_per_s, "nixl_ratio": self.nixl.ratio(row)}
 
     def _vs_native(self, row: TransferRow) -> dict[str, Any]:
         if row.cache == NATIVE:
@@ -290,7 +312,8 @@ def format_transfer(report: BenchReport) -> str:
         f"best of {config.iters} after a warm-up, every byte verified on the receiving side"
     )
     return "\n".join([header, *_wrap_lines(report), "", *_transfer_table(report), "",
-                      *_registration_lines(report), "", *_baseline_lines(report), "",
+                      *_nixl_lines(report), *_registration_lines(report), "",
+                      *_baseline_lines(report), "",
                       *_round_trip_lines(report), "", *_link_lines(report),
                       "", f"measured in {report.wall_seconds:.1f} s"])
 
@@ -324,6 +347,16 @@ def _transfer_table(report: BenchReport) -> list[str]:
                      f"{report.memcpy_pct(row):.1f}%", _pct(report.perftest_pct(row)),
                      "yes" if row.verified else "NO"])
     return aligned(head, rows, left={0, 1, 2 * wrap, len(head) - 1})
+
+
+def _nixl_lines(report: BenchReport) -> list[str]:
+    """With ``against="nixl"``: the comparison and a blank line; else nothing."""
+    if report.nixl is None:
+        return []
+    config = report.config
+    transports = config.transports or "UCX's choice"
+    setting = f"transports {transports}, error mode {config.error_mode}"
+    return [*nixl_lines(report.nixl, report.rows, report.round_trip, setting), ""]
 
 
 def _registration_lines(report: BenchReport) -> list[str]:

@@ -1,0 +1,150 @@
+"""``kvmove-bench transfer --against nixl``'s results: NIXL's rows and round trip, measured in
+the same run as kvmove's on the same workload, as plain data (``to_dict``, in ``--json``) and
+as the text lines that put kvmove's figure, NIXL's and kvmove / NIXL side by side."""
+
+from __future__ import annotations
+
+import statistics
+import textwrap
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvmove.bench.report import aligned
+
+if TYPE_CHECKING:
+    from kvmove.bench.transfer_report import RoundTrip, TransferRow
+
+__all__ = ["AGAINST", "NixlRoundTrip", "NixlRow", "NixlRun", "nixl_lines"]
+
+# The libraries --against takes.
+AGAINST = ("nixl",)
+
+# What NIXL is asked to do, for the text and the JSON (nixl_side.py says why).
+NIXL_METHOD = (
+    "the same cache memory registered once, one prepared descriptor per (layer, block) on "
+    "each side (prep_xfer_dlist), and per transfer make_prepped_xfer + transfer + "
+    "check_xfer_state until done, all timed; NIXL merges descriptors contiguous on both "
+    "sides as kvmove coalesces runs")
+
+
+@dataclass(frozen=True, slots=True)
+class NixlRow:
+    """NIXL's best timed iteration of one kvmove row's workload: the same op, placement,
+    block size, block ids and bytes. Seconds run from ``make_prepped_xfer`` until
+    ``check_xfer_state`` said done; ``post_seconds`` is the ``transfer`` call alone;
+    ``num_descs`` is NIXL's descriptor count after merging (its telemetry)."""
+
+    op: str
+    placement: str
+    block_size: int
+    nbytes: int
+    num_blocks: int
+    num_descs: int
+    make_seconds: float
+    post_seconds: float
+    total_seconds: float
+    iter_seconds: tuple[float, ...]
+    warmup_seconds: float
+    mismatched_blocks: int
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return self.op, self.placement, self.block_size
+
+    @property
+    def verified(self) -> bool:
+        return self.mismatched_blocks == 0
+
+    @property
+    def gbytes_per_s(self) -> float:
+        return self.nbytes / self.total_seconds / 1e9
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "verified": self.verified, "gbytes_per_s": self.gbytes_per_s}
+
+
+@dataclass(frozen=True, slots=True)
+class NixlRoundTrip:
+    """One block of layer 0 written with a notification through one prepared request
+    (posted again each time: NIXL's fastest small write), answered the same way; the median
+    round trip in microseconds, ``one_way_us`` half of it, as kvmove's ``RoundTrip``."""
+
+    nbytes: int
+    iterations: int
+    rtt_us: float
+
+    @classmethod
+    def of(cls, nbytes: int, seconds: list[float]) -> NixlRoundTrip:
+        return cls(nbytes, len(seconds), statistics.median(seconds) * 1e6)
+
+    @property
+    def one_way_us(self) -> float:
+        return self.rtt_us / 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "one_way_us": self.one_way_us}
+
+
+@dataclass(frozen=True, slots=True)
+class NixlRun:
+    """Everything NIXL did in one run: which NIXL (``version``: distribution and version),
+    its rows (native-cache rows of every block size and placement) and its round trip."""
+
+    version: str
+    rows: tuple[NixlRow, ...]
+    round_trip: NixlRoundTrip
+
+    @property
+    def verified(self) -> bool:
+        return all(row.verified for row in self.rows)
+
+    def row_for(self, row: TransferRow) -> NixlRow | None:
+        """NIXL's row of kvmove's ``row`` (None for a wrapped cache's row: NIXL moves the
+        native cache only)."""
+        if row.cache != "native":
+            return None
+        return next((r for r in self.rows if r.key == (row.op, row.placement,
+                                                       row.block_size)), None)
+
+    def ratio(self, row: TransferRow) -> float | None:
+        """kvmove's GB/s over NIXL's for the same workload (above 1: kvmove faster)."""
+        nixl = self.row_for(row)
+        return None if nixl is None else row.gbytes_per_s / nixl.gbytes_per_s
+
+    def round_trip_ratio(self, trip: RoundTrip) -> float:
+        """kvmove's one-way time over NIXL's (below 1: kvmove faster)."""
+        return trip.one_way_us / self.round_trip.one_way_us
+
+    def to_dict(self, trip: RoundTrip) -> dict[str, Any]:
+        return {"library": "nixl", "version": self.version, "method": NIXL_METHOD,
+                "verified": self.verified, "rows": [row.to_dict() for row in self.rows],
+                "round_trip": self.round_trip.to_dict(),
+                "round_trip_time_ratio": self.round_trip_ratio(trip)}
+
+
+def nixl_lines(run: NixlRun, rows: tuple[TransferRow, ...], trip: RoundTrip,
+               setting: str) -> list[str]:
+    """The comparison: per kvmove row with a NIXL row, both GB/s and kvmove / NIXL; then
+    the one-block round trip of each. ``setting``: the transports and error mode both ran
+    with, as the header says them."""
+    head = ["op", "placement", "block", "bytes", "kvmove ops", "kvmove GB/s", "NIXL descs",
+            "NIXL GB/s", "kvmove / NIXL", "NIXL verified"]
+    cells = []
+    for row in rows:
+        nixl = run.row_for(row)
+        if nixl is not None:
+            cells.append([row.op, row.placement, str(row.block_size), f"{row.nbytes:,}",
+                          f"{row.num_ops:,}", f"{row.gbytes_per_s:.2f}", f"{nixl.num_descs:,}",
+                          f"{nixl.gbytes_per_s:.2f}", f"{run.ratio(row):.2f}",
+                          "yes" if nixl.verified else "NO"])
+    nixl_trip = run.round_trip
+    header = (f"against {run.version} in this run ({setting}, NIXL's UCX backend, no NIXL "
+              f"progress thread): {NIXL_METHOD}; best of the same iterations, every byte "
+              "verified:")
+    trip_line = (f"one-block write + notification, one way ({trip.nbytes:,} B, median of "
+                 f"{nixl_trip.iterations}): kvmove {trip.one_way_us:.1f} us, NIXL "
+                 f"{nixl_trip.one_way_us:.1f} us (one prepared request, posted again each "
+                 f"time): kvmove / NIXL time {run.round_trip_ratio(trip):.2f} (below 1: kvmove "
+                 "faster)")
+    return [*textwrap.wrap(header, width=100), *aligned(head, cells, left={0, 1, len(head) - 1}),
+            *textwrap.wrap(trip_line, width=100)]
