@@ -176,9 +176,10 @@ class Agent:
             ``KVCache.wrap`` made of an engine's tensors (each registered once).
         transports: UCX transport list (``"tcp"``, ``"sm"``, ``"posix,cma"``, or a sequence of
             names); ``None`` lets UCX choose.
-        error_mode: ``"peer"`` detects a dead peer and fails its transfers with ``PeerError``
-            (UCX then drops the posix/sysv shared-memory transports; tcp and cma remain);
-            ``"none"`` keeps shared memory, and waits still end at their deadlines.
+        error_mode: ``"peer"`` detects a dead peer and fails its transfers with ``PeerError``;
+            on one host it keeps shared memory and cma, as kvmove sets UCX up for it
+            (docs/transfer.md, "Error mode"). ``"none"`` (expert) does not: waits still end at
+            their deadlines, and a dead peer is never reported as such.
         peer_timeout: seconds of silence after which UCX declares a peer dead (keepalive).
         cancel_timeout: seconds a stream's sender has to answer a Cancel of its lease (it
             stops and flushes) before it is disconnected.
@@ -264,6 +265,17 @@ class Agent:
     def peers(self) -> list[str]:
         """Names of the peers added, dead ones included until removed."""
         return self._core.peers
+
+    def peer_transports(self, name: str) -> list[tuple[str, str]]:
+        """The ``(transport, device)`` pairs UCX chose to reach the live peer ``name``, each
+        once, e.g. ``[("sysv", "memory"), ("posix", "memory"), ("cma", "memory")]`` for a peer
+        on this host, ``[("tcp", "eth0")]`` for one behind a socket (docs/transfer.md, "Error
+        mode").
+
+        Raises:
+            PeerError: no such peer, or it failed.
+        """
+        return [tuple(pair) for pair in self._core.peer_transports(name)]
 
     def metadata(self) -> bytes:
         """What a peer needs to reach this agent (``add_peer`` on its side): opaque bytes,
