@@ -37,6 +37,15 @@ Example:
 ERROR_MODES = ("peer", "none")
 
 
+def peer_mode_ucx_env() -> dict[str, str]:
+    """The UCX settings an agent with ``error_mode="peer"`` adds to its UCX configuration, as
+    environment variables (``{"UCX_RNDV_THRESH": "inf", ...}``), less those the environment
+    sets already (they win): so a tool such as ``ucx_perftest -e`` runs with the same
+    transports as the agents. Why each: ``peer_error_settings`` in csrc/transport/ucx.cpp."""
+    settings = {f"UCX_{key}": value for key, value in _C.peer_error_settings()}
+    return {name: value for name, value in settings.items() if name not in os.environ}
+
+
 @dataclass(frozen=True, slots=True)
 class AgentStats:
     """What an agent's layer streams and leases did (counters since it started, unless said).
