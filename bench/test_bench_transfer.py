@@ -19,9 +19,10 @@ Each benchmark row's ``extra_info`` carries its baseline and the ratio:
   way by the peer. ``extra_info``: ``ucx_perftest`` ``ucp_put_lat`` (one way, median) at 8 B
   and at the same size, and kvmove's one-way time (half the round trip) over each.
 
-Transports: UCX's choice, with ``error_mode="peer"`` (kvmove's default: UCX then drops
-posix/sysv shared memory, so puts run over tcp here) and ``"none"`` (shared memory);
-``ucx_perftest`` runs with ``-e`` exactly when the agents use ``"peer"``.
+Transports: UCX's choice, with ``error_mode="peer"`` (kvmove's default: shared memory and
+cma here, with failure detection; docs/transfer.md, "Error mode") and ``"none"``;
+``ucx_perftest`` runs with ``-e`` and the agents' PEER-mode settings exactly when the agents
+use ``"peer"``.
 """
 
 from __future__ import annotations

@@ -142,6 +142,7 @@ void register_agent(py::module_& m) {
             py::arg("metadata"), py::arg("rejoin") = false, release())
         .def("remove_peer", &Agent::remove_peer, py::arg("name"), release())
         .def_property_readonly("peers", &Agent::peers)
+        .def("peer_transports", &Agent::peer_transports, py::arg("name"), release())
         .def("write", transfer_method(&Agent::write), py::arg("peer"), py::arg("local_ids"),
              py::arg("remote_ids"), py::arg("layers") = py::none(), py::arg("notify") = py::none(),
              release(), "One-sided put of local_ids[i] -> remote_ids[i] (see docs/transfer.md).")

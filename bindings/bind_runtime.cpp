@@ -12,6 +12,8 @@ namespace kvmove::bindings {
 
 void register_runtime(py::module_& m) {
     m.def("ucx_version", &ucx_version, "Version of the libucp this process loaded.");
+    m.def("peer_error_settings", &peer_error_settings,
+          "(key without UCX_, value) pairs an agent adds to UCX's config in PEER error mode.");
     m.def(
         "cuda_status",
         [] {

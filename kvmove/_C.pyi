@@ -9,7 +9,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['Agent', 'BlockFile', 'BlockOrder', 'BlockPool', 'BlockShape', 'DType', 'KVCache', 'LoadStream', 'Region', 'SaveStream', 'StreamState', 'StreamStats', 'Transfer', 'TransferState', 'TransferStats', 'block_hashes', 'check_timeout', 'convert_blocks', 'copy_blocks', 'cuda_status', 'decode_metadata', 'decode_stream_message', 'encode_stream_message', 'log_dropped', 'pack_blocks', 'parse_order', 'runs', 'set_log_level', 'take_log', 'ucx_version', 'unpack_blocks', 'xxh64']
+__all__: list[str] = ['Agent', 'BlockFile', 'BlockOrder', 'BlockPool', 'BlockShape', 'DType', 'KVCache', 'LoadStream', 'Region', 'SaveStream', 'StreamState', 'StreamStats', 'Transfer', 'TransferState', 'TransferStats', 'block_hashes', 'check_timeout', 'convert_blocks', 'copy_blocks', 'cuda_status', 'decode_metadata', 'decode_stream_message', 'encode_stream_message', 'log_dropped', 'pack_blocks', 'parse_order', 'peer_error_settings', 'runs', 'set_log_level', 'take_log', 'ucx_version', 'unpack_blocks', 'xxh64']
 class BlockPool:
     """
     Fixed pool of ``num_blocks`` equal blocks with ids ``0..num_blocks-1``: reference counts,
@@ -604,6 +604,8 @@ class Agent:
         """
         One-sided get of remote_ids[i] -> local_ids[i] (see docs/transfer.md).
         """
+    def peer_transports(self, name: str) -> list[tuple[str, str]]:
+        ...
     def remove_peer(self, name: str) -> None:
         ...
     def stream_stats(self) -> StreamStats:
@@ -680,6 +682,10 @@ def pack_blocks(cache: KVCache, block_ids: collections.abc.Sequence[typing.Suppo
 def parse_order(name: str) -> BlockOrder | None:
     """
     The BlockOrder named ``name`` ("NHD", "vllm-cpu"...), or None.
+    """
+def peer_error_settings() -> list[tuple[str, str]]:
+    """
+    (key without UCX_, value) pairs an agent adds to UCX's config in PEER error mode.
     """
 def runs(ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> list[tuple[int, int]]:
     """

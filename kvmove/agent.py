@@ -37,6 +37,15 @@ Example:
 ERROR_MODES = ("peer", "none")
 
 
+def peer_mode_ucx_env() -> dict[str, str]:
+    """The UCX settings an agent with ``error_mode="peer"`` adds to its UCX configuration, as
+    environment variables (``{"UCX_RNDV_THRESH": "inf", ...}``), less those the environment
+    sets already (they win): so a tool such as ``ucx_perftest -e`` runs with the same
+    transports as the agents. Why each: ``peer_error_settings`` in csrc/transport/ucx.cpp."""
+    settings = {f"UCX_{key}": value for key, value in _C.peer_error_settings()}
+    return {name: value for name, value in settings.items() if name not in os.environ}
+
+
 @dataclass(frozen=True, slots=True)
 class AgentStats:
     """What an agent's layer streams and leases did (counters since it started, unless said).
@@ -176,9 +185,10 @@ class Agent:
             ``KVCache.wrap`` made of an engine's tensors (each registered once).
         transports: UCX transport list (``"tcp"``, ``"sm"``, ``"posix,cma"``, or a sequence of
             names); ``None`` lets UCX choose.
-        error_mode: ``"peer"`` detects a dead peer and fails its transfers with ``PeerError``
-            (UCX then drops the posix/sysv shared-memory transports; tcp and cma remain);
-            ``"none"`` keeps shared memory, and waits still end at their deadlines.
+        error_mode: ``"peer"`` detects a dead peer and fails its transfers with ``PeerError``;
+            on one host it keeps shared memory and cma, as kvmove sets UCX up for it
+            (docs/transfer.md, "Error mode"). ``"none"`` (expert) does not: waits still end at
+            their deadlines, and a dead peer is never reported as such.
         peer_timeout: seconds of silence after which UCX declares a peer dead (keepalive).
         cancel_timeout: seconds a stream's sender has to answer a Cancel of its lease (it
             stops and flushes) before it is disconnected.
@@ -264,6 +274,17 @@ class Agent:
     def peers(self) -> list[str]:
         """Names of the peers added, dead ones included until removed."""
         return self._core.peers
+
+    def peer_transports(self, name: str) -> list[tuple[str, str]]:
+        """The ``(transport, device)`` pairs UCX chose to reach the live peer ``name``, each
+        once, e.g. ``[("sysv", "memory"), ("posix", "memory"), ("cma", "memory")]`` for a peer
+        on this host, ``[("tcp", "eth0")]`` for one behind a socket (docs/transfer.md, "Error
+        mode").
+
+        Raises:
+            PeerError: no such peer, or it failed.
+        """
+        return [tuple(pair) for pair in self._core.peer_transports(name)]
 
     def metadata(self) -> bytes:
         """What a peer needs to reach this agent (``add_peer`` on its side): opaque bytes,

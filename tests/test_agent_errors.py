@@ -887,10 +887,11 @@ DEATH_DEADLINE = 10.0  # a dead peer's transfers must fail well before their 30 
 
 
 @contextmanager
-def doomed_peer(name: str, error_mode: str) -> Iterator[tuple[int, str, int]]:
+def doomed_peer(name: str, error_mode: str,
+                transports: str | None = "tcp") -> Iterator[tuple[int, str, int]]:
     """A far agent in a spawned process, listening: yields ``(pid, host, port)``. The process
     is always dead and joined afterwards."""
-    far = FarPeer(name, BIG_LAYOUT, BIG_BLOCKS, {"transports": "tcp", "error_mode": error_mode})
+    far = FarPeer(name, BIG_LAYOUT, BIG_BLOCKS, {"transports": transports, "error_mode": error_mode})
     try:
         yield (far.pid, *far.call("listen"))
     finally:
@@ -938,6 +939,78 @@ def test_killed_peer_fails_every_transfer_in_flight(op):
     finally:
         within(15, near.close)
     assert near.peers == []
+
+
+def transports_to_far(near_kwargs: dict) -> set[str]:
+    """The UCX transports a near agent made with ``near_kwargs`` reaches a default far agent
+    in another process with."""
+    far = FarPeer("far", LAYOUT, A_BLOCKS, {})
+    near = kvmove.Agent("near", make_cache(LAYOUT, A_BLOCKS), **near_kwargs)
+    try:
+        assert near.connect(*far.call("listen"), timeout=WAIT) == "far"
+        return {tl for tl, _ in near.peer_transports("far")}
+    finally:
+        near.close()
+        far.stop()
+
+
+def test_default_transports_on_one_host_are_shared_memory_and_cma():
+    """The default (error_mode="peer", UCX's choice of transports) reaches a peer on this host
+    through shared memory for messages and cma for the data, not tcp loopback: kvmove's UCX
+    settings for PEER mode (docs/transfer.md, "Error mode")."""
+    transports = transports_to_far({})
+    assert "cma" in transports
+    assert transports & {"sysv", "posix"}
+    assert "tcp" not in transports
+
+
+@pytest.mark.parametrize("near_kwargs", [{"transports": "tcp"}, {"error_mode": "none"}],
+                         ids=["tcp", "none"])
+def test_peer_transports_follow_the_agent_config(near_kwargs):
+    """transports="tcp" gives tcp alone; error_mode="none" shared memory and cma as well."""
+    transports = transports_to_far(near_kwargs)
+    if near_kwargs.get("transports") == "tcp":
+        assert transports == {"tcp"}
+    else:
+        assert "cma" in transports and "tcp" not in transports
+
+
+def test_a_ucx_setting_in_the_environment_overrides_kvmoves(monkeypatch):
+    """An expert's UCX_MM_ERROR_HANDLING=n wins over kvmove's PEER-mode default: shared memory
+    then cannot report a dead peer, so UCX sends messages over tcp loopback."""
+    monkeypatch.setenv("UCX_MM_ERROR_HANDLING", "n")
+    transports = transports_to_far({})
+    assert "tcp" in transports
+    assert not transports & {"sysv", "posix"}
+
+
+def test_peer_transports_of_an_unknown_peer_is_a_peer_error():
+    with kvmove.Agent("alone", make_cache(LAYOUT, A_BLOCKS), **TCP) as agent:
+        with pytest.raises(PeerError, match="unknown peer 'ghost'"):
+            agent.peer_transports("ghost")
+
+
+def test_killed_peer_on_this_host_is_reported_over_shared_memory():
+    """The default transports between two processes on one host are shared memory and cma
+    (docs/transfer.md, "Error mode"), and peer-failure detection still works over them: after
+    a SIGKILL, transfers to the peer fail with PeerError naming it, long before their deadline
+    (cma's copy into a process that is gone fails; sysv's keepalive checks the peer's pid),
+    and then new ones are refused at once."""
+    near = kvmove.Agent("near", kvmove.KVCache(kvmove.KVLayout(**BIG_LAYOUT), BIG_BLOCKS))
+    try:
+        with doomed_peer("doomed", "peer", transports=None) as (pid, host, port):
+            assert near.connect(host, port, timeout=WAIT) == "doomed"
+            assert "tcp" not in [tl for tl, _ in near.peer_transports("doomed")]
+            os.kill(pid, signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises(PeerError, match="doomed"):
+                while time.monotonic() - start < DEATH_DEADLINE:
+                    near.write("doomed", [0], [0]).wait(30)
+            assert time.monotonic() - start < DEATH_DEADLINE
+            with pytest.raises(PeerError, match="peer 'doomed' failed"):
+                near.write("doomed", [0], [0])
+    finally:
+        within(15, near.close)
 
 
 def test_failed_transfer_error_names_the_dead_peer():

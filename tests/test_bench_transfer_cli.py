@@ -92,7 +92,7 @@ def test_text_has_one_row_per_configuration(bench: Bench) -> None:
     for text in ("ops posted", "post ms", "total ms", "GB/s", "% of memcpy", "% of perftest",
                  "memcpy (numpy copyto)", "ucx_perftest ucp_put_bw", "ucx_perftest ucp_get",
                  "ucx_perftest ucp_put_lat", "round trip", "NVLink", "InfiniBand 400G",
-                 "Ethernet 25G", "this machine, write (allocator)", "transports tcp"):
+                 "Ethernet 25G", "this machine, write (allocator)", "transports tcp (tcp/lo)"):
         assert text in out, text
     assert "Traceback" not in result.stderr
 
@@ -103,6 +103,9 @@ def test_json_reports_verified_rows_and_baselines(bench: Bench) -> None:
     assert {"config", "layout", "kv_bytes", "rows", "baselines", "round_trip", "links",
             "wall_seconds"} <= data.keys()
     assert data["kv_bytes"] == TINY_BYTES and data["against"] is None
+    # the default, error mode peer, on one host: shared memory and cma (docs/transfer.md)
+    assert "cma/memory" in data["transports_used"]
+    assert not [tl for tl in data["transports_used"] if tl.startswith("tcp/")]
     rows = {(row["op"], row["placement"]): row for row in data["rows"]}
     assert set(rows) == {(op, p) for op in ("write", "read") for p in ("allocator", "scatter")}
     for (op, placement), row in rows.items():

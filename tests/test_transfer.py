@@ -7,11 +7,12 @@ that should not have.
 
 Transports (both checked with ``ucx_perftest`` on this machine):
 
-* ``tcp`` with ``error_mode="peer"`` — the default error mode; UCX's tcp transport supports
-  peer-failure detection.
+* the defaults (UCX's choice, ``error_mode="peer"``) — on one host shared memory (posix,
+  sysv) for messages and cma for the data, with peer-failure detection (docs/transfer.md,
+  "Error mode").
+* ``tcp`` with ``error_mode="peer"`` — what two hosts use without InfiniBand.
 * ``sm`` with ``error_mode="none"`` — ``sm`` is UCX's alias for its shared-memory transports
-  (posix, sysv, cma). Peer-failure mode would drop posix/sysv and leave no active-message
-  transport to connect with, so shared memory is tested without it.
+  (posix, sysv, cma); the expert mode without failure detection.
 
 Rejection paths, metadata decoding and killed peers are tested in ``test_agent_errors.py``;
 here, a peer that goes silent or away mid-transfer.
@@ -44,6 +45,7 @@ BIG_LAYOUT = dict(num_layers=16, num_kv_heads=4, head_dim=64, dtype="float16", b
 BIG_BLOCK = 16 * 2 * 4 * 64 * 2
 
 TRANSPORTS = [
+    pytest.param({"transports": None, "error_mode": "peer"}, id="default"),
     pytest.param({"transports": "tcp", "error_mode": "peer"}, id="tcp"),
     pytest.param({"transports": "sm", "error_mode": "none"}, id="shm"),
 ]

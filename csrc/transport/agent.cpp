@@ -79,7 +79,8 @@ Agent::Agent(std::string name, KVCache& cache, BlockShape shape, AgentConfig con
     }
     KVMOVE_CHECK(config_.max_peers >= 1, Config,
                  "max_peers must be at least 1, got " << config_.max_peers);
-    context_ = make_context(config_.transports, config_.peer_timeout_seconds, config_.net_devices);
+    context_ = make_context(config_.transports, config_.peer_timeout_seconds, config_.net_devices,
+                            config_.peer_errors);
     worker_ = make_worker(context_.get());
     // One registration per segment (the region, or each wrapped tensor), never per block.
     for (const Descriptor& segment : cache.segments()) {
@@ -251,6 +252,13 @@ std::vector<std::string> Agent::peers() const {
         out.push_back(name);
     }
     return out;
+}
+
+std::vector<std::pair<std::string, std::string>> Agent::peer_transports(
+    const std::string& name) const {
+    WorkerLock lock(*this);
+    check_open();
+    return live_peer(name).endpoint->transports();
 }
 
 std::shared_ptr<Transfer> Agent::write(const std::string& peer,

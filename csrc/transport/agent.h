@@ -35,7 +35,7 @@ namespace kvmove {
 
 struct AgentConfig {
     std::string transports;            // UCX_TLS syntax; "" lets UCX choose
-    bool peer_errors = true;           // UCP_ERR_HANDLING_MODE_PEER (drops posix/sysv shm)
+    bool peer_errors = true;           // UCP_ERR_HANDLING_MODE_PEER (+ peer_error_settings)
     double peer_timeout_seconds = 10;  // UCX keepalive: how long a silent peer lives
     StreamConfig streams;              // the streams' cancel and ack timeouts
     std::string faults;                // fault injection (transport/faults.h); "" for none
@@ -65,6 +65,8 @@ public:
     std::string add_peer(const std::vector<uint8_t>& metadata, bool rejoin = false);
     void remove_peer(const std::string& name);
     std::vector<std::string> peers() const;
+    // The (transport, device) pairs UCX chose to reach a live peer (Endpoint::transports).
+    std::vector<std::pair<std::string, std::string>> peer_transports(const std::string& name) const;
 
     // One-sided put (write) or get (read) of local_ids[i] <-> remote_ids[i] in the given
     // layers (all when nullopt); notify is delivered to the peer once the data is in place.

@@ -4,9 +4,11 @@
 
 #include <ucs/debug/log_def.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <sstream>
@@ -42,14 +44,40 @@ ucs_log_func_rc_t log_to_kvmove(const char* file, unsigned line, const char*,
     return UCS_LOG_FUNC_RC_STOP;
 }
 
+// Applies a UCX setting unless the user's environment sets it (UCX_<key>): an expert's
+// explicit choice wins over kvmove's default.
+void modify_unless_set(ucp_config_t* config, const std::string& key, const std::string& value) {
+    if (std::getenv(("UCX_" + key).c_str()) != nullptr) {
+        return;
+    }
+    KVMOVE_UCX_CHECK(ucp_config_modify(config, key.c_str(), value.c_str()),
+                     "cannot set UCX " << key << "=" << value);
+}
+
 }  // namespace
 
 std::string ucx_version() {
     return ucp_get_version_string();
 }
 
+std::vector<std::pair<std::string, std::string>> peer_error_settings() {
+    // In PEER error mode UCX (1.22, ucp/wireup/select.c) keeps only transports that report a
+    // dead peer, and while rendezvous is enabled its bandwidth lanes must also support RMA
+    // memory invalidation. On one host that left tcp alone (lanes "rma_am(tcp/lo) am(tcp/lo)
+    // ka(tcp/lo)": every put emulated over a socket, 1.9 GB/s):
+    // - cma reports a dead peer (ep_check of its pid) but cannot invalidate memory. kvmove
+    //   sends every active message eager (Agent::sender_of drops rendezvous ones), so turning
+    //   rendezvous off costs nothing, and cma then carries puts and gets, zero-copy.
+    // - posix/sysv check their peer's pid the same way (ep_check), but advertise peer-failure
+    //   handling only with MM_ERROR_HANDLING; with it, notifications and stream messages go
+    //   through shared memory instead of tcp/lo.
+    // The lanes are then NONE mode's, with a keepalive: "rma(sysv/memory posix/memory)
+    // am(sysv/memory cma/memory) ka(sysv/memory)". docs/transfer.md has the measurements.
+    return {{"RNDV_THRESH", "inf"}, {"MM_ERROR_HANDLING", "y"}};
+}
+
 ContextPtr make_context(const std::string& transports, double keepalive_seconds,
-                        const std::string& net_devices) {
+                        const std::string& net_devices, bool peer_errors) {
     static std::once_flag log_handler_installed;
     std::call_once(log_handler_installed, [] { ucs_log_push_handler(&log_to_kvmove); });
     ucp_config_t* raw = nullptr;
@@ -67,6 +95,11 @@ ContextPtr make_context(const std::string& transports, double keepalive_seconds,
     keepalive << keepalive_seconds << "s";
     KVMOVE_UCX_CHECK(ucp_config_modify(config.get(), "KEEPALIVE_INTERVAL", keepalive.str().c_str()),
                      "cannot set UCX keepalive interval " << keepalive.str());
+    if (peer_errors) {
+        for (const auto& [key, value] : peer_error_settings()) {
+            modify_unless_set(config.get(), key, value);
+        }
+    }
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
     params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
@@ -168,6 +201,29 @@ RkeyPtr Endpoint::unpack_rkey(const std::vector<uint8_t>& packed) const {
     KVMOVE_UCX_CHECK(ucp_ep_rkey_unpack(ep_, packed.data(), &rkey),
                      "cannot unpack a " << packed.size() << "-byte remote key");
     return RkeyPtr(rkey);
+}
+
+std::vector<std::pair<std::string, std::string>> Endpoint::transports() const {
+    std::vector<std::pair<std::string, std::string>> out;
+    if (ep_ == nullptr) {
+        return out;
+    }
+    constexpr size_t kMaxLanes = 64;  // UCP_MAX_LANES is 64 at most
+    std::vector<ucp_transport_entry_t> entries(kMaxLanes);
+    ucp_ep_attr_t attr{};
+    attr.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS;
+    attr.transports.entries = entries.data();
+    attr.transports.num_entries = static_cast<unsigned>(entries.size());
+    attr.transports.entry_size = sizeof(ucp_transport_entry_t);
+    KVMOVE_UCX_CHECK(ucp_ep_query(ep_, &attr), "cannot query a UCX endpoint's transports");
+    for (unsigned i = 0; i < attr.transports.num_entries; ++i) {
+        std::pair<std::string, std::string> pair{entries[i].transport_name,
+                                                 entries[i].device_name};
+        if (std::find(out.begin(), out.end(), pair) == out.end()) {
+            out.push_back(std::move(pair));
+        }
+    }
+    return out;
 }
 
 }  // namespace kvmove

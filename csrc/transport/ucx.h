@@ -9,6 +9,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/errors.h"
@@ -44,8 +45,13 @@ using RkeyPtr = std::unique_ptr<std::remove_pointer_t<ucp_rkey_h>, RkeyDeleter>;
 // A UCP context with RMA and active messages. transports: UCX_TLS syntax, empty = UCX's choice;
 // net_devices: UCX_NET_DEVICES syntax ("lo", "eth0,mlx5_0:1"), empty = every device (UCX's
 // tcp transport then listens on every interface).
+// peer_errors: endpoints will use UCP_ERR_HANDLING_MODE_PEER; the context then also gets
+// peer_error_settings(), so that on one host that mode keeps shared memory and cma.
 ContextPtr make_context(const std::string& transports, double keepalive_seconds,
-                        const std::string& net_devices = "");
+                        const std::string& net_devices, bool peer_errors);
+// The UCX settings (key without "UCX_", value) kvmove adds for PEER error mode; a UCX_<key>
+// in the environment overrides its entry.
+std::vector<std::pair<std::string, std::string>> peer_error_settings();
 // A worker whose calls the caller serializes (UCS_THREAD_MODE_SERIALIZED).
 WorkerPtr make_worker(ucp_context_h context);
 std::vector<uint8_t> worker_address(ucp_worker_h worker);
@@ -78,6 +84,9 @@ public:
 
     ucp_ep_h get() const { return ep_; }
     RkeyPtr unpack_rkey(const std::vector<uint8_t>& packed) const;
+    // The (transport, device) pairs UCX chose for this endpoint's lanes, each once, in lane
+    // order, e.g. {"sysv", "memory"}, {"cma", "memory"}; empty once closed.
+    std::vector<std::pair<std::string, std::string>> transports() const;
     // Graceful (force = false) flushes outstanding operations and says goodbye, so the peer
     // never acknowledges into a vanished connection; force cancels them, for a dead peer.
     // Progresses the worker until done or timeout_seconds pass. Idempotent.

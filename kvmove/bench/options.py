@@ -37,8 +37,8 @@ def add_agent_args(sub: argparse.ArgumentParser, who: str) -> None:
                      help=f"UCX transport list for {who}, e.g. tcp, 'posix,cma' (default: "
                      "UCX's choice)")
     sub.add_argument("--error-mode", choices=list(ERROR_MODES), default="peer",
-                     help="'peer' detects dead peers (UCX then drops posix/sysv shared memory); "
-                     "'none' keeps shared memory (default peer, as kvmove.Agent)")
+                     help="'peer' detects dead peers, on one host over shared memory and cma "
+                     "too; 'none' (expert) does not (default peer, as kvmove.Agent)")
 
 
 def add_output_args(sub: argparse.ArgumentParser, iters_help: str, plot_help: str) -> None:

@@ -4,8 +4,9 @@ The libucx wheel ships ``bin/ucx_perftest`` next to ``lib/``. We run it the way 
 does for two processes: a server (``ucx_perftest -p PORT``) and a client
 (``ucx_perftest 127.0.0.1 -p PORT -t TEST ...``) on loopback, both with the caller's
 ``UCX_TLS`` and, when the kvmove agents detect peer failure, with ``-e`` (endpoints with error
-handling), because that mode changes which transports UCX may use (it drops posix/sysv shared
-memory): a baseline on other transports than kvmove's would compare two different links.
+handling) and the UCX settings kvmove's agents add in that mode (``peer_mode_ucx_env``),
+because that mode changes which transports UCX may use: a baseline on other transports than
+kvmove's would compare two different links.
 
 Units: ``ucx_perftest`` reports bandwidth in MB/s with MB = 2**20 bytes (``UCS_MBYTE``);
 we convert to GB/s with GB = 1e9 bytes, like the rest of kvmove. Its ``ucp_put_lat`` is a
@@ -26,6 +27,8 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from kvmove.agent import peer_mode_ucx_env
 
 __all__ = ["BANDWIDTH_TESTS", "PerftestResult", "bandwidth", "find_binary", "get_bandwidth",
            "parse_output", "put_bandwidth", "put_latency"]
@@ -133,7 +136,8 @@ def _run(test: str, message_nbytes: int, iterations: int, transports: str | None
     args = ["-t", test, "-s", str(message_nbytes), "-n", str(iterations),
             "-w", str(max(1, iterations // 10)), "-v", "-f", *(["-e"] if error_handling else [])]
     try:
-        values = parse_output(_with_retry(binary, args, _env(binary, transports), timeout))
+        env = _env(binary, transports, error_handling)
+        values = parse_output(_with_retry(binary, args, env, timeout))
     except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as error:
         return unavailable(str(error))
     return PerftestResult(test, message_nbytes, transports, error_handling, True,
@@ -148,11 +152,13 @@ def _median_latency(values: dict[str, float]) -> float:
     return values[percentile[0]] if percentile else values["overall_lat"]
 
 
-def _env(binary: str, transports: str | None) -> dict[str, str]:
-    """The caller's environment, the wheel's ``lib/`` first on ``LD_LIBRARY_PATH``, and
+def _env(binary: str, transports: str | None, error_handling: bool) -> dict[str, str]:
+    """The caller's environment, the wheel's ``lib/`` first on ``LD_LIBRARY_PATH``,
     ``UCX_TLS`` set to ``transports`` (removed for ``None``, so UCX chooses as kvmove's agents
-    do when given none)."""
+    do when given none), and with ``error_handling`` the agents' PEER-mode UCX settings."""
     env = dict(os.environ)
+    if error_handling:
+        env.update(peer_mode_ucx_env())
     lib = os.path.join(os.path.dirname(os.path.dirname(binary)), "lib")
     if os.path.isdir(lib):
         env["LD_LIBRARY_PATH"] = os.pathsep.join(

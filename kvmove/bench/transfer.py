@@ -65,6 +65,9 @@ from kvmove.layout import KVLayout
 
 __all__ = ["add_parser", "count_steps", "memcpy_gbytes_per_s", "run", "run_command"]
 
+# (transport, device) pairs, as Agent.peer_transports gives them.
+Transports = tuple[tuple[str, str], ...]
+
 
 # --- measuring ------------------------------------------------------------------------------
 
@@ -136,15 +139,17 @@ def _round_trip(near: Side, peer: Peer, local_id: int, remote_id: int,
 
 def _measure_cache(peer: Peer, config: BenchConfig, block_size: int, cache: str,
                    progress: Progress, with_round_trip: bool
-                   ) -> tuple[list[TransferRow], RoundTrip | None, Registration]:
+                   ) -> tuple[list[TransferRow], RoundTrip | None, Registration, Transports]:
     """The rows of one block size between two caches of kind ``cache`` (``NATIVE`` or a
-    wrapped format), and how long the near side's registration took."""
+    wrapped format), how long the near side's registration took, and the transports UCX
+    chose between the two agents."""
     layout = config.layout(block_size)
     num_blocks = layout.blocks_for(config.num_tokens)
     cache_blocks = num_blocks * config.spare_factor
     near = connect_pair(peer, layout, cache_blocks, config.agent_kwargs, config.timeout,
                         wrap=None if cache == NATIVE else cache)
     try:
+        transports = tuple(near.agent.peer_transports(FAR))
         rows, round_trip = [], None
         for index, placement in enumerate(config.placements):
             seed = config.seed * 1000 + block_size * 10 + index
@@ -157,7 +162,7 @@ def _measure_cache(peer: Peer, config: BenchConfig, block_size: int, cache: str,
             if with_round_trip and round_trip is None:
                 round_trip = _round_trip(near, peer, local_ids[0], remote_ids[0], config)
                 progress("round trip")
-        return rows, round_trip, near.registration
+        return rows, round_trip, near.registration, transports
     finally:
         near.close()
 
@@ -194,7 +199,7 @@ def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
     """
     progress = progress or (lambda label: None)
     start = time.perf_counter()
-    rows, round_trip, registrations = _measure_transfers(config, progress)
+    rows, round_trip, registrations, transports = _measure_transfers(config, progress)
     nixl = against.run(config, progress) if config.against == "nixl" else None
     perftest_bw = _perftest_bandwidths(config, rows, progress)
     perftest_lat = []
@@ -209,27 +214,28 @@ def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
         progress(f"memcpy {nbytes} B")
     return BenchReport(config, tuple(rows), round_trip, memcpy, tuple(perftest_bw),
                        tuple(perftest_lat), time.perf_counter() - start, tuple(registrations),
-                       nixl)
+                       nixl, transports)
 
 
 def _measure_transfers(config: BenchConfig, progress: Progress
-                       ) -> tuple[list[TransferRow], RoundTrip, list[Registration]]:
+                       ) -> tuple[list[TransferRow], RoundTrip, list[Registration], Transports]:
     """Per block size, the native caches' rows, then the wrapped ones' (``config.caches``):
     each pair of caches is made, measured and closed before the next, so two never compete
-    for memory."""
+    for memory. The transports are the first pair's."""
     peer = Peer(config.timeout)
     try:
         rows: list[TransferRow] = []
         registrations: list[Registration] = []
-        round_trip = None
+        round_trip, transports = None, ()
         for block_size in config.block_sizes:
             for cache in config.caches:
-                more, trip, registration = _measure_cache(
+                more, trip, registration, used = _measure_cache(
                     peer, config, block_size, cache, progress, with_round_trip=round_trip is None)
                 rows += more
                 registrations.append(registration)
                 round_trip = round_trip or trip
-        return rows, round_trip, registrations
+                transports = transports or used
+        return rows, round_trip, registrations, transports
     finally:
         peer.stop()
 

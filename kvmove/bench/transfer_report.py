@@ -212,6 +212,8 @@ class BenchReport:
     wall_seconds: float
     registrations: tuple[Registration, ...] = ()
     nixl: NixlRun | None = None  # with against="nixl"
+    # (transport, device) pairs UCX chose between the two agents (Agent.peer_transports).
+    transports_used: tuple[tuple[str, str], ...] = ()
 
     @property
     def verified(self) -> bool:
@@ -272,6 +274,7 @@ class BenchReport:
                 "perftest_put_lat": [p.to_dict() for p in self.perftest_lat],
             },
             "registration": [r.to_dict() for r in self.registrations],
+            "transports_used": [f"{tl}/{dev}" for tl, dev in self.transports_used],
             "registration_timed": REGISTRATION_TIMED,
             "links": self.links(), "wall_seconds": self.wall_seconds,
             "against": None if self.nixl is None else self.nixl.to_dict(self.round_trip),
@@ -304,6 +307,8 @@ def format_transfer(report: BenchReport) -> str:
     layout = config.layout(config.block_sizes[0])
     kv_bytes = layout.bytes_for(config.num_tokens)
     transports = config.transports or "UCX's choice"
+    if report.transports_used:
+        transports += " (" + " ".join(f"{tl}/{dev}" for tl, dev in report.transports_used) + ")"
     header = (
         f"{config.model} ({layout.num_layers} layers, {layout.num_kv_heads} KV heads, head_dim "
         f"{layout.head_dim}, {layout.dtype}), {config.num_tokens:,} tokens: KV {kv_bytes:,} B "
