@@ -241,6 +241,14 @@ void Agent::drop_peer(std::map<std::string, std::unique_ptr<Peer>>::iterator it,
     peer.rkeys.clear();
     peer.endpoint->close(force, kCloseSeconds);
     detach_transfers(&peer);
+    for (InFlight* entry : peer.notify_order) {
+        // Flushed and waiting behind an earlier one: nothing will send it now (those still
+        // in flushed_ are cancelled by drain_deferred(), their peer being null).
+        if (entry->flushed &&
+            std::find(flushed_.begin(), flushed_.end(), entry) == flushed_.end()) {
+            finish(entry, UCS_ERR_CANCELED);
+        }
+    }
     streams_.peer_failed(name, kind, reason);
     peers_.erase(it);
 }
@@ -380,6 +388,9 @@ void Agent::post_ranges(Direction direction, Peer& peer, const std::vector<Range
 Agent::InFlight* Agent::track(std::unique_ptr<InFlight> entry) {
     InFlight* raw = entry.get();
     in_flight_.emplace(raw->transfer.get(), std::move(entry));
+    if (raw->notify && raw->peer != nullptr) {
+        raw->peer->notify_order.push_back(raw);
+    }
     return raw;
 }
 
@@ -403,12 +414,26 @@ void Agent::on_flush(void* request, ucs_status_t status, void* user_data) {
 
 // Every byte of the transfer is now in place on the destination side.
 void Agent::complete_flush(InFlight* entry, ucs_status_t status) {
-    if (status != UCS_OK) {
+    if (!entry->notify) {
         finish(entry, status);
-    } else if (entry->notify) {
-        flushed_.push_back(entry);  // sent by drain_deferred(), outside UCX's callback
-    } else {
-        finish(entry, UCS_OK);
+        return;
+    }
+    // Sent (or failed) by drain_deferred(), outside UCX's callback, in posting order.
+    entry->flushed = true;
+    entry->flush_status = status;
+    flushed_.push_back(entry);
+}
+
+// Sends the peer's notifications whose flushes are done, up to the first that is not.
+void Agent::release_notifications(Peer& peer) {
+    while (!peer.notify_order.empty() && peer.notify_order.front()->flushed) {
+        InFlight* entry = peer.notify_order.front();
+        peer.notify_order.pop_front();
+        if (entry->flush_status != UCS_OK) {
+            finish(entry, entry->flush_status);
+        } else {
+            send_notification(entry);
+        }
     }
 }
 
@@ -425,8 +450,16 @@ void Agent::drain_deferred() {
     while (!flushed_.empty() || streams_.has_deferred()) {
         std::vector<InFlight*> ready;
         ready.swap(flushed_);
+        std::vector<Peer*> peers;  // collected first: releasing one may finish others
         for (InFlight* entry : ready) {
-            send_notification(entry);
+            if (entry->peer == nullptr) {
+                finish(entry, UCS_ERR_CANCELED);  // the peer was removed after the flush
+            } else if (std::find(peers.begin(), peers.end(), entry->peer) == peers.end()) {
+                peers.push_back(entry->peer);
+            }
+        }
+        for (Peer* peer : peers) {
+            release_notifications(*peer);
         }
         streams_.drain();
     }
@@ -705,7 +738,10 @@ void Agent::send(const std::string& peer_name, std::string message, PortDone don
         std::make_unique<InFlight>(this, transfer, peers_.at(peer_name).get(), std::move(message));
     entry->am_id = kStreamAmId;
     entry->on_done = std::move(done);
-    send_notification(track(std::move(entry)));
+    entry->flushed = true;  // nothing to flush, but it keeps its place behind earlier ones
+    Peer* peer = entry->peer;
+    track(std::move(entry));
+    release_notifications(*peer);
 }
 
 ucs_status_t Agent::on_stream_am(void* arg, const void*, size_t, void* data, size_t nbytes,

@@ -121,6 +121,7 @@ private:
     InFlight* track(std::unique_ptr<InFlight> entry);
     void post_flush(InFlight* entry);
     void complete_flush(InFlight* entry, ucs_status_t status);
+    void release_notifications(Peer& peer);
     void drain_deferred();
     void send_delayed(bool all);
     void send_notification(InFlight* entry);

@@ -1,6 +1,7 @@
 // The Agent's private parts: a peer, and a transfer between posting and completion.
 #pragma once
 
+#include <deque>
 #include <memory>
 #include <optional>
 #include <string>
@@ -24,6 +25,9 @@ struct Agent::Peer {
     AgentMetadata meta;
     KVGeometry geometry;  // of the peer's cache, in its address space
     std::string failure;  // why the peer is dead; empty while alive
+    // Its notifying transfers in posting order: a notification leaves only after those
+    // before it (a flush may complete at once while an earlier one is still pending).
+    std::deque<InFlight*> notify_order;
     // Declared last so they are destroyed first: the keys before their endpoint.
     std::unique_ptr<Endpoint> endpoint;
     std::vector<RkeyPtr> rkeys;  // one per segment of meta
@@ -40,6 +44,8 @@ struct Agent::InFlight {
     std::shared_ptr<Transfer> transfer;
     Peer* peer;
     std::optional<std::string> notify;  // sent once the flush completes
+    bool flushed = false;               // its flush completed (notify_order may hold it)
+    ucs_status_t flush_status = UCS_OK;
     unsigned am_id = kNotifyAmId;
     PortDone on_done;                       // a stream's transfer: told how it ended
     std::unique_ptr<uint8_t> corrupt_byte;  // fault injection: the flipped byte being put
