@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <shared_mutex>
 
 #include "common/errors.h"
 #include "common/xxh64.h"
@@ -250,49 +251,98 @@ std::vector<uint64_t> BlockFile::write(const KVCache& cache, const std::vector<B
     return checksums;
 }
 
+// Where the I/O threads of one read() copy the blocks they found intact: a host cache. read()
+// closes it (exclusively locked) before it returns early, so no thread writes into the cache
+// once read() gave up on its requests.
+struct ScatterTarget {
+    const KVGeometry& geometry;
+    const int64_t num_layers;
+    const uint64_t layer_nbytes;
+    std::shared_mutex mu;  // shared while a thread copies, exclusive to close
+    bool closed = false;
+
+    explicit ScatterTarget(const KVCache& cache)
+        : geometry(cache.geometry()),
+          num_layers(cache.num_layers()),
+          layer_nbytes(cache.block_nbytes()) {}
+
+    void close() {
+        std::unique_lock<std::shared_mutex> lock(mu);
+        closed = true;
+    }
+};
+
 namespace {
 
 // One read request: whole consecutive slots into one read buffer, with what checks them. Held
-// by value in its task, so a task that outlives read() (after a timeout) touches no caller
-// memory, only the staging area, which outlives the I/O threads.
+// by value in its task: a task that outlives read() (after a timeout) touches no caller memory
+// but the cache, and that only through an open target.
 struct ReadPart {
     int fd;
     char* buffer;
     uint64_t offset;
     uint64_t slot_nbytes;
     uint64_t block_nbytes;
-    std::vector<uint64_t> hashes;     // per slot: the seed of its checksum...
-    std::vector<uint64_t> checksums;  // ...and the checksum written with it
+    std::vector<uint64_t> hashes;           // per slot: the seed of its checksum...
+    std::vector<uint64_t> checksums;        // ...the checksum written with it...
+    std::vector<BlockId> ids;               // ...and the block it goes to
+    std::shared_ptr<ScatterTarget> target;  // null: read() copies the blocks itself
 };
 
-// Reads the part and checks its slots; how many leading ones are intact.
+// Copies the first num_intact slots of the part to their blocks (while the target is open).
+void scatter_intact(const ReadPart& part, size_t num_intact) {
+    ScatterTarget& target = *part.target;
+    std::shared_lock<std::shared_mutex> lock(target.mu);
+    if (target.closed) {
+        return;
+    }
+    const char* in = part.buffer;
+    for (size_t i = 0; i < num_intact; ++i, in += part.slot_nbytes) {
+        for (int64_t layer = 0; layer < target.num_layers; ++layer) {
+            scatter_block(in + layer * target.layer_nbytes, target.geometry, layer, part.ids[i],
+                          false);
+        }
+    }
+}
+
+// Reads the part and checks its slots; how many leading ones are intact (and, with a target,
+// copied to their blocks).
 size_t read_part(const ReadPart& part) {
     const uint64_t num_slots = part.hashes.size();
     const int64_t got = pread_all(part.fd, part.buffer, num_slots * part.slot_nbytes, part.offset);
     const char* in = part.buffer;
-    for (size_t i = 0; i < num_slots; ++i, in += part.slot_nbytes) {  // got -1: an I/O error
-        const auto slot_end = static_cast<int64_t>(i * part.slot_nbytes + part.block_nbytes);
-        if (got < slot_end || xxh64(in, part.block_nbytes, part.hashes[i]) != part.checksums[i]) {
-            return i;  // truncated, torn or overwritten: this block and the rest miss
+    size_t intact = 0;  // got -1 (an I/O error): none
+    for (; intact < num_slots; ++intact, in += part.slot_nbytes) {
+        const auto slot_end = static_cast<int64_t>(intact * part.slot_nbytes + part.block_nbytes);
+        if (got < slot_end ||
+            xxh64(in, part.block_nbytes, part.hashes[intact]) != part.checksums[intact]) {
+            break;  // truncated, torn or overwritten: this block and the rest miss
         }
     }
-    return num_slots;
+    if (part.target) {
+        scatter_intact(part, intact);
+    }
+    return intact;
+}
+
+bool distinct(std::vector<BlockId> ids) {
+    std::sort(ids.begin(), ids.end());
+    return std::adjacent_find(ids.begin(), ids.end()) == ids.end();
 }
 
 }  // namespace
 
-std::future<size_t> BlockFile::start_read(size_t k, const std::vector<int64_t>& slots,
-                                          std::pair<size_t, size_t> range,
-                                          const std::vector<uint64_t>& hashes,
-                                          const std::vector<uint64_t>& checksums) {
-    auto [begin, end] = range;
+std::future<size_t> BlockFile::start_read(size_t k, const ReadRequest& request) {
+    auto [begin, end] = request.parts[k];
     ReadPart part{fd_,
-                  staging_.get() + k % num_read_parts_ * read_part_nbytes_,
-                  static_cast<uint64_t>(slots[begin]) * slot_nbytes_,
+                  read_buffer(k),
+                  static_cast<uint64_t>(request.slots[begin]) * slot_nbytes_,
                   slot_nbytes_,
                   block_nbytes_,
-                  {hashes.begin() + begin, hashes.begin() + end},
-                  {checksums.begin() + begin, checksums.begin() + end}};
+                  {request.hashes.begin() + begin, request.hashes.begin() + end},
+                  {request.checksums.begin() + begin, request.checksums.begin() + end},
+                  {request.ids.begin() + begin, request.ids.begin() + end},
+                  request.target};
     return io_.submit([part = std::move(part)] { return read_part(part); });
 }
 
@@ -305,12 +355,15 @@ void BlockFile::drain(std::deque<std::future<size_t>>& in_flight) noexcept {
 }
 
 // Reads keep up to kIoThreads preads of kReadPartNbytes in flight, each into its own read
-// buffer, and the I/O thread that read a part checksums it; this thread scatters the parts in
-// order and starts the next read into each buffer it empties. We moved from two 16 MiB chunks
-// (four preads each) to this because that pipeline drained the disk's queue at every chunk
-// and checksummed on the one thread that also scatters: it read 2.10 GB/s where a buffered
-// cold read of the same file (the kernel's readahead) read 2.38-2.54. Measured before and
-// after: docs/store.md, "The disk tier".
+// buffer; the I/O thread that read a part checksums it and, for a host cache, copies its
+// intact blocks out, so two cores share that work. This thread collects the parts in order and
+// starts the next read into each buffer that is free again. We moved from two 16 MiB chunks
+// (four preads each) to this because that pipeline drained the disk's queue at every chunk and
+// checksummed and scattered on one thread: it read 2.10 GB/s where a buffered cold read of the
+// same file (the kernel's readahead) read 2.38-2.54. Measured before and after: docs/store.md.
+//
+// A device cache (the copies go through CUDA on this thread's device) or a request naming a
+// block twice (the copies must land in order) is copied here, in order, instead.
 std::vector<uint8_t> BlockFile::read(KVCache& cache, const std::vector<BlockId>& ids,
                                      const std::vector<int64_t>& slots,
                                      const std::vector<uint64_t>& hashes,
@@ -324,35 +377,53 @@ std::vector<uint8_t> BlockFile::read(KVCache& cache, const std::vector<BlockId>&
     if (device) {
         sync_devices(cache, cache);  // nothing still pending on the blocks we overwrite
     }
-    const auto parts = chunks(slots, read_part_nbytes_);
+    const ReadRequest request{
+        ids,
+        slots,
+        hashes,
+        checksums,
+        chunks(slots, read_part_nbytes_),
+        device || !distinct(ids) ? nullptr : std::make_shared<ScatterTarget>(cache)};
     std::deque<std::future<size_t>> in_flight;  // parts [k, k + in_flight.size())
-    for (size_t k = 0; k < std::min<size_t>(parts.size(), num_read_parts_); ++k) {
-        in_flight.push_back(start_read(k, slots, parts[k], hashes, checksums));
-    }
     std::vector<uint8_t> ok(ids.size(), 0);
     try {
-        for (size_t k = 0; k < parts.size(); ++k) {
-            auto [begin, end] = parts[k];
-            const uint64_t offset = static_cast<uint64_t>(slots[begin]) * slot_nbytes_;
-            const size_t intact = wait_io(in_flight.front(), "read", offset);
+        for (size_t k = 0; k < std::min<size_t>(request.parts.size(), num_read_parts_); ++k) {
+            in_flight.push_back(start_read(k, request));
+        }
+        for (size_t k = 0; k < request.parts.size(); ++k) {
+            auto [begin, end] = request.parts[k];
+            const size_t intact = wait_io(in_flight.front(), "read",
+                                          static_cast<uint64_t>(slots[begin]) * slot_nbytes_);
             in_flight.pop_front();
-            scatter_part(cache, staging_.get() + k % num_read_parts_ * read_part_nbytes_, ids,
-                         begin, begin + intact);
+            if (!request.target) {
+                scatter_part(cache, read_buffer(k), ids, begin, begin + intact);
+            }
             std::fill(ok.begin() + begin, ok.begin() + begin + intact, 1);
             if (begin + intact < end) {
-                break;  // a miss: the rest stay untouched
+                break;  // a miss: the blocks after it do not count
             }
-            if (k + num_read_parts_ < parts.size()) {  // into the buffer just emptied
-                const size_t next = k + num_read_parts_;
-                in_flight.push_back(start_read(next, slots, parts[next], hashes, checksums));
+            if (k + num_read_parts_ < request.parts.size()) {
+                in_flight.push_back(start_read(k + num_read_parts_, request));
             }
         }
     } catch (...) {
-        drain(in_flight);
+        finish_read(request, in_flight);
         throw;
     }
-    drain(in_flight);  // after a miss: the next call reuses their buffers
+    finish_read(request, in_flight);
     return ok;
+}
+
+void BlockFile::finish_read(const ReadRequest& request,
+                            std::deque<std::future<size_t>>& in_flight) noexcept {
+    if (request.target) {
+        request.target->close();  // after a miss, later parts copy nothing more
+    }
+    drain(in_flight);  // the next call reuses their buffers
+}
+
+char* BlockFile::read_buffer(size_t k) const {
+    return staging_.get() + k % num_read_parts_ * read_part_nbytes_;
 }
 
 void BlockFile::scatter_part(KVCache& cache, const char* in, const std::vector<BlockId>& ids,

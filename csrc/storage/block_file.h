@@ -41,6 +41,8 @@
 
 namespace kvmove {
 
+struct ScatterTarget;  // block_file.cpp
+
 struct StagingFree {
     void operator()(char* p) const;
 };
@@ -76,10 +78,12 @@ public:
     std::vector<uint64_t> write(const KVCache& cache, const std::vector<BlockId>& ids,
                                 const std::vector<int64_t>& slots,
                                 const std::vector<uint64_t>& hashes);
-    // Reads slots[i] into block ids[i] of cache, in order, while their checksums match;
-    // ok[i] says whether block i arrived. The first block that fails, and every block after
-    // it, are left untouched in the cache (a prefix is only usable up to its first gap).
-    // An unreadable slot (I/O error, past the end of the file) fails like a bad checksum.
+    // Reads slots[i] into block ids[i] of cache while their checksums match; ok[i] says
+    // whether block i arrived, and only a prefix arrives: the first block that fails and every
+    // block after it are 0. The block that fails is left untouched in the cache; blocks after
+    // it may have received their own intact bytes (several are read and copied at once) but
+    // do not count. An unreadable slot (I/O error, past the end of the file) fails like a bad
+    // checksum.
     std::vector<uint8_t> read(KVCache& cache, const std::vector<BlockId>& ids,
                               const std::vector<int64_t>& slots,
                               const std::vector<uint64_t>& hashes,
@@ -97,16 +101,27 @@ private:
     // (and at least one slot).
     std::vector<std::pair<size_t, size_t>> chunks(const std::vector<int64_t>& slots,
                                                   uint64_t max_nbytes) const;
-    // Queues the read of slots[range) into read buffer k % num_read_parts_; the future says
-    // how many of them are intact (read whole, checksum matching), leading ones first.
-    std::future<size_t> start_read(size_t k, const std::vector<int64_t>& slots,
-                                   std::pair<size_t, size_t> range,
-                                   const std::vector<uint64_t>& hashes,
-                                   const std::vector<uint64_t>& checksums);
+    // One read() call: its arguments, its parts (consecutive-slot groups, one request each)
+    // and where the I/O threads copy intact blocks (null: read() copies them itself).
+    struct ReadRequest {
+        const std::vector<BlockId>& ids;
+        const std::vector<int64_t>& slots;
+        const std::vector<uint64_t>& hashes;
+        const std::vector<uint64_t>& checksums;
+        std::vector<std::pair<size_t, size_t>> parts;
+        std::shared_ptr<ScatterTarget> target;
+    };
+    // Queues the read of part k into read buffer k % num_read_parts_; the future says how
+    // many of its slots are intact (read whole, checksum matching), leading ones first.
+    std::future<size_t> start_read(size_t k, const ReadRequest& request);
+    char* read_buffer(size_t k) const;
     // Copies slots [begin, end) of a read buffer into blocks ids[begin, end) of cache.
     void scatter_part(KVCache& cache, const char* in, const std::vector<BlockId>& ids, size_t begin,
                       size_t end);
-    // Waits for reads still in flight when read() stops early (bounded; marks the file hung).
+    // Stops the request's copies and waits for its reads still in flight (bounded).
+    void finish_read(const ReadRequest& request,
+                     std::deque<std::future<size_t>>& in_flight) noexcept;
+    // Waits for reads still in flight (bounded; past kIoTimeout marks the file hung).
     void drain(std::deque<std::future<size_t>>& in_flight) noexcept;
     // future.get(), waiting at most kIoTimeout; past it marks the file hung and throws.
     template <class T>
