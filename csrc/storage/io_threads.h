@@ -1,7 +1,7 @@
 // IoThreads: a fixed set of threads that run queued blocking calls (pread, pwrite), so that
 // one caller keeps several of them in flight.
 //
-// Why threads and not io_uring: the disk tier's requests are large (1-16 MiB, O_DIRECT), a few
+// Why threads and not io_uring: the disk tier's requests are large (2-16 MiB, O_DIRECT), a few
 // hundred per 500 MB, so a context switch per request costs nothing measurable, while
 // io_uring would need liburing (not on a fresh machine) or raw syscalls with a fallback for
 // kernels and sandboxes (seccomp) that refuse it. The threads are started once per owner;
