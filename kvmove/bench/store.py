@@ -9,7 +9,9 @@ each, after one warm-up; every run stores new hashes, so every put really writes
 * disk tier ``put`` (O_DIRECT writes plus the index journal) / ``get`` (O_DIRECT reads and
   checksums) against ``dd`` (``oflag=direct`` / ``iflag=direct``, 16 MiB blocks) and a plain
   file (``write`` + ``fsync``; ``read`` after dropping the file from the page cache with
-  ``posix_fadvise(DONTNEED)``), all in the same directory.
+  ``posix_fadvise(DONTNEED)``), all in the same directory. The cold read alternates with the
+  tier's gets, one after each: a shared virtual disk's speed drifts 2x within seconds, and
+  alternating moves both alike.
 
 Time to first token of a repeated prompt, with the engine (``MODEL_PRESETS`` model, random
 weights, one request, whole-prompt prefill): **recompute** (no store), **host hit** and
@@ -99,9 +101,16 @@ class TierRow:
         """The tier's bandwidth over the baseline's (medians)."""
         return self.gbps() / self.gbps(self.baseline_seconds)
 
+    @property
+    def other_ratio(self) -> float | None:
+        """The tier's bandwidth over the other baseline's (medians); None without one."""
+        return self.gbps() / self.gbps(self.other_seconds) if self.other_seconds else None
+
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "gbps": self.gbps(), "baseline_gbps": self.gbps(
-            self.baseline_seconds), "ratio": self.ratio}
+            self.baseline_seconds), "ratio": self.ratio, "other_gbps": self.gbps(
+            self.other_seconds) if self.other_seconds else None,
+            "other_ratio": self.other_ratio}
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,23 +185,24 @@ def _measure_tiers(config: StoreBenchConfig, root: str, progress: Progress) -> S
     ids = list(range(n))
     rows = []
     with KVStore(layout, [HostTier(nbytes)]) as store:
-        put, get = _time_store(store, src, dst, ids, config.iters)
+        put, get, _ = _time_store(store, src, dst, ids, config.iters)
         copy = _time(lambda: np.copyto(_bytes(dst), _bytes(src)), config.iters)
         rows += [TierRow("host", "write", put, "memcpy", copy, nbytes),
                  TierRow("host", "read", get, "memcpy", copy, nbytes)]
     _check_equal(src, dst)
     progress("host tier")
+    path = os.path.join(root, "baseline.dat")
+    _file_write(path, _bytes(src))
     with KVStore(layout, [DiskTier(os.path.join(root, "tier"), nbytes)]) as store:
         direct = store._tiers[0].file.direct
-        put, get = _time_store(store, src, dst, ids, config.iters)
+        put, get, file_read = _time_store(store, src, dst, ids, config.iters,
+                                          lambda: _file_read(path, _bytes(dst)))
     _check_equal(src, dst)
     progress("disk tier")
-    path = os.path.join(root, "baseline.dat")
     dd_write = _time(lambda: _dd(f"if=/dev/zero of={path} oflag=direct", nbytes), config.iters)
     dd_read = _time(lambda: _dd(f"if={path} of=/dev/null iflag=direct", nbytes), config.iters)
     progress("dd")
     file_write = _time(lambda: _file_write(path, _bytes(src)), config.iters)
-    file_read = _time(lambda: _file_read(path, _bytes(dst)), config.iters)
     progress("plain file")
     rows += [TierRow("disk", "write", put, "dd oflag=direct", dd_write, nbytes,
                      "write+fsync", file_write),
@@ -201,10 +211,12 @@ def _measure_tiers(config: StoreBenchConfig, root: str, progress: Progress) -> S
     return StoreReport(config, nbytes, direct, rows)
 
 
-def _time_store(store: KVStore, src: KVCache, dst: KVCache, ids: list[int],
-                iters: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Each run puts ``ids`` under new hashes (so it writes), then gets them back."""
-    puts, gets = [], []
+def _time_store(store: KVStore, src: KVCache, dst: KVCache, ids: list[int], iters: int,
+                after_get: Callable[[], Any] | None = None
+                ) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+    """Each run puts ``ids`` under new hashes (so it writes), gets them back, then runs
+    ``after_get`` (a baseline timed alongside the get); the seconds of each, per run."""
+    puts, gets, afters = [], [], []
     for i in range(iters + 1):
         hashes = [(i << 32) + b + 1 for b in ids]
         t0 = time.perf_counter()
@@ -212,12 +224,16 @@ def _time_store(store: KVStore, src: KVCache, dst: KVCache, ids: list[int],
         t1 = time.perf_counter()
         got = store.get(hashes, dst, ids).wait(_WAIT)
         t2 = time.perf_counter()
+        if after_get is not None:
+            after_get()
+        t3 = time.perf_counter()
         if stored != len(ids) or got != len(ids):
             raise ConfigError(f"the store kept {stored} and returned {got} of {len(ids)} blocks")
         if i:  # the first run is the warm-up
             puts.append(t1 - t0)
             gets.append(t2 - t1)
-    return tuple(puts), tuple(gets)
+            afters.append(t3 - t2)
+    return tuple(puts), tuple(gets), tuple(afters)
 
 
 def _time(fn: Callable[[], Any], iters: int) -> tuple[float, ...]:
@@ -348,10 +364,12 @@ def format_store(report: StoreReport) -> str:
 
 
 def _tier_table(rows: list[TierRow]) -> list[str]:
-    head = ["tier", "op", "GB/s", "baseline", "GB/s", "tier/baseline", "also", "GB/s"]
+    head = ["tier", "op", "GB/s", "baseline", "GB/s", "tier/baseline", "also", "GB/s",
+            "tier/also"]
     cells = [[r.tier, r.op, f"{r.gbps():.2f}", r.baseline, f"{r.gbps(r.baseline_seconds):.2f}",
               f"{r.ratio:.2f}x", r.other_baseline or "",
-              f"{r.gbps(r.other_seconds):.2f}" if r.other_seconds else ""] for r in rows]
+              f"{r.gbps(r.other_seconds):.2f}" if r.other_seconds else "",
+              f"{r.other_ratio:.2f}x" if r.other_ratio else ""] for r in rows]
     return aligned(head, cells, left={0, 1, 3, 6})
 
 
