@@ -3,15 +3,42 @@ and plots are written with. Each benchmark's own text and plots live in its modu
 
 from __future__ import annotations
 
+import statistics
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvmove.errors import KVMoveError
 
-__all__ = ["BenchError", "aligned", "human_bytes", "ms", "pyplot", "save_figure"]
+__all__ = ["BenchError", "RoundTrip", "aligned", "human_bytes", "ms", "pyplot", "save_figure"]
 
 
 class BenchError(KVMoveError):
     """The benchmark's peer process failed, died, or did not answer in time."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoundTrip:
+    """One block of one layer written with a notification, answered the same way (kvmove's,
+    or NIXL's through one prepared request).
+
+    ``one_way_us`` is half the median round trip, as ``ucp_put_lat`` reports its ping-pong.
+    """
+
+    nbytes: int
+    iterations: int
+    rtt_us: float
+
+    @classmethod
+    def of(cls, nbytes: int, seconds: list[float]) -> RoundTrip:
+        """From the round trips' durations in seconds."""
+        return cls(nbytes, len(seconds), statistics.median(seconds) * 1e6)
+
+    @property
+    def one_way_us(self) -> float:
+        return self.rtt_us / 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "one_way_us": self.one_way_us}
 
 
 def aligned(head: list[str], rows: list[list[str]], left: set[int]) -> list[str]:

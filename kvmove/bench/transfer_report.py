@@ -14,7 +14,7 @@ from kvmove.bench import perftest
 from kvmove.bench.against_report import AGAINST, NixlRun, nixl_lines
 from kvmove.bench.engine_caches import WRAP_FORMATS, layout_for_format
 from kvmove.bench.plan import DEFAULT_LINKS, transfer_ms
-from kvmove.bench.report import aligned, human_bytes, ms, pyplot, save_figure
+from kvmove.bench.report import RoundTrip, aligned, human_bytes, ms, pyplot, save_figure
 from kvmove.errors import ConfigError
 from kvmove.layout import KVLayout
 
@@ -156,25 +156,6 @@ class TransferRow:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "verified": self.verified, "op_nbytes": self.op_nbytes,
                 "gbytes_per_s": self.gbytes_per_s, "post_share_pct": self.post_share_pct}
-
-
-@dataclass(frozen=True, slots=True)
-class RoundTrip:
-    """One block of one layer written with a notification, answered the same way.
-
-    ``one_way_us`` is half the median round trip, as ``ucp_put_lat`` reports its ping-pong.
-    """
-
-    nbytes: int
-    iterations: int
-    rtt_us: float
-
-    @property
-    def one_way_us(self) -> float:
-        return self.rtt_us / 2
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "one_way_us": self.one_way_us}
 
 
 @dataclass(frozen=True, slots=True)
