@@ -311,12 +311,12 @@ def test_reject_wrong_magic(lone, valid_metadata):
     names(excinfo, f"{len(valid_metadata)} bytes")
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 0xFFFF])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 0xFFFF])
 def test_reject_wrong_version(lone, valid_metadata, version):
     blob = valid_metadata[:4] + struct.pack("<H", version) + valid_metadata[6:]
     with pytest.raises(MetadataError, match="format version") as excinfo:
         lone.add_peer(blob)
-    names(excinfo, f"version {version}", "reads 4")
+    names(excinfo, f"version {version}", "reads 5")
 
 
 @pytest.mark.parametrize("suffix", [b"\0", b"KVMV", b"x" * 100], ids=["1", "4", "100"])
@@ -378,6 +378,11 @@ FORGED: dict[str, tuple[Any, str]] = {
                                                 r"total_kv_heads \d+"),
     "head-first-past-2^31": ({"head_first": 2**32 - 1}, r"KV heads \[4294967295, "),
     "reserved-not-zero": ({"reserved": 1}, "reserved field is not 0"),
+    "control-byte-in-boot-id": ({"boot_id": b"ab\ncd"}, "boot_id has non-printable byte 10"),
+    "65-byte-boot-id": ({"boot_id": b"b" * 65}, r"boot_id is 65 bytes, must be in \[0, 64\]"),
+    "memfd-below-minus-1": (_segment0(memfd=-2), "segment 0 has memfd -2"),
+    "no-memfd-but-an-inode": (_segment0(memfd=-1, memfd_dev=0, memfd_ino=7),
+                              "segment 0 has memfd -1 .must be -1, with dev and ino 0"),
 }
 
 
