@@ -216,7 +216,7 @@ class Agent:
             kvmove's own host memory (a wrapped engine tensor or device memory keeps UCX).
             ``"ucx"``: neither offer nor map; UCX carries everything. Notifications, stream
             messages and failure detection go over UCX either way (``peer_path``).
-        copy_threads: threads copying mapped transfers (None: one per two CPUs, at most 4).
+        copy_threads: threads copying mapped transfers (None: one per two CPUs, 2 to 4).
         kv_heads: ``(first, total)`` for a tensor-parallel rank: its cache holds the model's KV
             heads ``[first, first + layout.num_kv_heads)`` of ``total`` (rank r of TP=2 over 8
             heads: ``(4 * r, 8)``). The metadata carries it, and only agents holding the same

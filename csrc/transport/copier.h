@@ -6,8 +6,8 @@
 // every chunk was copied or, after cancel(), skipped. Whoever waits for jobs polls done():
 // the Agent completes them in posting order from its progress thread, which `on_done` wakes.
 //
-// One thread copies ~12 GB/s here; a second one helps only where the memory system has
-// headroom (docs/transfer.md has the measurement), so the thread count is a setting.
+// Large pieces are copied with non-temporal stores (copier.cpp says why, with figures). The
+// thread count is a setting (AgentConfig::copy_threads; agent_copies.cpp picks the default).
 #pragma once
 
 #include <atomic>

@@ -90,7 +90,9 @@ std::shared_ptr<PeerMapping> PeerMapping::open(const AgentMetadata& peer, std::s
         if (fd < 0) {
             return nullptr;  // what was mapped so far is unmapped with `mapping`
         }
-        void* p = mmap(nullptr, segment.nbytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        // MAP_POPULATE: the page tables are filled now, not by faults in the first transfer.
+        void* p = mmap(nullptr, segment.nbytes, PROT_READ | PROT_WRITE,
+                       MAP_SHARED | MAP_POPULATE, fd, 0);
         const int error = errno;
         close(fd);  // the mapping keeps the file
         if (p == MAP_FAILED) {
