@@ -31,6 +31,9 @@ PortOutcome outcome_of(ucs_status_t status) {
 constexpr int kIdleSpins = 2000;       // progress calls with nothing done before sleeping
 constexpr int kSleepMs = 100;          // longest sleep; stop_ is checked at least this often
 constexpr double kTickSeconds = 1e-3;  // how often the streams' deadlines are checked
+// How often the progress thread polls mapped peers' pidfds (one poll() each; a transfer
+// checks them too, before it posts).
+constexpr double kCheckPeersSeconds = 10e-3;
 constexpr double kCloseSeconds = 2.0;  // how long close() lets pending work finish
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -321,6 +324,7 @@ std::shared_ptr<Transfer> Agent::start(Direction direction, const std::string& p
     const std::vector<int64_t>& wanted = layers ? *layers : all_layers;
     WorkerLock lock(*this);
     check_open();  // under the lock: close() tears the worker down holding it
+    check_mapped_peers();
     Peer& peer = live_peer(peer_name);
     validate(peer, direction, local_ids, remote_ids, wanted, notify);
     auto t0 = std::chrono::steady_clock::now();
@@ -571,11 +575,15 @@ void Agent::finish(InFlight* entry, ucs_status_t status) {
 
 void Agent::on_peer_error(void* arg, ucp_ep_h, ucs_status_t status) {
     auto peer = static_cast<Peer*>(arg);
-    peer->failure = "UCX reported " + status_text(status);
-    peer->mapping.reset();  // unmapped once the copies in flight stop (they are cancelled)
-    peer->agent->fail_peer_transfers(peer, "the peer failed: " + peer->failure);
-    peer->agent->streams_.peer_failed(peer->meta.name, ErrorKind::Peer,
-                                      "peer '" + peer->meta.name + "' failed: " + peer->failure);
+    peer->agent->peer_failed(*peer, "UCX reported " + status_text(status));
+}
+
+void Agent::peer_failed(Peer& peer, const std::string& failure) {
+    peer.failure = failure;
+    peer.mapping.reset();  // unmapped once the copies in flight stop (they are cancelled)
+    fail_peer_transfers(&peer, "the peer failed: " + peer.failure);
+    streams_.peer_failed(peer.meta.name, ErrorKind::Peer,
+                         "peer '" + peer.meta.name + "' failed: " + peer.failure);
 }
 
 void Agent::fail_peer_transfers(const Peer* peer, const std::string& reason) {
@@ -809,6 +817,7 @@ void Agent::progress_loop() {
     ucp_worker_h worker = worker_.get();
     int idle = 0;
     double last_tick = 0;
+    double last_check = 0;
     while (!stop_) {
         unsigned progressed = 0;
         // Other threads that want the worker go first: std::mutex is not fair, and this
@@ -821,6 +830,10 @@ void Agent::progress_loop() {
             std::lock_guard<std::mutex> lock(worker_mu_);
             progressed = ucp_worker_progress(worker);
             const double now = steady_seconds();
+            if (now - last_check >= kCheckPeersSeconds) {  // mapped peers' processes
+                check_mapped_peers();
+                last_check = now;
+            }
             if (now - last_tick >= kTickSeconds) {  // the streams' deadlines
                 streams_.tick(now);
                 last_tick = now;

@@ -135,6 +135,8 @@ private:
                      std::unique_ptr<InFlight> entry);
     void drain_copies();
     void map_peer(Peer& peer);
+    void check_mapped_peers();
+    void peer_failed(Peer& peer, const std::string& failure);
     Copier& copier();
     void post_flush(InFlight* entry);
     void complete_flush(InFlight* entry, ucs_status_t status);

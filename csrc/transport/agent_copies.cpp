@@ -44,6 +44,15 @@ void Agent::map_peer(Peer& peer) {
                          << (peer.mapping ? "through its mapped memory" : "over UCX: " + why));
 }
 
+// A mapped peer whose process exited fails at once, as UCX's error callback would fail it.
+void Agent::check_mapped_peers() {
+    for (auto& [name, peer] : peers_) {
+        if (peer->mapping && peer->failure.empty() && !peer->mapping->owner_alive()) {
+            peer_failed(*peer, "its process " + std::to_string(peer->meta.host.pid) + " exited");
+        }
+    }
+}
+
 std::string Agent::peer_path(const std::string& name) const {
     WorkerLock lock(*this);
     auto it = peers_.find(name);
@@ -105,14 +114,13 @@ void Agent::drain_copies() {
     while (!copying_.empty() && copying_.front()->copy->done()) {
         InFlight* entry = copying_.front();
         copying_.pop_front();
-        if (entry->copy->cancelled() || entry->peer == nullptr) {
-            finish(entry, UCS_ERR_CANCELED);  // its peer failed or went: already FAILED
-            continue;
-        }
-        if (entry->corrupt_at != nullptr) {
+        // Cancelled: its peer failed or went (the transfer is FAILED already). Through
+        // complete_flush either way, which keeps the peer's notification order.
+        const bool cancelled = entry->copy->cancelled() || entry->peer == nullptr;
+        if (!cancelled && entry->corrupt_at != nullptr) {
             *entry->corrupt_at = *entry->corrupt_byte;  // fault injection, before the message
         }
-        complete_flush(entry, UCS_OK);
+        complete_flush(entry, cancelled ? UCS_ERR_CANCELED : UCS_OK);
     }
 }
 

@@ -1,7 +1,9 @@
 #include "transport/peer_mapping.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -81,6 +83,11 @@ std::shared_ptr<PeerMapping> PeerMapping::open(const AgentMetadata& peer, std::s
         return nullptr;
     }
     std::shared_ptr<PeerMapping> mapping(new PeerMapping());
+#ifdef SYS_pidfd_open
+    // Before the memfd is checked: if /proc/<pid>/fd then holds the announced file, the pidfd
+    // is of the process that holds it, not of a later one that reused the pid.
+    mapping->pidfd_ = static_cast<int>(syscall(SYS_pidfd_open, peer.host.pid, 0));
+#endif
     for (const RemoteSegment& segment : peer.segments) {
         if (segment.memfd < 0) {
             why = "it offers no mapping of its memory";
@@ -108,6 +115,14 @@ PeerMapping::~PeerMapping() {
     for (const View& v : views_) {
         munmap(v.base, v.nbytes);
     }
+    if (pidfd_ >= 0) {
+        close(pidfd_);
+    }
+}
+
+bool PeerMapping::owner_alive() const {
+    pollfd fd{pidfd_, POLLIN, 0};
+    return pidfd_ < 0 || poll(&fd, 1, 0) == 0;  // readable: the process exited
 }
 
 }  // namespace kvmove

@@ -40,6 +40,10 @@ public:
     PeerMapping(const PeerMapping&) = delete;
     PeerMapping& operator=(const PeerMapping&) = delete;
 
+    // False once the peer's process exited (a pidfd says so at once, where UCX's keepalive
+    // over shared memory takes its interval); true where pidfds are not available.
+    bool owner_alive() const;
+
     // Where the peer's address `addr` (in its segment `segment`) is mapped here. The caller
     // keeps within the segment (the metadata decoder checked every plane lies in one).
     char* at(uint32_t segment, uint64_t addr) const {
@@ -56,6 +60,7 @@ private:
     PeerMapping() = default;
 
     std::vector<View> views_;
+    int pidfd_ = -1;  // the peer's process, opened before its memfd was checked
 };
 
 }  // namespace kvmove
