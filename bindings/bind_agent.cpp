@@ -148,6 +148,7 @@ void register_agent(py::module_& m) {
             py::arg("metadata"), py::arg("rejoin") = false, release())
         .def("remove_peer", &Agent::remove_peer, py::arg("name"), release())
         .def_property_readonly("peers", &Agent::peers)
+        .def("peer_transports", &Agent::peer_transports, py::arg("name"), release())
         .def("peer_path", &Agent::peer_path, py::arg("name"), release(),
              "How transfers with the peer move: 'mapped' (same host) or 'ucx'.")
         .def("write", transfer_method(&Agent::write), py::arg("peer"), py::arg("local_ids"),

@@ -604,12 +604,12 @@ class Agent:
         """
         How transfers with the peer move: 'mapped' (same host) or 'ucx'.
         """
+    def peer_transports(self, name: str) -> list[tuple[str, str]]:
+        ...
     def read(self, peer: str, local_ids: list[int], remote_ids: list[int], layers: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None = None, notify: str | None = None) -> Transfer:
         """
         One-sided get of remote_ids[i] -> local_ids[i] (see docs/transfer.md).
         """
-    def peer_transports(self, name: str) -> list[tuple[str, str]]:
-        ...
     def remove_peer(self, name: str) -> None:
         ...
     def stream_stats(self) -> StreamStats:
