@@ -52,9 +52,12 @@ void register_agent(py::module_& m) {
             out["incarnation"] = meta.incarnation;
             out["started_ns"] = meta.started_ns;
             out["worker_address"] = to_bytes(meta.worker_address);
+            out["host"] = py::make_tuple(meta.host.boot_id, meta.host.netns_ino,
+                                         meta.host.pidns_ino, meta.host.pid);
             py::list segments;
             for (const RemoteSegment& s : meta.segments) {
-                segments.append(py::make_tuple(s.addr, s.nbytes, to_bytes(s.packed_rkey)));
+                segments.append(py::make_tuple(s.addr, s.nbytes, to_bytes(s.packed_rkey),
+                                               s.memfd, s.memfd_dev, s.memfd_ino));
             }
             out["segments"] = segments;
             out["num_layers"] = meta.num_layers;
@@ -117,17 +120,20 @@ void register_agent(py::module_& m) {
         .def(py::init([](std::string name, KVCache& cache, const BlockShape& shape,
                          std::string transports, bool peer_errors, double peer_timeout,
                          double cancel_timeout, double ack_timeout, std::string faults,
-                         std::string net_devices, int64_t max_peers) {
+                         std::string net_devices, int64_t max_peers, bool map_same_host,
+                         int copy_threads) {
                  return std::make_unique<Agent>(
                      std::move(name), cache, shape,
                      AgentConfig{std::move(transports), peer_errors, peer_timeout,
                                  StreamConfig{cancel_timeout, ack_timeout}, std::move(faults),
-                                 std::move(net_devices), max_peers});
+                                 std::move(net_devices), max_peers, map_same_host,
+                                 copy_threads});
              }),
              py::arg("name"), py::arg("cache"), py::arg("shape"), py::arg("transports"),
              py::arg("peer_errors"), py::arg("peer_timeout"), py::arg("cancel_timeout"),
              py::arg("ack_timeout"), py::arg("faults"), py::arg("net_devices"),
-             py::arg("max_peers"), py::keep_alive<1, 3>(), release())
+             py::arg("max_peers"), py::arg("map_same_host") = true, py::arg("copy_threads") = 0,
+             py::keep_alive<1, 3>(), release())
         .def("fault_counts", &Agent::fault_counts)
         .def_property_readonly("incarnation", &Agent::incarnation)
         .def("stream_stats", &Agent::stream_stats, release())
@@ -143,6 +149,8 @@ void register_agent(py::module_& m) {
         .def("remove_peer", &Agent::remove_peer, py::arg("name"), release())
         .def_property_readonly("peers", &Agent::peers)
         .def("peer_transports", &Agent::peer_transports, py::arg("name"), release())
+        .def("peer_path", &Agent::peer_path, py::arg("name"), release(),
+             "How transfers with the peer move: 'mapped' (same host) or 'ucx'.")
         .def("write", transfer_method(&Agent::write), py::arg("peer"), py::arg("local_ids"),
              py::arg("remote_ids"), py::arg("layers") = py::none(), py::arg("notify") = py::none(),
              release(), "One-sided put of local_ids[i] -> remote_ids[i] (see docs/transfer.md).")

@@ -586,7 +586,7 @@ class StreamStats:
     def unknown_senders(self) -> int:
         ...
 class Agent:
-    def __init__(self, name: str, cache: KVCache, shape: BlockShape, transports: str, peer_errors: bool, peer_timeout: typing.SupportsFloat | typing.SupportsIndex, cancel_timeout: typing.SupportsFloat | typing.SupportsIndex, ack_timeout: typing.SupportsFloat | typing.SupportsIndex, faults: str, net_devices: str, max_peers: typing.SupportsInt | typing.SupportsIndex) -> None:
+    def __init__(self, name: str, cache: KVCache, shape: BlockShape, transports: str, peer_errors: bool, peer_timeout: typing.SupportsFloat | typing.SupportsIndex, cancel_timeout: typing.SupportsFloat | typing.SupportsIndex, ack_timeout: typing.SupportsFloat | typing.SupportsIndex, faults: str, net_devices: str, max_peers: typing.SupportsInt | typing.SupportsIndex, map_same_host: bool = True, copy_threads: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
         ...
     def add_peer(self, metadata: str, rejoin: bool = False) -> str:
         ...
@@ -600,12 +600,16 @@ class Agent:
         ...
     def notifications(self) -> list:
         ...
+    def peer_path(self, name: str) -> str:
+        """
+        How transfers with the peer move: 'mapped' (same host) or 'ucx'.
+        """
+    def peer_transports(self, name: str) -> list[tuple[str, str]]:
+        ...
     def read(self, peer: str, local_ids: list[int], remote_ids: list[int], layers: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None = None, notify: str | None = None) -> Transfer:
         """
         One-sided get of remote_ids[i] -> local_ids[i] (see docs/transfer.md).
         """
-    def peer_transports(self, name: str) -> list[tuple[str, str]]:
-        ...
     def remove_peer(self, name: str) -> None:
         ...
     def stream_stats(self) -> StreamStats:

@@ -35,6 +35,7 @@ Example:
 """
 
 ERROR_MODES = ("peer", "none")
+SAME_HOST_PATHS = ("map", "ucx")
 
 
 def peer_mode_ucx_env() -> dict[str, str]:
@@ -208,6 +209,14 @@ class Agent:
         net_devices: UCX's device list (``UCX_NET_DEVICES`` syntax, e.g. ``"mlx5_0:1"`` for an
             InfiniBand port), instead of the interface of ``host``; ``"all"`` for every one.
         max_peers: peers this agent accepts at most (each holds a UCX endpoint).
+        same_host: ``"map"`` (default): a peer on this host (same boot, network and pid
+            namespace, same user) maps this agent's cache and this agent maps the peer's, so a
+            transfer is one memcpy into or out of its blocks: no socket, no kernel copy, no
+            CPU on the other side. Both agents must allow it, and both caches must be
+            kvmove's own host memory (a wrapped engine tensor or device memory keeps UCX).
+            ``"ucx"``: neither offer nor map; UCX carries everything. Notifications, stream
+            messages and failure detection go over UCX either way (``peer_path``).
+        copy_threads: threads copying mapped transfers (None: one per two CPUs, 2 to 4).
         kv_heads: ``(first, total)`` for a tensor-parallel rank: its cache holds the model's KV
             heads ``[first, first + layout.num_kv_heads)`` of ``total`` (rank r of TP=2 over 8
             heads: ``(4 * r, 8)``). The metadata carries it, and only agents holding the same
@@ -223,9 +232,14 @@ class Agent:
                  checksums: bool = False, faults: str | None = None,
                  key: bytes | str | None = None, host: str = "127.0.0.1",
                  net_devices: str | None = None, max_peers: int = 1024,
-                 kv_heads: tuple[int, int] | None = None) -> None:
+                 kv_heads: tuple[int, int] | None = None, same_host: str = "map",
+                 copy_threads: int | None = None) -> None:
         if error_mode not in ERROR_MODES:
             raise ConfigError(f"error_mode must be one of {ERROR_MODES}, got {error_mode!r}")
+        if same_host not in SAME_HOST_PATHS:
+            raise ConfigError(f"same_host must be one of {SAME_HOST_PATHS}, got {same_host!r}")
+        if copy_threads is not None:
+            require_positive_int("copy_threads", copy_threads)
         if not isinstance(cache, KVCache):
             raise ConfigError(f"cache must be a kvmove.KVCache, got {type(cache).__name__}")
         if transports is not None and not isinstance(transports, str):
@@ -242,7 +256,8 @@ class Agent:
         shape = block_shape(cache.layout, cache.order, kv_heads)
         self._core = _C.Agent(name, cache._core, shape, transports or "", error_mode == "peer",
                               float(peer_timeout), float(cancel_timeout), float(ack_timeout),
-                              faults, "" if devices == "all" else devices, max_peers)
+                              faults, "" if devices == "all" else devices, max_peers,
+                              same_host == "map", copy_threads or 0)
         self.cache = cache
         self.checksums = bool(checksums)
         self._server: MetadataServer | None = None
@@ -308,6 +323,15 @@ class Agent:
                 agent has ``max_peers`` already, or the peer cannot be reached.
         """
         return self._core.add_peer(self.key.verify(metadata))
+
+    def peer_path(self, name: str) -> str:
+        """How transfers with peer ``name`` move: ``"mapped"`` (a memcpy into its memory,
+        mapped here: same host, both agents allow it) or ``"ucx"``.
+
+        Raises:
+            PeerError: unknown peer.
+        """
+        return self._core.peer_path(name)
 
     def remove_peer(self, name: str) -> None:
         """Fails the peer's pending transfers and streams (``PeerError``), then closes its

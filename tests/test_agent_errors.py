@@ -311,12 +311,12 @@ def test_reject_wrong_magic(lone, valid_metadata):
     names(excinfo, f"{len(valid_metadata)} bytes")
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 0xFFFF])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 0xFFFF])
 def test_reject_wrong_version(lone, valid_metadata, version):
     blob = valid_metadata[:4] + struct.pack("<H", version) + valid_metadata[6:]
     with pytest.raises(MetadataError, match="format version") as excinfo:
         lone.add_peer(blob)
-    names(excinfo, f"version {version}", "reads 4")
+    names(excinfo, f"version {version}", "reads 5")
 
 
 @pytest.mark.parametrize("suffix", [b"\0", b"KVMV", b"x" * 100], ids=["1", "4", "100"])
@@ -378,6 +378,11 @@ FORGED: dict[str, tuple[Any, str]] = {
                                                 r"total_kv_heads \d+"),
     "head-first-past-2^31": ({"head_first": 2**32 - 1}, r"KV heads \[4294967295, "),
     "reserved-not-zero": ({"reserved": 1}, "reserved field is not 0"),
+    "control-byte-in-boot-id": ({"boot_id": b"ab\ncd"}, "boot_id has non-printable byte 10"),
+    "65-byte-boot-id": ({"boot_id": b"b" * 65}, r"boot_id is 65 bytes, must be in \[0, 64\]"),
+    "memfd-below-minus-1": (_segment0(memfd=-2), "segment 0 has memfd -2"),
+    "no-memfd-but-an-inode": (_segment0(memfd=-1, memfd_dev=0, memfd_ino=7),
+                              "segment 0 has memfd -1 .must be -1, with dev and ino 0"),
 }
 
 
@@ -879,7 +884,9 @@ def test_listener_survives_junk_requests(pair):
 
 # llama-3.1-8b: 32 layers x 16 tokens x 4 KiB = 2 MiB per block; 250 blocks = 500 MiB a cache,
 # so several transfers of every block take seconds over tcp loopback and are surely in flight
-# when the peer dies a few milliseconds after they are posted.
+# when the peer dies a few milliseconds after they are posted. These tests are about UCX's
+# failure detection, so both sides keep UCX (same_host="ucx"): mapped copies may well finish
+# before a death is noticed (test_peer_mapping.py covers a death on that path).
 BIG_LAYOUT = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16", block_size=16)
 BIG_BLOCKS = 250
 NUM_TRANSFERS = 4
@@ -891,7 +898,8 @@ def doomed_peer(name: str, error_mode: str,
                 transports: str | None = "tcp") -> Iterator[tuple[int, str, int]]:
     """A far agent in a spawned process, listening: yields ``(pid, host, port)``. The process
     is always dead and joined afterwards."""
-    far = FarPeer(name, BIG_LAYOUT, BIG_BLOCKS, {"transports": transports, "error_mode": error_mode})
+    far = FarPeer(name, BIG_LAYOUT, BIG_BLOCKS, {"transports": transports, "error_mode": error_mode,
+                                                 "same_host": "ucx"})
     try:
         yield (far.pid, *far.call("listen"))
     finally:
@@ -915,7 +923,7 @@ def test_killed_peer_fails_every_transfer_in_flight(op):
     (kvmove allocates nothing for the caller) and the agent closes cleanly."""
     cache = kvmove.KVCache(kvmove.KVLayout(**BIG_LAYOUT), BIG_BLOCKS)
     free = cache.pool.num_free
-    near = kvmove.Agent("near", cache, transports="tcp", error_mode="peer")
+    near = kvmove.Agent("near", cache, transports="tcp", error_mode="peer", same_host="ucx")
     try:
         with doomed_peer("doomed", "peer") as (pid, host, port):
             assert near.connect(host, port, timeout=WAIT) == "doomed"
@@ -996,7 +1004,8 @@ def test_killed_peer_on_this_host_is_reported_over_shared_memory():
     a SIGKILL, transfers to the peer fail with PeerError naming it, long before their deadline
     (cma's copy into a process that is gone fails; sysv's keepalive checks the peer's pid),
     and then new ones are refused at once."""
-    near = kvmove.Agent("near", kvmove.KVCache(kvmove.KVLayout(**BIG_LAYOUT), BIG_BLOCKS))
+    near = kvmove.Agent("near", kvmove.KVCache(kvmove.KVLayout(**BIG_LAYOUT), BIG_BLOCKS),
+                        same_host="ucx")  # UCX's shared memory, not the mapped path
     try:
         with doomed_peer("doomed", "peer", transports=None) as (pid, host, port):
             assert near.connect(host, port, timeout=WAIT) == "doomed"
@@ -1019,7 +1028,7 @@ def test_failed_transfer_error_names_the_dead_peer():
     "UCX reported Connection reset by remote peer" (or "Endpoint timeout"). The exception from
     wait() names the peer either way; `error` should too, every time."""
     near = kvmove.Agent("near", kvmove.KVCache(kvmove.KVLayout(**BIG_LAYOUT), BIG_BLOCKS),
-                        transports="tcp", error_mode="peer")
+                        transports="tcp", error_mode="peer", same_host="ucx")
     try:
         with doomed_peer("doomed", "peer") as (pid, host, port):
             assert near.connect(host, port, timeout=WAIT) == "doomed"
@@ -1038,7 +1047,7 @@ def test_killed_peer_with_error_mode_none_does_not_hang():
     its deadline (TimeoutError) or earlier (PeerError when tcp reports the reset); the
     agent still closes."""
     cache = kvmove.KVCache(kvmove.KVLayout(**BIG_LAYOUT), BIG_BLOCKS)
-    near = kvmove.Agent("near-none", cache, transports="tcp", error_mode="none")
+    near = kvmove.Agent("near-none", cache, transports="tcp", error_mode="none", same_host="ucx")
     try:
         with doomed_peer("doomed-none", "none") as (pid, host, port):
             assert near.connect(host, port, timeout=WAIT) == "doomed-none"

@@ -44,10 +44,14 @@ BLOCK = 512
 BIG_LAYOUT = dict(num_layers=16, num_kv_heads=4, head_dim=64, dtype="float16", block_size=16)
 BIG_BLOCK = 16 * 2 * 4 * 64 * 2
 
+# UCX over tcp and over shared memory (same_host="ucx": both processes are on this host, and
+# would otherwise map each other), and the same-host mapped path (memcpy, tests/
+# test_peer_mapping.py has its own cases).
 TRANSPORTS = [
-    pytest.param({"transports": None, "error_mode": "peer"}, id="default"),
-    pytest.param({"transports": "tcp", "error_mode": "peer"}, id="tcp"),
-    pytest.param({"transports": "sm", "error_mode": "none"}, id="shm"),
+    pytest.param({"transports": None, "error_mode": "peer", "same_host": "ucx"}, id="default"),
+    pytest.param({"transports": "tcp", "error_mode": "peer", "same_host": "ucx"}, id="tcp"),
+    pytest.param({"transports": "sm", "error_mode": "none", "same_host": "ucx"}, id="shm"),
+    pytest.param({"transports": None, "error_mode": "peer", "same_host": "map"}, id="mapped"),
 ]
 
 WAIT = 10.0  # every wait's deadline, seconds: generous, never reached when things work
@@ -91,18 +95,24 @@ class Link:
             self.far.stop()
 
 
+def _tag(params: dict) -> str:
+    return "mapped" if params["same_host"] == "map" else params["transports"] or "default"
+
+
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def link(request):
     """One far process per transport for the whole module, connected with listen/connect."""
-    lk = Link(request.param["transports"], request.param)
+    mapped = request.param["same_host"] == "map"
+    lk = Link(_tag(request.param), request.param)
     request.addfinalizer(lk.close)
     lk.connect()
+    assert lk.near.peer_path(lk.far_name) == ("mapped" if mapped else "ucx")
     return lk
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def big_link(request):
-    lk = Link(f"big-{request.param['transports']}", request.param, BIG_LAYOUT, NUM_BLOCKS)
+    lk = Link(f"big-{_tag(request.param)}", request.param, BIG_LAYOUT, NUM_BLOCKS)
     request.addfinalizer(lk.close)
     lk.connect()
     return lk
@@ -495,7 +505,8 @@ PEER_TIMEOUT = 1.0
 def doomed():
     """A near agent connected to a far process that is stopped (SIGSTOP) before a write of 32
     blocks is posted: the write is pending."""
-    kwargs = {"transports": "tcp", "error_mode": "peer", "peer_timeout": PEER_TIMEOUT}
+    kwargs = {"transports": "tcp", "error_mode": "peer", "peer_timeout": PEER_TIMEOUT,
+              "same_host": "ucx"}  # a stopped peer holds up tcp, not a memcpy
     far = FarPeer("far-doomed", LAYOUT, NUM_BLOCKS, kwargs)
     try:
         with kvmove.Agent("near-doomed", make_cache(LAYOUT, NUM_BLOCKS), **kwargs) as near:

@@ -7,7 +7,8 @@ address as its agent's ``host``: that confines UCX's network transports to the v
 share a deployment key (``KVMOVE_KEY``); a third agent with another key is refused. The
 receiver reports the sha256 of its whole cache, which must equal the reference computed here,
 and the addresses it listens on (its veth address only); B's veth must have received at least
-the bytes moved.
+the bytes moved, and the sender must have reached it over UCX, not the same-host mapped
+path (another network namespace is another host).
 
 Needs root and ``ip netns``; skips cleanly otherwise. The namespaces (and the veth pair with
 them) are always deleted, and both processes always killed.
@@ -184,6 +185,9 @@ def test_write_between_two_namespaces_over_veth(namespaces):
 
     assert field(sender.lines, "PEER") == "host-b"
     assert field(sender.lines, "STATE").endswith("DONE")
+    # Same kernel, same user, both agents allow mapping (the default), but another network
+    # namespace is another host: UCX carries the bytes.
+    assert field(sender.lines, "PATH") == "ucx"
     assert int(field(sender.lines, "NBYTES")) == nbytes
     assert field(receiver.lines, "NOTIFY") == "host-a two-hosts"
     assert field(receiver.lines, "PEERS") == "host-a"

@@ -1,7 +1,12 @@
 // Region: one span of host or device memory with a single owner.
 //
-// The bytes behind a KVCache. On the host, anonymous mmap gives page alignment and zero-filled
-// pages, populated up front (see region.cpp); huge_pages=true aligns to 2 MiB and asks for
+// The bytes behind a KVCache. On the host they are a memfd (an anonymous file) mapped shared,
+// page aligned, zero-filled, populated up front (see region.cpp): another process of this user
+// on this host can map the same pages (transport/peer_mapping.h), which is how same-host peers
+// copy straight into each other's blocks. The file is sealed against shrinking and growing,
+// so a process that maps it never faults past its end (SIGBUS), whatever its owner does; and
+// it has no name, so nothing is left behind when the owner dies, even by SIGKILL (a named
+// /dev/shm object would be). huge_pages=true aligns to 2 MiB and asks for
 // transparent huge pages (madvise), which cuts TLB misses when a transfer sweeps gigabytes;
 // pin=true page-locks it for DMA (cudaHostRegister) where a CUDA device is present. On a device
 // (device >= 0) it is one cudaMalloc, zero-filled, 256-byte aligned.
@@ -17,6 +22,7 @@ namespace kvmove {
 struct RegionFree {
     size_t mapped_nbytes = 0;
     int device = -1;         // >= 0: the pointer is cudaMalloc'ed on this device
+    int memfd = -1;          // host memory: its file, closed with the mapping
     void* pinned = nullptr;  // host memory page-locked at this address
     void operator()(char* p) const;
 };
@@ -36,6 +42,8 @@ public:
     int device() const { return mapping_.get_deleter().device; }  // -1: host memory
     bool on_device() const { return device() >= 0; }
     bool pinned() const { return mapping_.get_deleter().pinned != nullptr; }
+    // The memfd whose offset 0 is data() (host memory), or -1 (on a device).
+    int memfd() const { return mapping_.get_deleter().memfd; }
 
 private:
     std::unique_ptr<char, RegionFree> mapping_;

@@ -1,6 +1,7 @@
 #include "transport/agent.h"
 
 #include <poll.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <chrono>
@@ -30,6 +31,9 @@ PortOutcome outcome_of(ucs_status_t status) {
 constexpr int kIdleSpins = 2000;       // progress calls with nothing done before sleeping
 constexpr int kSleepMs = 100;          // longest sleep; stop_ is checked at least this often
 constexpr double kTickSeconds = 1e-3;  // how often the streams' deadlines are checked
+// How often the progress thread polls mapped peers' pidfds (one poll() each; a transfer
+// checks them too, before it posts).
+constexpr double kCheckPeersSeconds = 10e-3;
 constexpr double kCloseSeconds = 2.0;  // how long close() lets pending work finish
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -44,6 +48,19 @@ uint32_t random_incarnation() {
         value = entropy();
     }
     return value;
+}
+
+// What a peer needs to map segment i of the cache (transport/peer_mapping.h): kvmove's own
+// region is a memfd; a wrapped engine tensor or device memory is not, and keeps UCX.
+void describe_memfd(const KVCache& cache, size_t i, RemoteSegment& segment) {
+    struct stat st {};
+    if (i != 0 || cache.wrapped() || cache.on_device() || cache.region().memfd() < 0 ||
+        fstat(cache.region().memfd(), &st) != 0) {
+        return;
+    }
+    segment.memfd = cache.region().memfd();
+    segment.memfd_dev = static_cast<uint64_t>(st.st_dev);
+    segment.memfd_ino = static_cast<uint64_t>(st.st_ino);
 }
 
 std::unique_ptr<FaultInjector> make_injector(const std::string& spec) {
@@ -79,6 +96,9 @@ Agent::Agent(std::string name, KVCache& cache, BlockShape shape, AgentConfig con
     }
     KVMOVE_CHECK(config_.max_peers >= 1, Config,
                  "max_peers must be at least 1, got " << config_.max_peers);
+    KVMOVE_CHECK(config_.copy_threads >= 0 && config_.copy_threads <= kMaxCopyThreads, Config,
+                 "copy_threads must be in [0, " << kMaxCopyThreads << "], got "
+                                                << config_.copy_threads);
     context_ = make_context(config_.transports, config_.peer_timeout_seconds, config_.net_devices,
                             config_.peer_errors);
     worker_ = make_worker(context_.get());
@@ -108,9 +128,13 @@ Agent::Agent(std::string name, KVCache& cache, BlockShape shape, AgentConfig con
     meta.incarnation = incarnation_;
     meta.started_ns = static_cast<uint64_t>(started.count());
     meta.worker_address = worker_address(worker_.get());
+    meta.host = this_host();
     for (size_t i = 0; i < cache.segments().size(); ++i) {
         const Descriptor& segment = cache.segments()[i];
         meta.segments.push_back({segment.addr, segment.nbytes, registrations_[i]->packed_rkey()});
+        if (config_.map_same_host) {
+            describe_memfd(cache, i, meta.segments.back());
+        }
     }
     meta.num_layers = cache.num_layers();
     meta.num_blocks = cache.num_blocks();
@@ -144,6 +168,7 @@ void Agent::close() {
         ucp_worker_progress(worker_.get());
         drain_deferred();
     }
+    copier_.reset();  // cancels the copies left and joins its threads
     for (auto& [t, entry] : in_flight_) {
         t->fail(ErrorKind::Transfer, "agent '" + name_ + "' closed");
     }
@@ -161,6 +186,7 @@ void Agent::close() {
     worker_.reset();  // may still complete requests: their callbacks need in_flight_ entries
     in_flight_.clear();
     flushed_.clear();
+    copying_.clear();
     delayed_.clear();
     registrations_.clear();
     context_.reset();
@@ -214,6 +240,7 @@ std::string Agent::add_peer(const std::vector<uint8_t>& metadata, bool rejoin) {
     } catch (const Error& e) {
         KVMOVE_FAIL(Metadata, "bad agent metadata from '" << meta.name << "': " << e.what());
     }
+    map_peer(*peer);
     std::string peer_name = peer->meta.name;
     by_ep_[peer->endpoint->get()] = peer.get();
     peers_.emplace(peer_name, std::move(peer));
@@ -297,6 +324,7 @@ std::shared_ptr<Transfer> Agent::start(Direction direction, const std::string& p
     const std::vector<int64_t>& wanted = layers ? *layers : all_layers;
     WorkerLock lock(*this);
     check_open();  // under the lock: close() tears the worker down holding it
+    check_mapped_peers();
     Peer& peer = live_peer(peer_name);
     validate(peer, direction, local_ids, remote_ids, wanted, notify);
     auto t0 = std::chrono::steady_clock::now();
@@ -304,11 +332,19 @@ std::shared_ptr<Transfer> Agent::start(Direction direction, const std::string& p
         pair_ranges(cache_.geometry(), local_ids, peer.geometry, remote_ids, wanted);
     auto transfer = std::make_shared<Transfer>(
         peer_name, local_ids.size() * wanted.size() * cache_.block_nbytes(), ranges.size());
-    post_ranges(direction, peer, ranges, *transfer);
-    if (transfer->state() == TransferState::Pending) {
-        post_flush(track(std::make_unique<InFlight>(this, transfer, &peer, notify)));
+    if (peer.mapping) {
+        post_copies(direction, peer, ranges,
+                    std::make_unique<InFlight>(this, transfer, &peer, notify));
+    } else {
+        post_ranges(direction, peer, ranges, *transfer);
+        if (transfer->state() == TransferState::Pending) {
+            post_flush(track(std::make_unique<InFlight>(this, transfer, &peer, notify)));
+        }
     }
     transfer->posted(seconds_since(t0));
+    if (peer.mapping) {
+        drain_deferred();  // an inline copy is done: its notification goes now
+    }
     ucp_worker_signal(worker_.get());  // wake the progress thread if it sleeps
     return transfer;
 }
@@ -447,6 +483,7 @@ void Agent::detach_transfers(const Peer* peer) {
 
 // Sends what UCX callbacks deferred: posting from inside a callback is not allowed.
 void Agent::drain_deferred() {
+    drain_copies();
     while (!flushed_.empty() || streams_.has_deferred()) {
         std::vector<InFlight*> ready;
         ready.swap(flushed_);
@@ -538,16 +575,24 @@ void Agent::finish(InFlight* entry, ucs_status_t status) {
 
 void Agent::on_peer_error(void* arg, ucp_ep_h, ucs_status_t status) {
     auto peer = static_cast<Peer*>(arg);
-    peer->failure = "UCX reported " + status_text(status);
-    peer->agent->fail_peer_transfers(peer, "the peer failed: " + peer->failure);
-    peer->agent->streams_.peer_failed(peer->meta.name, ErrorKind::Peer,
-                                      "peer '" + peer->meta.name + "' failed: " + peer->failure);
+    peer->agent->peer_failed(*peer, "UCX reported " + status_text(status));
+}
+
+void Agent::peer_failed(Peer& peer, const std::string& failure) {
+    peer.failure = failure;
+    peer.mapping.reset();  // unmapped once the copies in flight stop (they are cancelled)
+    fail_peer_transfers(&peer, "the peer failed: " + peer.failure);
+    streams_.peer_failed(peer.meta.name, ErrorKind::Peer,
+                         "peer '" + peer.meta.name + "' failed: " + peer.failure);
 }
 
 void Agent::fail_peer_transfers(const Peer* peer, const std::string& reason) {
     for (auto& [transfer, entry] : in_flight_) {
         if (entry->peer == peer) {
             transfer->fail(ErrorKind::Peer, reason);
+            if (entry->copy) {
+                entry->copy->cancel();
+            }
         }
     }
 }
@@ -694,6 +739,20 @@ void Agent::put_then_send(const std::string& peer_name, const std::vector<BlockI
         pair_ranges(cache_.geometry(), local_ids, peer.geometry, remote_ids, {layer});
     auto transfer = std::make_shared<Transfer>(peer_name, local_ids.size() * cache_.block_nbytes(),
                                                ranges.size());
+    if (peer.mapping) {
+        auto entry = std::make_unique<InFlight>(this, transfer, &peer, std::move(message));
+        entry->am_id = kStreamAmId;
+        entry->on_done = std::move(done);
+        if (faults_ && !ranges.empty() && !cache_.on_device() && faults_->corrupt_layer()) {
+            const RangePair& first = ranges.front();
+            entry->corrupt_byte =
+                std::make_unique<uint8_t>(*reinterpret_cast<const uint8_t*>(first.here) ^ 0xFF);
+            entry->corrupt_at = reinterpret_cast<uint8_t*>(
+                peer.mapping->at(first.there_segment, first.there));
+        }
+        post_copies(Direction::Put, peer, ranges, std::move(entry));
+        return;
+    }
     post_ranges(Direction::Put, peer, ranges, *transfer);
     if (transfer->state() != TransferState::Pending) {
         done({false, ErrorKind::Transfer, transfer->error()});
@@ -758,6 +817,7 @@ void Agent::progress_loop() {
     ucp_worker_h worker = worker_.get();
     int idle = 0;
     double last_tick = 0;
+    double last_check = 0;
     while (!stop_) {
         unsigned progressed = 0;
         // Other threads that want the worker go first: std::mutex is not fair, and this
@@ -770,6 +830,10 @@ void Agent::progress_loop() {
             std::lock_guard<std::mutex> lock(worker_mu_);
             progressed = ucp_worker_progress(worker);
             const double now = steady_seconds();
+            if (now - last_check >= kCheckPeersSeconds) {  // mapped peers' processes
+                check_mapped_peers();
+                last_check = now;
+            }
             if (now - last_tick >= kTickSeconds) {  // the streams' deadlines
                 streams_.tick(now);
                 last_tick = now;

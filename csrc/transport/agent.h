@@ -26,8 +26,10 @@
 
 #include "memory/kv_cache.h"
 #include "stream/stream_protocol.h"
+#include "transport/copier.h"
 #include "transport/faults.h"
 #include "transport/metadata.h"
+#include "transport/peer_mapping.h"
 #include "transport/transfer.h"
 #include "transport/ucx.h"
 
@@ -41,8 +43,13 @@ struct AgentConfig {
     std::string faults;                // fault injection (transport/faults.h); "" for none
     std::string net_devices;           // UCX_NET_DEVICES syntax; "" lets UCX choose
     int64_t max_peers = 1024;
+    // Same-host peers map each other's memory and copy directly (transport/peer_mapping.h):
+    // this agent offers its memfd to peers and maps theirs. false keeps UCX for everything.
+    bool map_same_host = true;
+    int copy_threads = 0;  // threads copying to mapped peers; 0: chosen from the CPUs
 };
 
+constexpr int kMaxCopyThreads = 64;
 constexpr size_t kMaxNotifyBytes = 64 * 1024;
 // Received notifications wait for notifications() / wait_notification(), at most this many
 // from one peer (more are dropped and counted): a peer cannot fill this process's memory.
@@ -67,6 +74,9 @@ public:
     std::vector<std::string> peers() const;
     // The (transport, device) pairs UCX chose to reach a live peer (Endpoint::transports).
     std::vector<std::pair<std::string, std::string>> peer_transports(const std::string& name) const;
+    // How transfers with the peer move: "mapped" (memcpy into its mapped memory, same host)
+    // or "ucx".
+    std::string peer_path(const std::string& name) const;
 
     // One-sided put (write) or get (read) of local_ids[i] <-> remote_ids[i] in the given
     // layers (all when nullopt); notify is delivered to the peer once the data is in place.
@@ -119,6 +129,15 @@ private:
     void post_ranges(Direction direction, Peer& peer, const std::vector<RangePair>& ranges,
                      Transfer& transfer);
     InFlight* track(std::unique_ptr<InFlight> entry);
+    // The mapped path (agent_copies.cpp): the ranges as one copy job into or out of the
+    // peer's mapping; the entry completes, in posting order, when its copies are done.
+    void post_copies(Direction direction, Peer& peer, const std::vector<RangePair>& ranges,
+                     std::unique_ptr<InFlight> entry);
+    void drain_copies();
+    void map_peer(Peer& peer);
+    void check_mapped_peers();
+    void peer_failed(Peer& peer, const std::string& failure);
+    Copier& copier();
     void post_flush(InFlight* entry);
     void complete_flush(InFlight* entry, ucs_status_t status);
     void release_notifications(Peer& peer);
@@ -171,6 +190,7 @@ private:
     ContextPtr context_;
     WorkerPtr worker_;
     std::vector<std::unique_ptr<MemoryRegistration>> registrations_;  // one per segment
+    std::unique_ptr<Copier> copier_;  // started with the first mapped peer; signals worker_
     std::vector<uint8_t> metadata_;
     int event_fd_ = -1;
 
@@ -197,6 +217,7 @@ private:
     std::unordered_map<ucp_ep_h, Peer*> by_ep_;
     std::unordered_map<Transfer*, std::unique_ptr<InFlight>> in_flight_;
     std::vector<InFlight*> flushed_;                    // flushes done, notification still to send
+    std::deque<InFlight*> copying_;                     // mapped transfers, in posting order
     std::deque<std::pair<double, InFlight*>> delayed_;  // notifications held back by a fault
     StreamProtocol streams_;  // layer streams over this agent (guarded by worker_mu_)
 

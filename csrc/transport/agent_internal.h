@@ -28,6 +28,9 @@ struct Agent::Peer {
     // Its notifying transfers in posting order: a notification leaves only after those
     // before it (a flush may complete at once while an earlier one is still pending).
     std::deque<InFlight*> notify_order;
+    // Its memory mapped here (same host): transfers are memcpys; null: UCX carries them. Each
+    // copy job holds it too, so a dropped peer is unmapped once its last copy stopped.
+    std::shared_ptr<PeerMapping> mapping;
     // Declared last so they are destroyed first: the keys before their endpoint.
     std::unique_ptr<Endpoint> endpoint;
     std::vector<RkeyPtr> rkeys;  // one per segment of meta
@@ -49,6 +52,8 @@ struct Agent::InFlight {
     unsigned am_id = kNotifyAmId;
     PortDone on_done;                       // a stream's transfer: told how it ended
     std::unique_ptr<uint8_t> corrupt_byte;  // fault injection: the flipped byte being put
+    std::shared_ptr<CopyJob> copy;          // the mapped path's copies; null over UCX
+    uint8_t* corrupt_at = nullptr;          // mapped path: where corrupt_byte lands, in copy's map
 };
 
 }  // namespace kvmove

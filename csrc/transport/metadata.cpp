@@ -98,11 +98,18 @@ std::vector<uint8_t> encode(const AgentMetadata& meta) {
     body.put<uint32_t>(meta.incarnation);
     body.put<uint64_t>(meta.started_ns);
     body.blob<uint32_t>(meta.worker_address.data(), meta.worker_address.size());
+    body.blob<uint8_t>(meta.host.boot_id.data(), meta.host.boot_id.size());
+    body.put<uint64_t>(meta.host.netns_ino);
+    body.put<uint64_t>(meta.host.pidns_ino);
+    body.put<uint32_t>(meta.host.pid);
     body.put<uint32_t>(static_cast<uint32_t>(meta.segments.size()));
     for (const RemoteSegment& s : meta.segments) {
         body.put<uint64_t>(s.addr);
         body.put<uint64_t>(s.nbytes);
         body.blob<uint32_t>(s.packed_rkey.data(), s.packed_rkey.size());
+        body.put<int32_t>(s.memfd);
+        body.put<uint64_t>(s.memfd_dev);
+        body.put<uint64_t>(s.memfd_ino);
     }
     body.put<uint32_t>(static_cast<uint32_t>(meta.num_layers));
     body.put<uint32_t>(static_cast<uint32_t>(meta.num_blocks));
@@ -165,8 +172,23 @@ void read_segments(Reader& r, AgentMetadata& m) {
                                                     << std::hex << s.addr
                                                     << " is empty or overflows 64 bits");
         s.packed_rkey = r.blob<uint32_t>("packed_rkey", 1, kMaxBlobBytes);
+        s.memfd = r.get<int32_t>("segment memfd");
+        s.memfd_dev = r.get<uint64_t>("segment memfd_dev");
+        s.memfd_ino = r.get<uint64_t>("segment memfd_ino");
+        KVMOVE_CHECK(s.memfd >= 0 || (s.memfd == -1 && s.memfd_dev == 0 && s.memfd_ino == 0),
+                     Metadata,
+                     "bad agent metadata: segment " << i << " has memfd " << s.memfd
+                                                    << " (must be -1, with dev and ino 0, or "
+                                                    << "a file descriptor)");
         m.segments.push_back(std::move(s));
     }
+}
+
+void read_host(Reader& r, AgentMetadata& m) {
+    m.host.boot_id = text(r.blob<uint8_t>("boot_id", 0, kMaxBootIdBytes), "boot_id");
+    m.host.netns_ino = r.get<uint64_t>("netns_ino");
+    m.host.pidns_ino = r.get<uint64_t>("pidns_ino");
+    m.host.pid = r.get<uint32_t>("pid");
 }
 
 void read_planes(Reader& r, AgentMetadata& m) {
@@ -234,6 +256,7 @@ AgentMetadata decode(const std::vector<uint8_t>& bytes) {
     m.started_ns = r.get<uint64_t>("started_ns");
     KVMOVE_CHECK(m.incarnation != 0, Metadata, "bad agent metadata: incarnation is 0");
     m.worker_address = r.blob<uint32_t>("worker_address", 1, kMaxBlobBytes);
+    read_host(r, m);
     read_segments(r, m);
     read_planes(r, m);
     read_shape(r, m);

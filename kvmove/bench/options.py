@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from kvmove.agent import ERROR_MODES
+from kvmove.agent import ERROR_MODES, SAME_HOST_PATHS
 from kvmove.errors import ConfigError
 from kvmove.layout import PRESETS
 
@@ -39,6 +39,9 @@ def add_agent_args(sub: argparse.ArgumentParser, who: str) -> None:
     sub.add_argument("--error-mode", choices=list(ERROR_MODES), default="peer",
                      help="'peer' detects dead peers, on one host over shared memory and cma "
                      "too; 'none' (expert) does not (default peer, as kvmove.Agent)")
+    sub.add_argument("--same-host", choices=list(SAME_HOST_PATHS), default="map",
+                     help="'map': same-host peers copy into each other's mapped memory; 'ucx': "
+                     "UCX's transports only (default map, as kvmove.Agent)")
 
 
 def add_output_args(sub: argparse.ArgumentParser, iters_help: str, plot_help: str) -> None:

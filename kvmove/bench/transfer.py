@@ -344,8 +344,8 @@ def _transfer_config(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         model=args.model, num_tokens=args.tokens, block_sizes=sizes,
         placements=("allocator", "scatter") if args.scatter else ("allocator",),
-        transports=args.transports, error_mode=args.error_mode, iters=args.iters,
-        perftest_sizes=SWEEP_MESSAGE_SIZES if args.sweep else (), timeout=args.timeout,
-        wrap=args.wrap, against=args.against)
+        transports=args.transports, error_mode=args.error_mode, same_host=args.same_host,
+        iters=args.iters, perftest_sizes=SWEEP_MESSAGE_SIZES if args.sweep else (),
+        timeout=args.timeout, wrap=args.wrap, against=args.against)
 
 

@@ -9,7 +9,7 @@ import textwrap
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvmove.agent import ERROR_MODES
+from kvmove.agent import ERROR_MODES, SAME_HOST_PATHS
 from kvmove.bench import perftest
 from kvmove.bench.against_report import AGAINST, NixlRun, nixl_lines
 from kvmove.bench.engine_caches import WRAP_FORMATS, layout_for_format
@@ -49,6 +49,8 @@ class BenchConfig:
         placements: subset of ``PLACEMENTS``.
         transports: UCX transport list for both agents and ``ucx_perftest`` (None: UCX's).
         error_mode: the agents' ``error_mode``; ``"peer"`` also runs ``ucx_perftest -e``.
+        same_host: the agents' ``same_host``: ``"map"`` copies into the peer's mapped memory
+            (both processes run here), ``"ucx"`` measures UCX's transports instead.
         iters: timed iterations per row (plus one warm-up); the best is reported.
         spare_factor: each cache holds this many times the blocks moved.
         round_trips: timed one-block write + notification ping-pongs.
@@ -68,6 +70,7 @@ class BenchConfig:
     placements: tuple[str, ...] = ("allocator",)
     transports: str | None = None
     error_mode: str = "peer"
+    same_host: str = "map"
     iters: int = 3
     spare_factor: int = 2
     round_trips: int = 200
@@ -90,6 +93,9 @@ class BenchConfig:
             raise ConfigError(f"placements must be some of {PLACEMENTS}, got {self.placements}")
         if self.error_mode not in ERROR_MODES:
             raise ConfigError(f"error_mode must be one of {ERROR_MODES}, got {self.error_mode!r}")
+        if self.same_host not in SAME_HOST_PATHS:
+            raise ConfigError(f"same_host must be one of {SAME_HOST_PATHS}, got "
+                              f"{self.same_host!r}")
         if self.transports is not None and not self.transports.strip():
             raise ConfigError(f"transports must be a UCX transport list or None, got "
                               f"{self.transports!r}")
@@ -114,7 +120,8 @@ class BenchConfig:
 
     @property
     def agent_kwargs(self) -> dict[str, Any]:
-        return {"transports": self.transports, "error_mode": self.error_mode}
+        return {"transports": self.transports, "error_mode": self.error_mode,
+                "same_host": self.same_host}
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ The receiver serves on ``--host`` (UCX and the metadata listener), says READY, w
 sender's notification and prints the sha256 of its whole cache and the addresses its sockets
 listen on; the sender serves on ``--bind``, fills its cache with ``pattern(seed)``, connects,
 writes its blocks ``0..n-1`` to ``--remote-ids`` with a notification and prints the
-transfer's stats. Both take the deployment key from ``KVMOVE_KEY``.
+path the peer is reached by (``Agent.peer_path``) and the transfer's stats. Both take the deployment key from ``KVMOVE_KEY``.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def _send(args: argparse.Namespace) -> int:
                       host=args.bind) as agent:
         peer = agent.connect(args.host, args.port, timeout=args.timeout)
         print(f"PEER {peer}", flush=True)
+        print(f"PATH {agent.peer_path(peer)}", flush=True)  # another netns: never "mapped"
         t = agent.write(peer, list(range(len(remote_ids))), remote_ids, notify=b"two-hosts")
         t.wait(args.timeout)
         print(f"STATE {t.state}", flush=True)

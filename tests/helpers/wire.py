@@ -1,13 +1,14 @@
 """Agent metadata built field by field (csrc/transport/metadata.h), for tests that forge it.
 
-Wire format (version 4), little-endian:
+Wire format (version 5), little-endian:
   "KVMV" | u16 version | u16 reserved | u32 body_nbytes | body | u64 xxh64(body)
-  body = name | incarnation | started_ns | worker_address | u32 num_segments | segment*
+  body = name | incarnation | started_ns | worker_address | boot_id | netns_ino | pidns_ino
+       | pid | u32 num_segments | segment*
        | num_layers | num_blocks | num_parts | plane* | num_kv_heads | head_dim | block_size
        | dtype | order | head_first | total_kv_heads
 
 ``parse`` gives the scalar fields by name, and ``segments`` / ``planes`` as lists of dicts
-(``addr``, ``nbytes``, ``packed_rkey`` / ``base``, ``block_stride``, ``block_nbytes``,
+(``addr``, ``nbytes``, ``packed_rkey``, ``memfd``, ``memfd_dev``, ``memfd_ino`` / ``base``, ``block_stride``, ``block_nbytes``,
 ``segment``); ``build`` takes the same, so a test changes one field of one record.
 """
 
@@ -20,10 +21,12 @@ from kvmove import _C
 
 HEADER = struct.Struct("<4sHHI")
 # (field, struct format); blobs ("*") are (length format, bytes).
-SEGMENT_FIELDS = [("addr", "Q"), ("nbytes", "Q"), ("packed_rkey", "I*")]
+SEGMENT_FIELDS = [("addr", "Q"), ("nbytes", "Q"), ("packed_rkey", "I*"), ("memfd", "i"),
+                  ("memfd_dev", "Q"), ("memfd_ino", "Q")]
 PLANE_FIELDS = [("base", "Q"), ("block_stride", "Q"), ("block_nbytes", "Q"), ("segment", "I")]
 BODY_FIELDS = [
     ("name", "B*"), ("incarnation", "I"), ("started_ns", "Q"), ("worker_address", "I*"),
+    ("boot_id", "B*"), ("netns_ino", "Q"), ("pidns_ino", "Q"), ("pid", "I"),
     ("segments", SEGMENT_FIELDS),
     ("num_layers", "I"), ("num_blocks", "I"), ("num_parts", "I"),
     ("planes", PLANE_FIELDS),

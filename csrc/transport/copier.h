@@ -1,0 +1,83 @@
+// Copier: the threads that run the memcpys of transfers to mapped same-host peers.
+//
+// A CopyJob is one transfer's byte ranges, cut into chunks of about kChunkBytes (long ranges
+// split, short ones grouped), so several threads share one large transfer, and a cancelled
+// job stops within one chunk per thread. Jobs run in submission order; a job is done once
+// every chunk was copied or, after cancel(), skipped. Whoever waits for jobs polls done():
+// the Agent completes them in posting order from its progress thread, which `on_done` wakes.
+//
+// Large pieces are copied with non-temporal stores (copier.cpp says why, with figures). The
+// thread count is a setting (AgentConfig::copy_threads; agent_copies.cpp picks the default).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace kvmove {
+
+struct CopyOp {
+    char* dst;
+    const char* src;
+    uint64_t nbytes;
+};
+
+class CopyJob {
+public:
+    // keep_alive: what the pointers point into (a peer's mapping), held until the job dies.
+    CopyJob(const std::vector<CopyOp>& ops, std::shared_ptr<const void> keep_alive,
+            std::function<void()> on_done);
+    CopyJob(const CopyJob&) = delete;
+    CopyJob& operator=(const CopyJob&) = delete;
+
+    uint64_t nbytes() const { return nbytes_; }
+    bool done() const { return done_.load(std::memory_order_acquire); }
+    bool cancelled() const { return cancelled_.load(std::memory_order_relaxed); }
+    // The chunks not yet started are skipped; done() once the running ones end.
+    void cancel() { cancelled_.store(true, std::memory_order_relaxed); }
+    // Runs the next chunk; false when none was left to take.
+    bool run_chunk();
+    void run_all() {
+        while (run_chunk()) {
+        }
+    }
+
+private:
+    std::vector<CopyOp> pieces_;
+    std::vector<size_t> chunk_ends_;  // chunk i is pieces_[chunk_ends_[i-1], chunk_ends_[i])
+    std::shared_ptr<const void> keep_alive_;
+    std::function<void()> on_done_;
+    uint64_t nbytes_ = 0;
+    std::atomic<size_t> next_{0};
+    std::atomic<size_t> left_;
+    std::atomic<bool> cancelled_{false};
+    std::atomic<bool> done_{false};
+};
+
+class Copier {
+public:
+    explicit Copier(int num_threads);
+    // Cancels what is queued and joins the threads.
+    ~Copier();
+    Copier(const Copier&) = delete;
+    Copier& operator=(const Copier&) = delete;
+
+    void submit(std::shared_ptr<CopyJob> job);
+
+private:
+    void loop();
+
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::deque<std::shared_ptr<CopyJob>> queue_;
+    bool stop_ = false;
+    std::vector<std::thread> threads_;
+};
+
+}  // namespace kvmove
