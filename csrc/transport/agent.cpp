@@ -35,6 +35,8 @@ constexpr double kTickSeconds = 1e-3;  // how often the streams' deadlines are c
 // checks them too, before it posts).
 constexpr double kCheckPeersSeconds = 10e-3;
 constexpr double kCloseSeconds = 2.0;  // how long close() lets pending work finish
+// How long wait_notification() polls the worker from the waiting thread before it sleeps.
+constexpr double kPollNotifySeconds = 200e-6;
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -652,6 +654,9 @@ std::vector<std::pair<std::string, std::string>> Agent::notifications() {
 
 std::pair<std::string, std::string> Agent::wait_notification(double timeout_seconds) {
     check_timeout(timeout_seconds);
+    if (auto got = poll_notification(std::min(timeout_seconds, kPollNotifySeconds))) {
+        return *got;
+    }
     std::unique_lock<std::mutex> lock(notify_mu_);
     bool got = notify_cv_.wait_for(lock, std::chrono::duration<double>(timeout_seconds),
                                    [this] { return !received_.empty() || closed_; });
@@ -662,6 +667,34 @@ std::pair<std::string, std::string> Agent::wait_notification(double timeout_seco
     received_.pop_front();
     --queued_[out.first];
     return out;
+}
+
+// The first moments of a wait: this thread progresses the worker itself, so a notification
+// that comes soon is delivered without waking two threads (the progress thread from its poll,
+// then this one from the condition variable), each wake-up costing tens of microseconds on a
+// busy machine. The worker is only tried: the progress thread may be delivering it right now.
+std::optional<std::pair<std::string, std::string>> Agent::poll_notification(double seconds) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    do {
+        {
+            std::lock_guard<std::mutex> lock(notify_mu_);
+            if (!received_.empty()) {
+                auto out = std::move(received_.front());
+                received_.pop_front();
+                --queued_[out.first];
+                return out;
+            }
+            if (closed_) {
+                return std::nullopt;
+            }
+        }
+        std::unique_lock<std::mutex> worker(worker_mu_, std::try_to_lock);
+        if (worker.owns_lock() && !stop_) {
+            ucp_worker_progress(worker_.get());
+            drain_deferred();
+        }
+    } while (std::chrono::steady_clock::now() < until);
+    return std::nullopt;
 }
 
 std::shared_ptr<SaveStream> Agent::stream_to(const std::string& peer,

@@ -136,6 +136,7 @@ private:
     void drain_copies();
     void map_peer(Peer& peer);
     void check_mapped_peers();
+    std::optional<std::pair<std::string, std::string>> poll_notification(double seconds);
     void peer_failed(Peer& peer, const std::string& failure);
     Copier& copier();
     void post_flush(InFlight* entry);
