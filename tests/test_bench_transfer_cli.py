@@ -81,7 +81,7 @@ def _json(result: subprocess.CompletedProcess[str]) -> dict:
 # --- output ---------------------------------------------------------------------------------
 
 def test_text_has_one_row_per_configuration(bench: Bench) -> None:
-    result = bench("transfer", *TINY, "--scatter", "--transports", "tcp")
+    result = bench("transfer", *TINY, "--scatter", "--transports", "tcp", "--same-host", "ucx")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     for op in ("write", "read"):
@@ -92,7 +92,8 @@ def test_text_has_one_row_per_configuration(bench: Bench) -> None:
     for text in ("ops posted", "post ms", "total ms", "GB/s", "% of memcpy", "% of perftest",
                  "memcpy (numpy copyto)", "ucx_perftest ucp_put_bw", "ucx_perftest ucp_get",
                  "ucx_perftest ucp_put_lat", "round trip", "NVLink", "InfiniBand 400G",
-                 "Ethernet 25G", "this machine, write (allocator)", "transports tcp (tcp/lo)"):
+                 "Ethernet 25G", "this machine, write (allocator)",
+                 "bytes and notifications over transports tcp (tcp/lo)"):
         assert text in out, text
     assert "Traceback" not in result.stderr
 
@@ -106,6 +107,8 @@ def test_json_reports_verified_rows_and_baselines(bench: Bench) -> None:
     # the default, error mode peer, on one host: shared memory and cma (docs/transfer.md)
     assert "cma/memory" in data["transports_used"]
     assert not [tl for tl in data["transports_used"] if tl.startswith("tcp/")]
+    # and the bytes themselves go through the peer's mapped memory (same_host="map")
+    assert data["path"] == "mapped"
     rows = {(row["op"], row["placement"]): row for row in data["rows"]}
     assert set(rows) == {(op, p) for op in ("write", "read") for p in ("allocator", "scatter")}
     for (op, placement), row in rows.items():

@@ -67,6 +67,9 @@ __all__ = ["add_parser", "count_steps", "memcpy_gbytes_per_s", "run", "run_comma
 
 # (transport, device) pairs, as Agent.peer_transports gives them.
 Transports = tuple[tuple[str, str], ...]
+# How the near agent reaches the far one (Agent.peer_path: "mapped" or "ucx"), and the UCX
+# transports between them (which carry the notifications on the mapped path too).
+Route = tuple[str, Transports]
 
 
 # --- measuring ------------------------------------------------------------------------------
@@ -139,17 +142,17 @@ def _round_trip(near: Side, peer: Peer, local_id: int, remote_id: int,
 
 def _measure_cache(peer: Peer, config: BenchConfig, block_size: int, cache: str,
                    progress: Progress, with_round_trip: bool
-                   ) -> tuple[list[TransferRow], RoundTrip | None, Registration, Transports]:
+                   ) -> tuple[list[TransferRow], RoundTrip | None, Registration, Route]:
     """The rows of one block size between two caches of kind ``cache`` (``NATIVE`` or a
     wrapped format), how long the near side's registration took, and the transports UCX
-    chose between the two agents."""
+    chose between the two agents, with the path the bytes took."""
     layout = config.layout(block_size)
     num_blocks = layout.blocks_for(config.num_tokens)
     cache_blocks = num_blocks * config.spare_factor
     near = connect_pair(peer, layout, cache_blocks, config.agent_kwargs, config.timeout,
                         wrap=None if cache == NATIVE else cache)
     try:
-        transports = tuple(near.agent.peer_transports(FAR))
+        route = (near.agent.peer_path(FAR), tuple(near.agent.peer_transports(FAR)))
         rows, round_trip = [], None
         for index, placement in enumerate(config.placements):
             seed = config.seed * 1000 + block_size * 10 + index
@@ -162,7 +165,7 @@ def _measure_cache(peer: Peer, config: BenchConfig, block_size: int, cache: str,
             if with_round_trip and round_trip is None:
                 round_trip = _round_trip(near, peer, local_ids[0], remote_ids[0], config)
                 progress("round trip")
-        return rows, round_trip, near.registration, transports
+        return rows, round_trip, near.registration, route
     finally:
         near.close()
 
@@ -199,7 +202,7 @@ def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
     """
     progress = progress or (lambda label: None)
     start = time.perf_counter()
-    rows, round_trip, registrations, transports = _measure_transfers(config, progress)
+    rows, round_trip, registrations, (path, transports) = _measure_transfers(config, progress)
     nixl = against.run(config, progress) if config.against == "nixl" else None
     perftest_bw = _perftest_bandwidths(config, rows, progress)
     perftest_lat = []
@@ -214,19 +217,19 @@ def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
         progress(f"memcpy {nbytes} B")
     return BenchReport(config, tuple(rows), round_trip, memcpy, tuple(perftest_bw),
                        tuple(perftest_lat), time.perf_counter() - start, tuple(registrations),
-                       nixl, transports)
+                       nixl, transports, path)
 
 
 def _measure_transfers(config: BenchConfig, progress: Progress
-                       ) -> tuple[list[TransferRow], RoundTrip, list[Registration], Transports]:
+                       ) -> tuple[list[TransferRow], RoundTrip, list[Registration], Route]:
     """Per block size, the native caches' rows, then the wrapped ones' (``config.caches``):
     each pair of caches is made, measured and closed before the next, so two never compete
-    for memory. The transports are the first pair's."""
+    for memory. The route is the first pair's."""
     peer = Peer(config.timeout)
     try:
         rows: list[TransferRow] = []
         registrations: list[Registration] = []
-        round_trip, transports = None, ()
+        round_trip, route = None, None
         for block_size in config.block_sizes:
             for cache in config.caches:
                 more, trip, registration, used = _measure_cache(
@@ -234,8 +237,8 @@ def _measure_transfers(config: BenchConfig, progress: Progress
                 rows += more
                 registrations.append(registration)
                 round_trip = round_trip or trip
-                transports = transports or used
-        return rows, round_trip, registrations, transports
+                route = route or used
+        return rows, round_trip, registrations, route
     finally:
         peer.stop()
 

@@ -202,6 +202,9 @@ class BenchReport:
     nixl: NixlRun | None = None  # with against="nixl"
     # (transport, device) pairs UCX chose between the two agents (Agent.peer_transports).
     transports_used: tuple[tuple[str, str], ...] = ()
+    # How the bytes went (Agent.peer_path): "mapped" (one copy into the peer's mapped memory;
+    # UCX carries only the notifications) or "ucx"; "" where not measured.
+    path: str = ""
 
     @property
     def verified(self) -> bool:
@@ -263,6 +266,7 @@ class BenchReport:
             },
             "registration": [r.to_dict() for r in self.registrations],
             "transports_used": [f"{tl}/{dev}" for tl, dev in self.transports_used],
+            "path": self.path,
             "registration_timed": REGISTRATION_TIMED,
             "links": self.links(), "wall_seconds": self.wall_seconds,
             "against": None if self.nixl is None else self.nixl.to_dict(self.round_trip),
@@ -301,7 +305,7 @@ def format_transfer(report: BenchReport) -> str:
         f"{config.model} ({layout.num_layers} layers, {layout.num_kv_heads} KV heads, head_dim "
         f"{layout.head_dim}, {layout.dtype}), {config.num_tokens:,} tokens: KV {kv_bytes:,} B "
         f"({human_bytes(kv_bytes)}); caches of {config.spare_factor}x the blocks moved; "
-        f"transports {transports}, error mode {config.error_mode}; "
+        f"{_path_words(report.path)}transports {transports}, error mode {config.error_mode}; "
         f"best of {config.iters} after a warm-up, every byte verified on the receiving side"
     )
     return "\n".join([header, *_wrap_lines(report), "", *_transfer_table(report), "",
@@ -309,6 +313,14 @@ def format_transfer(report: BenchReport) -> str:
                       *_baseline_lines(report), "",
                       *_round_trip_lines(report), "", *_link_lines(report),
                       "", f"measured in {report.wall_seconds:.1f} s"])
+
+
+def _path_words(path: str) -> str:
+    if path == "mapped":
+        return "bytes copied into the peer's mapped memory (same host), notifications over "
+    if path == "ucx":
+        return "bytes and notifications over "
+    return ""
 
 
 def _wrap_lines(report: BenchReport) -> list[str]:
