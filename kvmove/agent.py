@@ -367,6 +367,10 @@ class Agent:
     def wait_notification(self, timeout: float) -> tuple[str, bytes]:
         """The oldest notification, waiting up to ``timeout`` seconds for one.
 
+        The first 200 µs of the wait poll the transport from the calling thread (a
+        notification that comes that soon reaches the caller without waking two threads);
+        then the caller sleeps until one comes.
+
         Raises:
             TimeoutError: none came in time (or the agent closed).
         """
