@@ -32,6 +32,9 @@ from kvmove.engine.request import Request, SamplingParams
 from kvmove.engine.scheduler import SchedulerConfig
 from kvmove.engine.tokenizer import ByteTokenizer
 from kvmove.engine.worker import Worker
+from kvmove.errors import ConfigError
+from kvmove.serve.config import ServeConfig
+from kvmove.serve.ray_workers import default_resources
 
 from helpers.serve import WORKDIR, Server, process_alive, wait_until
 
@@ -133,7 +136,38 @@ def test_ray_without_ray_installed_exits_2_naming_the_extra(tmp_path: Path) -> N
     assert "pip install 'kvmove[ray]'" in result.stderr, result.stderr
 
 
+def test_default_resources_are_the_roles_own_else_a_gpu() -> None:
+    assert default_resources("prefill", {"CPU": 8, "prefill": 1}) == {"CPU": 1, "prefill": 1}
+    assert default_resources("decode", {"CPU": 8, "GPU": 8}) == {"CPU": 1, "GPU": 1}
+    assert default_resources("decode", {"CPU": 8}) == {"CPU": 1, "decode": 1}
+    assert default_resources("decode", {"GPU": 8, "decode": 2}) == {"CPU": 1, "decode": 1}
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"ray_resources": {"prefill": {"CPU": 1}}}, ["needs ray"]),
+    ({"ray": "local", "ray_resources": {"colocated": {"CPU": 1}}}, ["'colocated'", "disagg"]),
+    ({"ray": "local", "ray_resources": {"decode": {"GPU": -1}}}, ["'GPU'", "-1"]),
+    ({"ray": ""}, ["'local'"]),
+])
+def test_ray_options_are_checked(kwargs: dict, words: list[str]) -> None:
+    with pytest.raises(ConfigError) as error:
+        ServeConfig(**kwargs)
+    assert all(w in str(error.value) for w in words), str(error.value)
+
+
 # --- on the cluster ----------------------------------------------------------------------------
+
+def test_a_cluster_short_of_a_resource_is_refused_at_start_naming_it(cluster: Any) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvmove.serve.cli", "--ray", cluster.address, "--prefill", "2",
+         "--port", "0", "--model", MODEL], cwd=WORKDIR, capture_output=True, text=True,
+        timeout=120)
+    assert result.returncode == 2, result.stderr[-3000:]
+    message = result.stderr.splitlines()[-1]
+    assert "2 'prefill' (it has 1)" in message and "3 'CPU' (it has 2)" in message, message
+    assert "'decode'" not in message.split(";")[0] and "--ray-resources" in message, message
+
+
 
 def test_workers_are_actors_placed_by_their_roles_resources(ray: Any, server: Server) -> None:
     workers = {w["name"]: w for w in server.health()["workers"]}

@@ -127,13 +127,15 @@ class RayLauncher:
         for _, role in config.roles():
             for name, amount in self.resources[role].items():
                 need[name] = need.get(name, 0) + amount
-        for name, amount in need.items():
-            if amount > cluster.get(name, 0):
-                self.close()
-                raise ConfigError(
-                    f"the workers need {amount:g} {name!r} in all ({self.resources}), the Ray "
-                    f"cluster has {cluster.get(name, 0):g}: start nodes with it (ray start "
-                    f"--resources '{{\"{name}\": 1}}') or ask for others (--ray-resources)")
+        short = [f"{amount:g} {name!r} (it has {cluster.get(name, 0):g})"
+                 for name, amount in need.items() if amount > cluster.get(name, 0)]
+        if short:
+            self.close()
+            raise ConfigError(
+                f"the workers need, in all, more than the Ray cluster has: {', '.join(short)}; "
+                f"per worker {self.resources}. Add nodes that have them (ray start "
+                "--num-cpus/--num-gpus/--resources '{\"prefill\": 1}') or ask for others "
+                "(--ray-resources ROLE=JSON)")
 
     def start(self, name: str, role: str, command: list[str],
               env: dict[str, str]) -> RayProcess:

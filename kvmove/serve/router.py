@@ -463,7 +463,7 @@ class Router:
         self._identities.pop(worker.identity, None)  # what it sent last is not heard
         code = worker.process.returncode
         logger.log(logging.INFO if self._stopped else logging.WARNING,
-                   "worker %s (pid %d) exited with code %s", worker.name, worker.pid, code)
+                   "worker %s (pid %s) exited with code %s", worker.name, worker.pid, code)
         for rid in list(worker.requests):
             handle = self.handles.get(rid)
             if handle is not None:
