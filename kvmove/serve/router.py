@@ -483,7 +483,8 @@ class Router:
 
     def health(self) -> dict[str, Any]:
         workers = [{"name": w.name, "role": w.role, "alive": w.alive, "ready": w.ready,
-                    "pid": w.pid, "node": w.node, **(w.stats.model_dump(exclude={"ev"}) if w.stats else {})}
+                    "pid": w.pid, "node": w.node,
+                    **(w.stats.model_dump(exclude={"ev"}) if w.stats else {})}
                    for w in self.workers.values()]
         serving = all(any(w.alive and w.role == role for w in self.workers.values())
                       for role in {w.role for w in self.workers.values()})
