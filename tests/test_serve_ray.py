@@ -11,7 +11,9 @@ left); the second is SIGKILLed (Ray kills the actors its driver owned, and their
 with them). The actors are named ``kvmove-serve-*``; this module lists the live ones with
 ``ray.util.list_named_actors`` (``ray.util.state`` needs Ray's dashboard, ``ray[default]``).
 
-Without Ray every test but the first skips, saying why. Every wait has a deadline.
+Before the cluster, ``--ray`` without an address: a Ray of its own, gone with the server (its
+processes carry the server's tag). Without Ray every test but the option checks skips, saying
+why. Every wait has a deadline.
 """
 
 from __future__ import annotations
@@ -153,6 +155,21 @@ def test_ray_options_are_checked(kwargs: dict, words: list[str]) -> None:
     with pytest.raises(ConfigError) as error:
         ServeConfig(**kwargs)
     assert all(w in str(error.value) for w in words), str(error.value)
+
+
+def test_ray_without_an_address_serves_on_a_ray_of_its_own(
+        ray: Any, reference: dict[str, list[int]]) -> None:
+    """Before the module's cluster starts: ``--ray`` alone starts a Ray here, on loopback, with
+    the role resources its workers ask for; SIGTERM stops it, and every process the server
+    started (Ray's included: they carry its tag) is gone."""
+    server = Server("--ray", "--mode", "colocated", "--workers", "1")
+    try:
+        [worker] = server.health()["workers"]
+        assert worker["node"] and process_alive(worker["pid"])
+        assert complete(server, PROMPTS[1]) == TOKENIZER.decode(reference[PROMPTS[1]])
+        assert "Started a local Ray instance" in server.stderr_text(tail=None)
+    finally:
+        server.close()  # fails if anything it started is left after SIGTERM
 
 
 # --- on the cluster ----------------------------------------------------------------------------
