@@ -2,7 +2,8 @@
 
     kvmove-serve --mode disagg --prefill 1 --decode 1 --model tiny --port 8000
 
-starts one process per engine instance, waits until every one is ready, prints
+starts one process per engine instance (``--ray [ADDRESS]``: each as a Ray actor's child,
+placed by Ray on a cluster), waits until every one is ready, prints
 ``kvmove-serve ready on http://HOST:PORT ...`` and serves until SIGINT or SIGTERM, then stops
 every worker process before exiting (none is left behind: workers also exit by themselves
 when the server process is gone).
@@ -36,7 +37,7 @@ from kvmove.serve.vllm_pools import KV_MODES, ProxyConfig
 _ENGINE_ONLY = ("mode", "workers", "prefill", "decode", "chunk_size", "model", "num_blocks",
                 "block_size", "max_num_seqs", "agent_host", "key_file", "transports",
                 "no_pin_cpus", "transfer_timeout", "store_dir", "store_host_gb",
-                "store_disk_gb", "no_checksums", "no_restart")
+                "store_disk_gb", "no_checksums", "no_restart", "ray", "ray_resources")
 _UNSET = object()
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -109,6 +110,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", choices=sorted(_log.LEVELS), default=None,
                    help="the router's, uvicorn's and every worker's log level (default: "
                    "KVMOVE_LOG_LEVEL, else info); workers' output is logged with their names")
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run each worker as a Ray actor's child, placed by Ray's resources: "
+                   "on the Ray cluster at ADDRESS (HOST:PORT), or, without ADDRESS, on a Ray "
+                   "started here. Needs pip install 'kvmove[ray]' (docs/serving.md)")
+    p.add_argument("--ray-resources", action="append", default=None, metavar="ROLE=JSON",
+                   help="a role's (prefill, decode, colocated) Ray resources per worker, e.g. "
+                   "prefill='{\"CPU\": 1, \"GPU\": 1}' (repeatable; default: one CPU and one "
+                   "of the role's own resource, {\"prefill\": 1}, or one GPU where no node has "
+                   "that resource and the cluster has GPUs)")
     p.add_argument("--vllm-prefill", nargs="+", metavar="URL", default=None,
                    help="front these vLLM prefill instances (with --vllm-decode) instead of "
                    "running engine workers; vLLM's P/D protocol (docs/serving.md)")
@@ -260,6 +270,24 @@ def _proxy_config(parser: argparse.ArgumentParser, args: argparse.Namespace,
         if args.allowed_hosts is not None else None)
 
 
+def _ray_resources(parser: argparse.ArgumentParser,
+                   given: list[str] | None) -> dict[str, dict[str, float]] | None:
+    """``--ray-resources ROLE=JSON ...`` as {role: {resource: amount}}."""
+    if given is None:
+        return None
+    resources = {}
+    for item in given:
+        role, _, text = item.partition("=")
+        try:
+            amounts = json.loads(text)
+        except json.JSONDecodeError as error:
+            parser.error(f"--ray-resources {item!r}: not ROLE=JSON ({error})")
+        if not isinstance(amounts, dict):
+            parser.error(f"--ray-resources {item!r}: JSON must be an object of amounts")
+        resources[role.strip()] = amounts
+    return resources
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -281,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
             log_level=log_level(args.log_level), max_pending=args.max_pending,
             max_body_bytes=args.max_body_bytes,
             allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(","))
-            if args.allowed_hosts is not None else None)
+            if args.allowed_hosts is not None else None,
+            ray=args.ray, ray_resources=_ray_resources(parser, args.ray_resources))
         _setup_logging(config.log_level)
         return asyncio.run(_serve(config))
     except ConfigError as error:

@@ -48,6 +48,12 @@ class ServeConfig:
     max_pending: int = 256        # completions admitted at once (more: 429)
     max_body_bytes: int = 4 * 2**20  # a request body (more: 413)
     allowed_hosts: tuple[str, ...] | None = None  # Host headers served (None: loopback + host)
+    # Workers as Ray actors (ray_workers.py): None, the local launcher (child processes);
+    # "local", a Ray started here; else the address of a Ray cluster to connect to.
+    ray: str | None = None
+    # Ray resources per role ({"prefill": {"CPU": 1, "GPU": 1}}); a role not given gets
+    # ray_workers.default_resources'.
+    ray_resources: dict[str, dict[str, float]] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -79,6 +85,24 @@ class ServeConfig:
                               "KVMOVE_KEY), the host key proves nothing to another host")
         if self.allowed_hosts is not None and not all(self.allowed_hosts):
             raise ConfigError(f"allowed_hosts must be host names, got {self.allowed_hosts!r}")
+        self._check_ray()
+
+    def _check_ray(self) -> None:
+        if self.ray is not None and not self.ray:
+            raise ConfigError("ray must be 'local' or a Ray cluster's address, got ''")
+        if self.ray_resources is None:
+            return
+        if self.ray is None:
+            raise ConfigError("ray_resources needs ray (--ray-resources without --ray)")
+        for role, amounts in self.ray_resources.items():
+            if role not in self.pools():
+                raise ConfigError(f"ray_resources are for the roles {self.pools()} of mode "
+                                  f"{self.mode}, got {role!r}")
+            for name, amount in amounts.items():
+                if not isinstance(name, str) or isinstance(amount, bool) or \
+                        not isinstance(amount, int | float) or not 0 <= amount < 1e6:
+                    raise ConfigError(f"ray_resources[{role!r}] must map resource names to "
+                                      f"amounts >= 0, got {name!r}: {amount!r}")
 
     def hosts(self) -> frozenset[str] | None:
         """The Host header names served (lower case, no port); None: any (``*``). By default

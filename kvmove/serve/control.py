@@ -14,6 +14,12 @@ loop for good):
   environment (``IDENTITY_VARIABLE``; a command line is readable by every user), and the
   router takes events only from the identity of a live worker process. ZeroMQ refuses a
   second connection that claims an identity already connected.
+* Under Ray (``kvmove-serve --ray``, ``ray_workers.py``) the workers are no children of the
+  router and may run on other hosts: the socket is ``tcp://`` on the router's address (a free
+  port), which anyone who reaches that address can connect to. The random identity, handed to
+  each worker through its actor's arguments (readable by whoever can use the Ray cluster, who
+  can run code on its nodes anyway), stays the guard: an unknown identity's messages are
+  dropped.
 * Every message is parsed in full (``messages.py``) and at most ``MAX_MESSAGE_BYTES``
   (``zmq.MAXMSGSIZE`` on both ends: ZeroMQ disconnects a peer that sends a larger one before
   a byte of it is buffered for us).
@@ -52,33 +58,43 @@ def _bounded(socket: zmq.Socket) -> zmq.Socket:
 
 
 class ControlEndpoint:
-    """The router's ROUTER socket on ``ipc://<private directory>/control``.
+    """The router's ROUTER socket on ``ipc://<private directory>/control``, or on
+    ``tcp://HOST:<free port>`` when workers elsewhere must reach it.
 
     Args:
         context: the ZeroMQ context to make the socket in (``zmq.asyncio`` for the router).
+        host: None for the private ipc socket; else the address to listen on over tcp.
 
     Raises:
         ConfigError: the socket's path is too long for a Unix socket (a long ``TMPDIR``).
     """
 
-    def __init__(self, context: zmq.Context) -> None:
+    def __init__(self, context: zmq.Context, host: str | None = None) -> None:
+        self.directory: str | None = None
+        self.socket = _bounded(context.socket(zmq.ROUTER))
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown identity raises
+        if host is not None:
+            self.socket.setsockopt(zmq.IPV6, ":" in host)
+            bracketed = f"[{host}]" if ":" in host else host
+            port = self.socket.bind_to_random_port(f"tcp://{bracketed}")
+            self.address = f"tcp://{bracketed}:{port}"
+            return
         self.directory = tempfile.mkdtemp(prefix="kvmove-serve-")  # mode 0700
         path = os.path.join(self.directory, "control")
         if len(os.fsencode(path)) > _UNIX_PATH_BYTES:
-            os.rmdir(self.directory)
+            self.close()
             raise ConfigError(f"the control socket's path {path!r} is "
                               f"{len(os.fsencode(path))} bytes, over the {_UNIX_PATH_BYTES} a "
                               "Unix socket allows: set TMPDIR to a shorter directory")
         self.address = f"ipc://{path}"
-        self.socket = _bounded(context.socket(zmq.ROUTER))
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown identity raises
         self.socket.bind(self.address)
 
     def close(self) -> None:
         """Closes the socket and removes the directory. Idempotent."""
         self.socket.close()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def worker_socket(context: zmq.Context, address: str, identity: bytes) -> zmq.Socket:

@@ -39,7 +39,8 @@ from kvmove.serve.messages import (
     Abort, Add, Connect, Connected, Ended, Event, Failed, Ready, Reserve, Reserved,
     Shutdown, Stats, Tokens, encode, parse_event)
 from kvmove.serve.metrics import Metrics
-from kvmove.serve.workers import WorkerInfo, cpu_shares, end_process, worker_command
+from kvmove.serve.workers import (
+    WorkerInfo, cpu_shares, end_process, launcher_for, worker_command)
 
 __all__ = ["MODES", "Handle", "Router", "ServeConfig", "WorkerInfo"]
 
@@ -82,8 +83,9 @@ class Router:
         self._identities: dict[bytes, WorkerInfo] = {}  # live worker processes only
         self._drops: dict[str, int] = {}  # control messages dropped, by reason
         self._stopped = False
+        self.launcher = launcher_for(config)  # where worker processes run (--ray: Ray actors)
         self.context = zmq.asyncio.Context()
-        self.control = ControlEndpoint(self.context)
+        self.control = ControlEndpoint(self.context, self.launcher.control_host)
         self.socket = self.control.socket
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -100,10 +102,11 @@ class Router:
 
     async def _start(self) -> None:
         c = self.config
-        cpus = cpu_shares(len(c.roles())) if c.pin_cpus else [[] for _ in c.roles()]
+        pin = c.pin_cpus and self.launcher.local  # under Ray, its num_cpus places workers
+        cpus = cpu_shares(len(c.roles())) if pin else [[] for _ in c.roles()]
         for (name, role), mine in zip(c.roles(), cpus):
             command = worker_command(c, name, role, mine, self.control.address)
-            self.workers[name] = WorkerInfo(name, role, command)
+            self.workers[name] = WorkerInfo(name, role, command, self.launcher)
             self._launch(self.workers[name])
         self._loop("receive", self._receive())
         self._loop("monitor", self._monitor())
@@ -191,6 +194,7 @@ class Router:
             self._end(handle, "abort", "", "the server is shutting down")
         self.control.close()
         self.context.term()
+        self.launcher.close()
 
     # --- requests -------------------------------------------------------------------------
 
@@ -459,7 +463,7 @@ class Router:
         self._identities.pop(worker.identity, None)  # what it sent last is not heard
         code = worker.process.returncode
         logger.log(logging.INFO if self._stopped else logging.WARNING,
-                   "worker %s (pid %d) exited with code %s", worker.name, worker.pid, code)
+                   "worker %s (pid %s) exited with code %s", worker.name, worker.pid, code)
         for rid in list(worker.requests):
             handle = self.handles.get(rid)
             if handle is not None:
@@ -479,7 +483,8 @@ class Router:
 
     def health(self) -> dict[str, Any]:
         workers = [{"name": w.name, "role": w.role, "alive": w.alive, "ready": w.ready,
-                    "pid": w.pid, **(w.stats.model_dump(exclude={"ev"}) if w.stats else {})}
+                    "pid": w.pid, "node": w.node,
+                    **(w.stats.model_dump(exclude={"ev"}) if w.stats else {})}
                    for w in self.workers.values()]
         serving = all(any(w.alive and w.role == role for w in self.workers.values())
                       for role in {w.role for w in self.workers.values()})

@@ -2,6 +2,12 @@
 identity), what the router knows of it, its output, relayed into the router's log, and how
 one is ended.
 
+Where a worker's process runs is its launcher's business: ``LocalLauncher`` (the default)
+starts it as the router's child on this host; ``ray_workers.RayLauncher`` (``--ray``) as the
+child of a Ray actor placed by Ray. Either hands back a handle with ``subprocess.Popen``'s
+``pid``, ``poll``, ``returncode``, ``wait``, ``terminate`` and ``kill``, which is all the
+router uses, so it does not care which.
+
 A worker's stdout and stderr were thrown away (``subprocess.DEVNULL``), so a worker that
 failed said nothing. Now a thread per stream reads them line by line and logs each line on
 the ``kvmove.serve.worker`` logger with the worker's name in it. Workers log in
@@ -19,19 +25,67 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO
+from typing import IO, Any, Protocol
 
 from kvmove.serve.config import ServeConfig
 from kvmove.serve.control import IDENTITY_VARIABLE, new_identity
 from kvmove.serve.messages import Stats
 
-__all__ = ["LINE_FORMAT", "WorkerInfo", "cpu_shares", "end_process", "worker_command"]
+__all__ = ["LINE_FORMAT", "Launcher", "LocalLauncher", "WorkerInfo", "cpu_shares",
+           "end_process", "launcher_for", "worker_command"]
 
 LINE_FORMAT = "%(levelname)s %(name)s: %(message)s"
 MAX_LINE_BYTES = 64 * 1024  # a longer line is logged in pieces
 _LEVELS = {name: getattr(logging, name) for name in ("DEBUG", "INFO", "WARNING", "ERROR",
                                                       "CRITICAL")}
 output_logger = logging.getLogger("kvmove.serve.worker")
+
+
+class Launcher(Protocol):
+    """Starts worker processes somewhere, and says how the router can be reached from there."""
+
+    local: bool  # its workers are this host's processes (they may be pinned to its cores)
+    control_host: str | None  # where the control socket listens (None: the private ipc one)
+
+    def start(self, name: str, role: str, command: list[str], env: dict[str, str]) -> Any:
+        """Starts ``command`` (``env`` added to the environment); a Popen-like handle."""
+        ...
+
+    def close(self) -> None:
+        """After the router stopped every worker."""
+        ...
+
+
+class LocalLauncher:
+    """Each worker a child process of the router, on this host."""
+
+    local = True
+    control_host = None
+
+    def start(self, name: str, role: str, command: list[str],
+              env: dict[str, str]) -> subprocess.Popen:
+        # PYTHONSAFEPATH: run from a source checkout, `-m` would import the checkout's kvmove
+        # (without its compiled core) instead of the installed one
+        process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, env={**os.environ, "PYTHONSAFEPATH": "1", **env})
+        for stream, level in ((process.stdout, logging.INFO),
+                              (process.stderr, logging.WARNING)):
+            threading.Thread(target=_relay, args=(stream, name, level),
+                             name=f"{name}-output", daemon=True).start()
+        return process
+
+    def close(self) -> None:
+        pass
+
+
+def launcher_for(config: ServeConfig) -> Launcher:
+    """``config.ray``'s launcher (ray is imported only then), else the local one."""
+    if config.ray is None:
+        return LocalLauncher()
+    from kvmove.serve.ray_workers import RayLauncher
+
+    return RayLauncher(config)
 
 
 @dataclass(eq=False)
@@ -42,7 +96,8 @@ class WorkerInfo:
     name: str
     role: str
     command: list[str]
-    process: subprocess.Popen | None = None
+    launcher: Launcher = field(default_factory=LocalLauncher)
+    process: Any = None  # the launcher's handle: a subprocess.Popen, or Popen-like
     identity: bytes = b""   # the current process's, on the control channel
     agent: tuple[str, int] | None = None
     ready: bool = False
@@ -60,6 +115,11 @@ class WorkerInfo:
         return self.process.pid if self.process is not None else None
 
     @property
+    def node(self) -> str | None:
+        """Where its process runs: a Ray node's id under Ray, None for this host."""
+        return getattr(self.process, "node", None)
+
+    @property
     def load(self) -> int:
         return len(self.requests)
 
@@ -73,16 +133,8 @@ class WorkerInfo:
         self.ready, self.registered, self.agent, self.stats = False, False, None, None
         self.peers.clear()
         self.identity = new_identity(self.name)
-        # PYTHONSAFEPATH: run from a source checkout, `-m` would import the checkout's kvmove
-        # (without its compiled core) instead of the installed one
-        self.process = subprocess.Popen(
-            self.command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, env={**os.environ, "PYTHONSAFEPATH": "1",
-                                         IDENTITY_VARIABLE: self.identity.decode()})
-        for stream, level in ((self.process.stdout, logging.INFO),
-                              (self.process.stderr, logging.WARNING)):
-            threading.Thread(target=_relay, args=(stream, self.name, level),
-                             name=f"{self.name}-output", daemon=True).start()
+        self.process = self.launcher.start(self.name, self.role, self.command,
+                                           {IDENTITY_VARIABLE: self.identity.decode()})
         self.alive = True
 
 
@@ -132,7 +184,7 @@ def cpu_shares(num_workers: int) -> list[list[int]]:
     return [cpus[i * each:(i + 1) * each] for i in range(num_workers)]
 
 
-async def end_process(process: subprocess.Popen, deadline: float) -> None:
+async def end_process(process: Any, deadline: float) -> None:
     """Waits for ``process`` until ``deadline``, then terminates it, then kills it."""
     while process.poll() is None and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
