@@ -29,8 +29,8 @@ from __future__ import annotations
 import logging
 import math
 import struct
-import uuid
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 

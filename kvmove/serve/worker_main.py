@@ -144,7 +144,8 @@ class WorkerServer:
 
     def serve(self) -> None:
         agent = self.worker.agent
-        address = tuple(agent.listen()) if agent is not None else None
+        with unpinned():  # its listener thread, like the agent's others
+            address = tuple(agent.listen()) if agent is not None else None
         self.send(Ready(name=self.args.name, role=self.args.role, agent=address,
                         num_blocks=self.worker.cache.num_blocks,
                         block_size=self.args.block_size, pid=os.getpid()))
