@@ -50,6 +50,11 @@ logger = logging.getLogger("kvmove.serve.worker_main")  # not __main__: under "k
 
 STATS_SECONDS = 0.1  # how often a worker reports its queue and free blocks
 IDLE_POLL_MS = 20
+# How long a worker that only waits for transfers (KV in flight, nothing to compute) waits for
+# a command between looks at them: it polled with no timeout, spinning on its core, which the
+# threads moving that very KV (kvmove's, unpinned) and the other workers could use. A
+# transfer that ends is seen within this.
+TRANSFER_POLL_MS = 1
 
 
 def load_model(name: str, seed: int = 0) -> tuple[LlamaForCausalLM, str | None]:
@@ -152,7 +157,8 @@ class WorkerServer:
         logger.info("ready: %s, %d blocks, agent %s", self.args.role,
                     self.worker.cache.num_blocks, address)
         while self.running:
-            timeout = 0 if self.worker.has_work else IDLE_POLL_MS
+            timeout = (0 if self.worker.scheduler.has_work else
+                       TRANSFER_POLL_MS if self.worker.has_work else IDLE_POLL_MS)
             if self.socket.poll(timeout):
                 while self.running and self.socket.poll(0):
                     self.receive(self.socket.recv_multipart())
