@@ -177,6 +177,42 @@ def test_kv_share_is_mean_exposed_transfer_over_mean_ttft() -> None:
     assert m.kv_share == pytest.approx(0.1 / statistics.fmean([0.1, 1.0, 0.2]))
 
 
+HANDOFF = dict(kv_bytes=1e6, kv_transfer_seconds=0.9, kv_transfers=3, kv_exposed_seconds=0.3,
+               kv_handoff_seconds=0.06, kv_handoffs=3,
+               kv_timeline={"sent": 0.001, "learned": 0.02, "first_step": 0.03})
+
+
+def test_kv_share_is_the_measured_handoff_when_the_server_has_it() -> None:
+    """Mean hand-off (last layer computed to the decode seeing the KV in) over mean TTFT,
+    not the exposed transfer; the timeline in ms in the JSON."""
+    m = _mode("disagg", **HANDOFF)
+    assert m.kv_handoff == pytest.approx(0.02)
+    assert m.kv_share == pytest.approx(0.02 / statistics.fmean([0.1, 1.0, 0.2]))
+    assert m.to_dict(2.0, 0.1)["kv_timeline_ms"] == pytest.approx(
+        {"sent": 1.0, "learned": 20.0, "first_step": 30.0})
+
+
+def test_format_serve_shows_the_handoff_and_its_timeline() -> None:
+    config = ServeConfig(num_requests=3, model="tiny", rate=1.0)
+    text = format_serve(ServeReport(config, make_trace(config), (_mode("disagg", **HANDOFF),),
+                                    wall_seconds=1.0))
+    lines = text.splitlines()
+    disagg = next(line for line in lines if line.startswith("disagg") and "%" in line)
+    assert disagg.endswith("4.62% (20.00 ms hand-off; 100.00 of 300.00 ms, 1.0 MB)")
+    timeline = next(line for line in lines if "KV hand-off timeline" in line)
+    assert timeline.startswith("disagg KV hand-off timeline (3 hand-offs, 0.33 MB each;")
+    assert timeline.endswith("bytes all landed +1.00, decode saw the KV in +20.00, "
+                             "decode's first step +30.00")
+
+
+def test_stage_means_are_deltas_over_the_run() -> None:
+    before = ({"sent": 1.0, "learned": 2.0}, {"sent": 10.0, "learned": 10.0})
+    after = ({"sent": 1.5, "learned": 2.0, "landed": 0.2}, {"sent": 20.0, "learned": 10.0,
+                                                           "landed": 4.0})
+    assert serve_load.stage_means(before, after) == pytest.approx({"sent": 0.05,
+                                                                    "landed": 0.05})
+
+
 def test_parse_metrics() -> None:
     text = """# HELP kvmove_pool_queue_length Requests waiting per pool.
 # TYPE kvmove_pool_queue_length gauge

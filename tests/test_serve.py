@@ -446,12 +446,78 @@ def test_metrics_count_latencies_queues_and_kv_bytes(servers: ServerPool) -> Non
         assert after["kvmove_worker_alive", (("worker", worker),)] == 1
 
 
+def test_the_kv_handoff_timeline_is_ordered_and_measured(servers: ServerPool) -> None:
+    """Each request's hand-off in ``kvmove_kv_handoff_stage_seconds`` (every moment after the
+    prefill's last layer: non-negative, in causal order: the decode got the last layer after
+    its bytes landed, saw the KV in after that and after the first token was sampled, stepped
+    after) and ``kvmove_kv_handoff_seconds`` (to ``learned``), a share of each TTFT."""
+    server = servers.get("disagg")
+    client = server.client()
+    before = server.samples()
+    prompts = PROMPTS[4:7]
+    for prompt in prompts:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, **GREEDY)
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return server.samples().get(key, 0.0) - before.get(key, 0.0)
+
+    stages = ("sent", "sampled", "landed", "learned", "first_step")
+    wait_until(lambda: all(delta("kvmove_kv_handoff_stage_seconds_count", stage=s) ==
+                           len(prompts) for s in stages), 5.0,
+               "every stage of every request's hand-off observed (the prefill's at its ack)")
+    mean = {s: delta("kvmove_kv_handoff_stage_seconds_sum", stage=s) / len(prompts)
+            for s in stages}
+    assert all(0 <= seconds < 5.0 for seconds in mean.values()), mean
+    assert mean["sent"] <= mean["landed"] <= mean["learned"] <= mean["first_step"], mean
+    assert mean["sampled"] <= mean["learned"], mean
+    assert delta("kvmove_kv_handoff_seconds_count") == len(prompts)
+    assert delta("kvmove_kv_handoff_seconds_sum") == pytest.approx(
+        mean["learned"] * len(prompts))
+    assert delta("kvmove_kv_handoff_ttft_ratio_count") == len(prompts)
+    assert 0 < delta("kvmove_kv_handoff_ttft_ratio_sum") < len(prompts)
+
+
+def test_a_workers_kvmove_threads_are_not_pinned_to_its_model_cores(
+        servers: ServerPool) -> None:
+    """Each worker's model thread has its share of the cores (``--cpus``); its kvmove agent's
+    threads (progress; the post and copy threads a hand-off started), ZeroMQ's, may run on every
+    CPU (``kvmove.runtime.unpinned``)."""
+    every = os.sched_getaffinity(0)
+    if len(every) < 2:
+        pytest.skip("one CPU: the workers are not pinned")
+    server = servers.get("disagg")
+    server.client().completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=2, **GREEDY)
+    for name in ("prefill-0", "decode-0"):
+        pid = server.worker(name)["pid"]
+        threads = {}
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/status") as status:
+                line = next(s for s in status if s.startswith("Cpus_allowed_list:"))
+            threads[int(tid)] = _cpu_list(line.split(":", 1)[1].strip())
+        model_cpus = threads[pid]  # the main thread steps the model
+        assert 0 < len(model_cpus) < len(every), (name, threads)
+        wide = [tid for tid, cpus in threads.items() if cpus == every]
+        # a progress thread, ZeroMQ's I/O and reaper threads; a prefill's post and copy threads
+        assert len(wide) >= 3, (name, threads)
+
+
+def _cpu_list(text: str) -> set[int]:
+    """``0-2,5`` -> {0, 1, 2, 5}."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
 METRIC_TYPES = {  # name: type, for what the router measures and what the workers report
     "kvmove_requests": "counter", "kvmove_generated_tokens": "counter",
     "kvmove_kv_bytes": "counter", "kvmove_worker_restarts": "counter",
     "kvmove_ttft_seconds": "histogram", "kvmove_itl_seconds": "histogram",
     "kvmove_kv_transfer_seconds": "histogram", "kvmove_kv_exposed_seconds": "histogram",
-    "kvmove_kv_handoff_ttft_ratio": "histogram",
+    "kvmove_kv_handoff_ttft_ratio": "histogram", "kvmove_kv_handoff_seconds": "histogram",
+    "kvmove_kv_handoff_stage_seconds": "histogram",
     "kvmove_pool_queue_length": "gauge", "kvmove_worker_free_blocks": "gauge",
     "kvmove_http_pending_requests": "gauge", "kvmove_http_rejected_requests": "counter",
     "kvmove_control_messages_dropped": "counter",

@@ -171,6 +171,7 @@ bool StreamProtocol::try_queue(Pending pending) {
 }
 
 void StreamProtocol::post_loop() {
+    threads_cpus_.apply();
     while (true) {
         Pending pending;
         {
@@ -524,6 +525,7 @@ void StreamProtocol::on_final(Lease& lease, const StreamMessage& m) {
 }
 
 void StreamProtocol::verify_loop() {
+    threads_cpus_.apply();
     while (true) {
         Verify job;
         {

@@ -47,6 +47,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/cpu_mask.h"
 #include "stream/layer_stream.h"
 #include "stream/stream_message.h"
 #include "stream/stream_port.h"
@@ -206,6 +207,10 @@ private:
     std::deque<Verify> to_verify_;
     bool verify_stop_ = false;  // guarded by verify_mu_
     std::thread verify_thread_;
+
+    // Where the post and verify threads run: the CPUs of the thread that built this (the
+    // agent's), not those of the first save_layer's caller (common/cpu_mask.h).
+    CpuMask threads_cpus_ = CpuMask::of_this_thread();
 };
 
 }  // namespace kvmove

@@ -191,7 +191,9 @@ private:
     ContextPtr context_;
     WorkerPtr worker_;
     std::vector<std::unique_ptr<MemoryRegistration>> registrations_;  // one per segment
-    std::unique_ptr<Copier> copier_;  // started with the first mapped peer; signals worker_
+    std::unique_ptr<Copier> copier_;  // started with the first mapped put; signals worker_
+    // Where the copier's threads run: the CPUs of the thread that built this agent.
+    CpuMask threads_cpus_ = CpuMask::of_this_thread();
     std::vector<uint8_t> metadata_;
     int event_fd_ = -1;
 

@@ -69,8 +69,8 @@ Copier& Agent::copier() {
         // 4.6-5.9 with two). The threads sleep between transfers.
         const int cpus = static_cast<int>(std::thread::hardware_concurrency());
         const int auto_threads = std::clamp(cpus / 2, 2, 4);
-        copier_ = std::make_unique<Copier>(config_.copy_threads > 0 ? config_.copy_threads
-                                                                    : auto_threads);
+        copier_ = std::make_unique<Copier>(
+            config_.copy_threads > 0 ? config_.copy_threads : auto_threads, threads_cpus_);
     }
     return *copier_;
 }

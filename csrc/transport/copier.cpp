@@ -99,9 +99,12 @@ bool CopyJob::run_chunk() {
     return true;
 }
 
-Copier::Copier(int num_threads) {
+Copier::Copier(int num_threads, CpuMask cpus) {
     for (int i = 0; i < std::max(num_threads, 1); ++i) {
-        threads_.emplace_back([this] { loop(); });
+        threads_.emplace_back([this, cpus] {
+            cpus.apply();
+            loop();
+        });
     }
 }
 

@@ -20,6 +20,8 @@
 #include <thread>
 #include <vector>
 
+#include "common/cpu_mask.h"
+
 namespace kvmove {
 
 struct CopyOp {
@@ -62,7 +64,9 @@ private:
 
 class Copier {
 public:
-    explicit Copier(int num_threads);
+    // Its threads run on `cpus` (those of the thread that built the agent, not of the one
+    // whose first mapped put started them).
+    Copier(int num_threads, CpuMask cpus);
     // Cancels what is queued and joins the threads.
     ~Copier();
     Copier(const Copier&) = delete;

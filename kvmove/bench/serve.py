@@ -28,11 +28,12 @@ mean ITL (time per output token after the first) <= ``itl_slo``: the mean, as Di
 vLLM's benchmark define it, because one stall of this shared CPU would otherwise disqualify a
 request; the stalls themselves show in ITL p99 and max.
 
-The KV hand-off share (disagg) is the server's ``kvmove_kv_exposed_seconds`` mean over the
-client's mean TTFT: per request, from the prefill's last layer posted to that layer landed in
-the decode worker's blocks, the part of the transfer that layer-wise streaming leaves on the
-critical path. ``kvmove_kv_transfer_seconds`` (first layer posted to last landed) is the whole
-transfer, mostly hidden behind the prefill's compute.
+The KV hand-off share (disagg) is the server's ``kvmove_kv_handoff_seconds`` mean over the
+client's mean TTFT: per request, from the prefill's last layer computed to the decode worker
+seeing the KV (and first token) in; the report's timeline line gives each stage's mean
+(``kvmove_kv_handoff_stage_seconds``, docs/serving.md). ``kvmove_kv_exposed_seconds`` (the
+last layer posted to landed) and ``kvmove_kv_transfer_seconds`` (first layer posted to last
+landed, mostly hidden behind the prefill's compute) are the byte transfer's parts.
 
 Defaults: the ``small`` preset (8 layers, hidden 512), where on the 2-core CI machine a
 1,025-token prefill takes ~1.4 s and a decode step 15-30 ms (one core per worker): prefill far

@@ -104,11 +104,16 @@ def metric_total(metrics: Metrics, name: str) -> float:
 
 
 def by_pool(metrics: Metrics, name: str) -> dict[str, float]:
-    pools: dict[str, float] = {}
+    return by_label(metrics, name, "pool")
+
+
+def by_label(metrics: Metrics, name: str, label: str) -> dict[str, float]:
+    """The sum of ``name`` per value of ``label``."""
+    out: dict[str, float] = {}
     for labels, value in metrics.get(name, ()):
-        pool = labels.get("pool", "")
-        pools[pool] = pools.get(pool, 0.0) + value
-    return pools
+        key = labels.get(label, "")
+        out[key] = out.get(key, 0.0) + value
+    return out
 
 
 # --- the replay -----------------------------------------------------------------------------
@@ -160,12 +165,31 @@ async def _sample(http: Any, stop: asyncio.Event, interval: float, start: float,
 
 
 _KV = ("kvmove_kv_bytes_total", "kvmove_kv_transfer_seconds_sum",
-       "kvmove_kv_transfer_seconds_count", "kvmove_kv_exposed_seconds_sum")
+       "kvmove_kv_transfer_seconds_count", "kvmove_kv_exposed_seconds_sum",
+       "kvmove_kv_handoff_seconds_sum", "kvmove_kv_handoff_seconds_count")
+_STAGES = "kvmove_kv_handoff_stage_seconds"
 
 
-async def _kv_totals(http: Any) -> tuple[float, ...]:
+async def _kv_totals(http: Any) -> tuple[tuple[float, ...], dict[str, float],
+                                         dict[str, float]]:
+    """The KV counters (``_KV``), and the hand-off stages' sums and counts."""
     metrics = parse_metrics((await http.get("/metrics")).text)
-    return tuple(metric_total(metrics, name) for name in _KV)
+    return (tuple(metric_total(metrics, name) for name in _KV),
+            by_label(metrics, f"{_STAGES}_sum", "stage"),
+            by_label(metrics, f"{_STAGES}_count", "stage"))
+
+
+def stage_means(before: tuple[dict[str, float], dict[str, float]],
+                after: tuple[dict[str, float], dict[str, float]]) -> dict[str, float]:
+    """Each hand-off stage's mean seconds over the run, from ``(sums, counts)`` before and
+    after it; stages with no observation left out."""
+    (sums0, counts0), (sums1, counts1) = before, after
+    means = {}
+    for stage, count in counts1.items():
+        n = count - counts0.get(stage, 0.0)
+        if n > 0:
+            means[stage] = (sums1.get(stage, 0.0) - sums0.get(stage, 0.0)) / n
+    return means
 
 
 async def replay(config: ServeConfig, trace: Sequence[TraceRequest], url: str, mode: str,
@@ -195,6 +219,9 @@ async def replay(config: ServeConfig, trace: Sequence[TraceRequest], url: str, m
             stop.set()
             await sampler
         after = await _kv_totals(http)
-    kv_bytes, kv_seconds, kv_count, kv_exposed = (b - a for a, b in zip(before, after))
+    kv_bytes, kv_seconds, kv_count, kv_exposed, handoff, handoffs = (
+        b - a for a, b in zip(before[0], after[0]))
     return ModeResult(mode, config.instances(mode), tuple(results), tuple(samples),
-                      kv_bytes, kv_seconds, round(kv_count), kv_exposed)
+                      kv_bytes, kv_seconds, round(kv_count), kv_exposed,
+                      kv_handoff_seconds=handoff, kv_handoffs=round(handoffs),
+                      kv_timeline=stage_means(before[1:], after[1:]))

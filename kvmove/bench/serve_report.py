@@ -7,11 +7,16 @@ token after the first) <= ``itl_slo``: the mean, as DistServe and vLLM's benchma
 because one stall of this shared CPU would otherwise disqualify a request; the stalls
 themselves show in ITL p99 and max.
 
-The KV hand-off share (disagg) is the server's ``kvmove_kv_exposed_seconds`` mean over the
-client's mean TTFT: per request, from the prefill's last layer posted to that layer landed in
-the decode worker's blocks, the part of the transfer that layer-wise streaming leaves on the
-critical path. ``kvmove_kv_transfer_seconds`` (first layer posted to last landed) is the whole
-transfer, mostly hidden behind the prefill's compute.
+The KV hand-off share (disagg) is the server's ``kvmove_kv_handoff_seconds`` mean over the
+client's mean TTFT: per request, from the prefill's last layer computed to the decode worker
+seeing the request's KV (and first token) in: the bytes left after the last layer, the first
+token's sampling, the final message, the decode's polling. Its timeline
+(``kvmove_kv_handoff_stage_seconds``, mean ms after the last layer) shows where that time goes.
+``kvmove_kv_exposed_seconds`` (the last layer posted to landed, as the prefill saw it) is the
+part of the byte transfer streaming leaves on the critical path, and
+``kvmove_kv_transfer_seconds`` (first layer posted to last landed) the whole transfer, mostly
+hidden behind the prefill's compute. A server without the hand-off metric (an older one, at
+``--url``) gets the share from the exposed transfer instead.
 """
 
 from __future__ import annotations
@@ -107,6 +112,10 @@ class ModeResult:
     kv_transfer_seconds: float = 0.0
     kv_transfers: int = 0
     kv_exposed_seconds: float = 0.0
+    kv_handoff_seconds: float = 0.0
+    kv_handoffs: int = 0
+    # hand-off stage -> mean seconds after the prefill's last layer (HANDOFF_STAGES)
+    kv_timeline: dict[str, float] = field(default_factory=dict)
     startup_seconds: float | None = None
     exit_code: int | None = None
 
@@ -159,12 +168,23 @@ class ModeResult:
         return self.good(ttft_slo, itl_slo) / wall if wall > 0 else math.nan
 
     @property
+    def kv_handoff(self) -> float | None:
+        """Mean hand-off seconds (the prefill's last layer to the decode seeing the KV in);
+        the mean exposed transfer from a server that does not measure it; None without
+        hand-offs."""
+        if self.kv_handoffs:
+            return self.kv_handoff_seconds / self.kv_handoffs
+        if self.kv_transfers:
+            return self.kv_exposed_seconds / self.kv_transfers
+        return None
+
+    @property
     def kv_share(self) -> float | None:
-        """Mean exposed KV transfer seconds over mean TTFT; None without hand-offs."""
-        if not self.kv_transfers or not self.ttfts:
+        """Mean hand-off seconds (``kv_handoff``) over mean TTFT; None without hand-offs."""
+        handoff = self.kv_handoff
+        if handoff is None or not self.ttfts:
             return None
-        return (self.kv_exposed_seconds / self.kv_transfers) / (sum(self.ttfts) /
-                                                                 len(self.ttfts))
+        return handoff / (sum(self.ttfts) / len(self.ttfts))
 
     def to_dict(self, ttft_slo: float, itl_slo: float) -> dict[str, Any]:
         qs = (50, 90, 99)
@@ -181,7 +201,11 @@ class ModeResult:
             "goodput_per_s": self.goodput(ttft_slo, itl_slo),
             "kv_bytes": self.kv_bytes, "kv_transfers": self.kv_transfers,
             "kv_transfer_seconds": self.kv_transfer_seconds,
-            "kv_exposed_seconds": self.kv_exposed_seconds, "kv_share_of_ttft": self.kv_share,
+            "kv_exposed_seconds": self.kv_exposed_seconds,
+            "kv_handoffs": self.kv_handoffs, "kv_handoff_seconds": self.kv_handoff_seconds,
+            "kv_timeline_ms": {stage: seconds * 1e3 for stage, seconds in
+                               self.kv_timeline.items()},
+            "kv_share_of_ttft": self.kv_share,
             "startup_seconds": self.startup_seconds, "exit_code": self.exit_code,
             "per_request": [{**asdict(r), "ttft": r.ttft, "tpot": r.tpot,
                              "completed": r.completed} for r in self.requests],
@@ -223,8 +247,8 @@ def format_serve(report: ServeReport) -> str:
     """Header, the latency table, the throughput table, ratios against the first mode, and the
     failures (if any)."""
     return "\n".join([_header(report), "", *_latency_table(report), "",
-                      *_throughput_table(report), "", *_ratio_lines(report),
-                      *_failure_lines(report), "",
+                      *_throughput_table(report), "", *_timeline_lines(report),
+                      *_ratio_lines(report), *_failure_lines(report), "",
                       f"measured in {report.wall_seconds:.1f} s"])
 
 
@@ -268,13 +292,39 @@ def _throughput_table(report: ServeReport) -> list[str]:
 
 
 def _kv_cell(result: ModeResult) -> str:
+    """The hand-off's share of TTFT, then (exposed of whole transfer ms, MB); a measured
+    hand-off's mean ms first, when the server measures it."""
     share = result.kv_share
     if share is None:
         return "-"
+    handoff = f"{ms(result.kv_handoff * 1e3)} ms hand-off; " if result.kv_handoffs else ""
+    if not result.kv_transfers:
+        return f"{share * 100:.2f}% ({handoff.removesuffix('; ')})"
     mean_ms = result.kv_transfer_seconds / result.kv_transfers * 1e3
     exposed_ms = result.kv_exposed_seconds / result.kv_transfers * 1e3
-    return (f"{share * 100:.2f}% ({ms(exposed_ms)} of {ms(mean_ms)} ms, "
+    return (f"{share * 100:.2f}% ({handoff}{ms(exposed_ms)} of {ms(mean_ms)} ms, "
             f"{result.kv_bytes / 1e6:,.1f} MB)")
+
+
+_STAGE_NAMES = {"sent": "bytes all landed", "sampled": "first token sampled",
+                "landed": "decode got the last layer", "learned": "decode saw the KV in",
+                "first_step": "decode's first step"}
+
+
+def _timeline_lines(report: ServeReport) -> list[str]:
+    """Per mode with hand-offs: each stage's mean ms after the prefill's last layer."""
+    lines = []
+    for m in report.modes:
+        if not m.kv_timeline:
+            continue
+        per = (f", {m.kv_bytes / m.kv_transfers / 1e6:,.2f} MB each" if m.kv_transfers
+               else "")
+        stages = ", ".join(f"{_STAGE_NAMES.get(stage, stage)} +{ms(seconds * 1e3)}"
+                           for stage, seconds in sorted(m.kv_timeline.items(),
+                                                        key=lambda item: item[1]))
+        lines.append(f"{m.mode} KV hand-off timeline ({m.kv_handoffs} hand-offs{per}; mean ms "
+                     f"after the prefill's last layer was computed): {stages}")
+    return [*lines, ""] if lines else []
 
 
 def _ratio_lines(report: ServeReport) -> list[str]:

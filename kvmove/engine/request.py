@@ -82,7 +82,14 @@ class Timings:
     first_token: float | None = None
     tokens: list[float] = field(default_factory=list)  # every sampled token, first included
     kv_start: float | None = None   # KV hand-off started (prefill: stream opened)
-    kv_end: float | None = None     # and ended (prefill: acknowledged; decode: all in)
+    kv_end: float | None = None     # and ended (prefill: acknowledged; decode: all in, seen)
+    # The hand-off's timeline (docs/serving.md): prefill side
+    last_layer: float | None = None  # its last layer computed (the hook ran)
+    kv_sent: float | None = None     # every layer's bytes landed in the decode's blocks
+    kv_final: float | None = None    # first token sampled, the final message handed over
+    # decode side
+    kv_landed: float | None = None   # the last layer's "landed" message arrived
+    first_step: float | None = None  # the first forward pass with it began
 
     @property
     def ttft(self) -> float | None:

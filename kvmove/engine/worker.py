@@ -4,7 +4,8 @@
   behind long prefills.
 * ``prefill``: computes prompts (in chunks) and streams each request's KV layer by layer into
   the blocks a decode worker leased (``save_layer`` is the model's per-layer hook), sends the
-  first sampled token with the final message, and frees its blocks once the decode side
+  first sampled token with the final message (and when its last layer was computed: the
+  hand-off's timeline), and frees its blocks once the decode side
   acknowledged it.
 * ``decode``: ``reserve`` blocks for an incoming request (None when full: back-pressure),
   ``start_load`` leases them to the prefill worker (the epoch it returns goes to the prefill
@@ -18,14 +19,18 @@ holds are loaded instead of prefilled, and finished requests' blocks are offered
 
 ``step()`` runs one scheduler step and one forward pass, and returns the requests that ended
 in it (for ``prefill``: handed off). Everything is synchronous and single-threaded; kvmove's
-own threads move the bytes.
+own threads move the bytes. A decode worker looks for completed loads between the layers of
+its forward pass too: a request's first token (it came with the KV) goes out then, not a
+whole decode step later.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import struct
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +44,7 @@ from kvmove.engine.scheduler import Scheduled, Scheduler, SchedulerConfig
 from kvmove.engine.tokenizer import load_tokenizer
 from kvmove.errors import ConfigError, KVMoveError
 from kvmove.kv_cache import KVCache
+from kvmove.runtime import unpinned
 from kvmove.store import KVStore
 from kvmove.stream import LoadStream, SaveStream, StreamState
 
@@ -47,7 +53,22 @@ logger = logging.getLogger(__name__)
 __all__ = ["ROLES", "Worker"]
 
 ROLES = ("colocated", "prefill", "decode")
-_TOKEN = struct.Struct("<q")  # the first token, as the final message's payload
+# The final message's payload: the first token, when the prefill computed the last layer
+# (time.monotonic()) and its host's boot id: the decode side puts the moment in its timeline
+# only when the boot ids say both clocks are one.
+_FINAL = struct.Struct("<qd16s")
+
+
+def _boot_id() -> bytes:
+    """This boot's id (one CLOCK_MONOTONIC per boot); zeros where Linux does not say."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return uuid.UUID(f.read().strip()).bytes
+    except (OSError, ValueError):
+        return bytes(16)
+
+
+_BOOT_ID = _boot_id()
 _IDLE_WAIT = 0.001  # seconds an idle step waits for a fetch from the store
 
 
@@ -94,8 +115,10 @@ class Worker:
         self.store = PrefixStore(store, self.cache) if store is not None else None
         self.scheduler = Scheduler(scheduler or SchedulerConfig(), self.cache.pool, block_size,
                                    self.store)
-        self.agent = (Agent(name or f"{role}-worker", self.cache, **(agent_kwargs or {}))
-                      if role != "colocated" else None)
+        self.agent = None
+        if role != "colocated":
+            with unpinned():  # its threads are not confined to a pinned model thread's cores
+                self.agent = Agent(name or f"{role}-worker", self.cache, **(agent_kwargs or {}))
         self.sending: dict[str, tuple[Request, SaveStream]] = {}   # prefill: KV going out
         self.loading: dict[str, tuple[Request, LoadStream]] = {}   # decode: KV coming in
         self._handoff: dict[str, tuple[str, list[int], int]] = {}  # prefill: where it goes
@@ -196,15 +219,30 @@ class Worker:
         streams = self._open_streams(batch) if self.role == "prefill" else []
         hook = None
         if streams:
+            last = self.model.config.num_layers - 1
+
             def hook(layer: int) -> None:
-                for stream in streams:
+                if layer == last:
+                    now = time.monotonic()
+                    for request, _ in streams:
+                        request.timings.last_layer = now
+                for _, stream in streams:
                     try:
                         stream.save_layer(layer)
                     except KVMoveError:
                         pass  # the stream failed (its peer died): polling ends the request
+        elif self.loading:
+            def hook(layer: int) -> None:
+                # A load that completed during this pass has its first token out now, not
+                # after the pass (up to a decode step later); it joins the batch next step.
+                ended.extend(self._poll_loading(time.monotonic()))
         seqs = [SeqChunk(s.request.tokens[s.request.num_computed:
                                           s.request.num_computed + s.num_tokens],
                          s.request.num_computed, s.request.blocks) for s in batch]
+        began = time.monotonic()
+        for s in batch:
+            if s.request.timings.first_step is None:
+                s.request.timings.first_step = began
         start = time.perf_counter()
         logits = self.model(seqs, self.kv, hook)
         if self.store is not None:
@@ -242,7 +280,10 @@ class Worker:
                 request.finish(FinishReason.ABORT, request.error)
                 return [request]
             try:
-                self.sending[request.id][1].finish(payload=_TOKEN.pack(token))
+                request.timings.kv_final = time.monotonic()
+                last_layer = request.timings.last_layer
+                self.sending[request.id][1].finish(payload=_FINAL.pack(
+                    token, math.nan if last_layer is None else last_layer, _BOOT_ID))
             except KVMoveError:
                 pass  # the stream failed: polling ends the request
             return []
@@ -283,7 +324,7 @@ class Worker:
 
     # --- KV hand-offs ---------------------------------------------------------------------
 
-    def _open_streams(self, batch: list[Scheduled]) -> list[SaveStream]:
+    def _open_streams(self, batch: list[Scheduled]) -> list[tuple[Request, SaveStream]]:
         """A stream for each request whose last prompt chunk runs now: its layers are saved
         as this forward pass writes them."""
         streams = []
@@ -301,7 +342,7 @@ class Worker:
                 continue
             request.timings.kv_start = time.monotonic()
             self.sending[request.id] = (request, stream)
-            streams.append(stream)
+            streams.append((request, stream))
         return streams
 
     def _poll_transfers(self) -> list[Request]:
@@ -335,6 +376,7 @@ class Worker:
                 posted, landed = zip(*times)
                 request.kv_seconds = max(landed) - min(posted)
                 request.kv_exposed_seconds = max(landed) - max(posted)
+                request.timings.kv_sent = max(landed)
             if state == StreamState.DONE:
                 self.scheduler.offer(request)
             self.cache.pool.free(request.blocks)
@@ -358,16 +400,21 @@ class Worker:
                 continue
             del self.loading[rid]
             request.timings.kv_end = now
-            if state == StreamState.DONE and len(load.payload) == _TOKEN.size:
+            if state == StreamState.DONE and len(load.payload) == _FINAL.size:
+                token, last_layer, boot_id = _FINAL.unpack(load.payload)
+                if boot_id == _BOOT_ID != bytes(16) and not math.isnan(last_layer):
+                    request.timings.last_layer = last_layer  # the prefill's, on our clock
+                landed = [t for t in load.layer_times() if t is not None]
+                request.timings.kv_landed = max(landed) if landed else None
                 request.num_computed = len(request.prompt)
                 skip_draw(request, self.model.config.vocab_size)  # the prefill's first token
                 self.scheduler.add_running(request)
-                ended += self._emit(request, _TOKEN.unpack(load.payload)[0], now)
+                ended += self._emit(request, token, now)
                 continue
-            if state == StreamState.DONE:  # released; but its first token is not one
+            if state == StreamState.DONE:  # released; but its final payload is not ours
                 self.cache.pool.free(request.blocks)
                 request.finish(FinishReason.ABORT, f"the KV of {rid!r} came with a "
-                               f"{len(load.payload)}-byte first token, not {_TOKEN.size}")
+                               f"{len(load.payload)}-byte final payload, not {_FINAL.size}")
                 logger.warning("request %r: %s", rid, request.error)
                 request.blocks = []
                 ended.append(request)

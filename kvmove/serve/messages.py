@@ -24,12 +24,17 @@ from kvmove.engine.request import SamplingParams
 from kvmove.errors import PeerError
 from kvmove.store.store import StoreStats
 
-__all__ = ["Abort", "Add", "Command", "Connect", "Connected", "Ended", "Event", "Failed",
-           "Ready", "Reserve", "Reserved", "Shutdown", "Stats", "Tokens", "encode",
+__all__ = ["HANDOFF_STAGES", "Abort", "Add", "Command", "Connect", "Connected", "Ended",
+           "Event", "Failed", "HandoffStage", "Ready", "Reserve", "Reserved", "Shutdown", "Stats", "Tokens", "encode",
            "parse_command", "parse_event"]
 
 Count = Annotated[int, Field(ge=0)]
 BlockIds = list[Count]
+# A KV hand-off's moments (``time.monotonic()``, one clock for every process of a host): the
+# prefill reports the first three, the decode the others (docs/serving.md, the timeline).
+HandoffStage = Literal["last_layer", "sent", "sampled", "landed", "learned", "first_step"]
+HANDOFF_STAGES: tuple[HandoffStage, ...] = ("last_layer", "sent", "sampled", "landed", "learned",
+                                            "first_step")
 
 
 class _Message(BaseModel):
@@ -143,6 +148,7 @@ class Ended(_Message):
     kv_bytes: Count = 0
     kv_seconds: float | None = None
     kv_exposed_seconds: float | None = None
+    timeline: dict[HandoffStage, float] | None = None  # this side's moments of the hand-off
 
 
 class Failed(_Message):

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
 from kvmove.metrics import agent_families, store_families
+from kvmove.serve.messages import HANDOFF_STAGES
 
 if TYPE_CHECKING:
     from kvmove.serve.workers import WorkerInfo
@@ -77,8 +78,21 @@ class Metrics:
                                     "The part of the transfer after the prefill's last layer: "
                                     "its last layer posted to landed (what streaming leaves on "
                                     "TTFT).", buckets=_LATENCY_BUCKETS, registry=r)
+        self.kv_handoff = Histogram("kvmove_kv_handoff_seconds",
+                                    "The KV hand-off on a request's TTFT: the prefill's last "
+                                    "layer computed to the decode worker seeing the request's "
+                                    "KV and first token in.", buckets=_LATENCY_BUCKETS,
+                                    registry=r)
+        self.kv_stages = Histogram("kvmove_kv_handoff_stage_seconds",
+                                   "The KV hand-off's timeline: each stage's moment after the "
+                                   "prefill's last layer was computed (sent: its bytes all "
+                                   "landed; sampled: first token sampled, final message handed "
+                                   "over; landed: the decode agent got the last layer's "
+                                   "message; learned: the decode worker saw the load complete; "
+                                   "first_step: its first decode step began).", ["stage"],
+                                   buckets=_LATENCY_BUCKETS, registry=r)
         self.kv_ratio = Histogram("kvmove_kv_handoff_ttft_ratio",
-                                  "The KV hand-off's share of TTFT: exposed transfer seconds "
+                                  "The KV hand-off's share of TTFT: kvmove_kv_handoff_seconds "
                                   "over the request's TTFT seconds.",
                                   buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0),
                                   registry=r)
@@ -100,3 +114,21 @@ class Metrics:
                                         "Router commands a worker answered with an error.",
                                         ["worker"], registry=r)
         r.register(_WorkerCollector(workers))
+
+    def observe_handoff(self, timeline: Mapping[str, float] | None,
+                        ttft: float | None) -> None:
+        """A worker's moments of a request's KV hand-off (``Ended.timeline``: the prefill's
+        or the decode's, each with the prefill's ``last_layer``): each stage after the last
+        layer; from the decode's, the hand-off's length and its share of ``ttft``. The
+        moments are ``time.monotonic()`` of two processes of one boot: one clock."""
+        start = timeline.get("last_layer") if timeline else None
+        if start is None:
+            return
+        for stage in HANDOFF_STAGES[1:]:
+            if stage in timeline:
+                self.kv_stages.labels(stage).observe(timeline[stage] - start)
+        learned = timeline.get("learned")
+        if learned is not None:
+            self.kv_handoff.observe(learned - start)
+            if ttft:
+                self.kv_ratio.observe((learned - start) / ttft)

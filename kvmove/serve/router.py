@@ -65,7 +65,6 @@ class Handle:
         self.num_tokens = 0
         self.workers: list[str] = []
         self.done = False
-        self.kv_exposed: float | None = None
         self.ttft: float | None = None
 
 
@@ -410,8 +409,7 @@ class Router:
             return
         if handle is None or not holds:
             return
-        if handle.kv_exposed is not None and handle.ttft:
-            self.metrics.kv_ratio.observe(handle.kv_exposed / handle.ttft)
+        self.metrics.observe_handoff(event.timeline, handle.ttft)
         if event.reason == "abort":
             # The other workers of the request are told: a decode whose lease ended cancels
             # the prefill's stream, a prefill whose stream failed frees the decode's lease.
@@ -423,12 +421,11 @@ class Router:
     def _record_handoff(self, event: Ended, handle: Handle | None) -> None:
         """A prefill worker's KV hand-off ended (its ack may come after the response)."""
         self.metrics.kv_bytes.inc(event.kv_bytes)
+        self.metrics.observe_handoff(event.timeline, None)
         if event.kv_seconds is None or event.kv_exposed_seconds is None:
             return
         self.metrics.kv_seconds.observe(event.kv_seconds)
         self.metrics.kv_exposed.observe(event.kv_exposed_seconds)
-        if handle is not None:
-            handle.kv_exposed = event.kv_exposed_seconds
 
     def _resolve(self, worker: str, key: str, value: Any) -> None:
         future = self._futures.pop((worker, key), None)

@@ -33,11 +33,12 @@ import zmq
 from kvmove import _log
 from kvmove.auth import key_from_file, resolve_key
 from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
-from kvmove.engine.request import Request
+from kvmove.engine.request import FinishReason, Request
 from kvmove.engine.scheduler import SchedulerConfig
 from kvmove.engine.tokenizer import load_tokenizer
 from kvmove.engine.worker import ROLES, Worker
 from kvmove.errors import KVMoveError, PeerError
+from kvmove.runtime import unpinned
 from kvmove.serve.control import IDENTITY_VARIABLE, worker_socket
 from kvmove.serve.messages import (
     Abort, Add, Command, Connect, Connected, Ended, Failed, Ready, Reserve, Reserved, Shutdown,
@@ -49,6 +50,11 @@ logger = logging.getLogger("kvmove.serve.worker_main")  # not __main__: under "k
 
 STATS_SECONDS = 0.1  # how often a worker reports its queue and free blocks
 IDLE_POLL_MS = 20
+# How long a worker that only waits for transfers (KV in flight, nothing to compute) waits for
+# a command between looks at them: it polled with no timeout, spinning on its core, which the
+# threads moving that very KV (kvmove's, unpinned) and the other workers could use. A
+# transfer that ends is seen within this.
+TRANSFER_POLL_MS = 1
 
 
 def load_model(name: str, seed: int = 0) -> tuple[LlamaForCausalLM, str | None]:
@@ -105,7 +111,11 @@ class WorkerServer:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             chunk_size=args.chunk_size or None,
             hash_seed=0 if key.host_only else key.hash_seed())
-        self.store = _open_store(args, model)
+        # The threads that move bytes and messages (the store's here, ZeroMQ's and the kvmove
+        # agent's below) run on every CPU, not only on the compute thread's (--cpus):
+        # kvmove.runtime.unpinned.
+        with unpinned():
+            self.store = _open_store(args, model)
         self.worker = Worker(
             model, role=args.role, num_blocks=args.num_blocks, block_size=args.block_size,
             scheduler=scheduler, tokenizer=self.tokenizer, name=args.name,
@@ -114,12 +124,13 @@ class WorkerServer:
                           "key": None if key.host_only else key.secret,
                           "host": args.agent_host},
             transfer_timeout=args.transfer_timeout,
-            on_token=lambda request, token: self.tokens.append([request.id, token]),
+            on_token=self._on_token,
             store=self.store)
         self.requests: dict[str, Request] = {}
-        self.context = zmq.Context()
-        self.socket = worker_socket(self.context, args.router,
-                                    os.environ[IDENTITY_VARIABLE].encode())
+        with unpinned():  # libzmq starts its I/O thread with the first socket
+            self.context = zmq.Context()
+            self.socket = worker_socket(self.context, args.router,
+                                        os.environ[IDENTITY_VARIABLE].encode())
         self.parent = os.getppid()
         self.running = True
         self._last_stats = 0.0
@@ -128,16 +139,26 @@ class WorkerServer:
     def send(self, event: Any) -> None:
         self.socket.send(encode(event))
 
+    def _on_token(self, request: Request, token: int) -> None:
+        """Tokens go out after each step, a request's first one at once: a decode worker
+        gets it with the KV, between the layers of a forward pass (``Worker.step``)."""
+        self.tokens.append([request.id, token])
+        if len(request.output) == 1:
+            self.send(Tokens(items=[tuple(item) for item in self.tokens]))
+            self.tokens = []
+
     def serve(self) -> None:
         agent = self.worker.agent
-        address = tuple(agent.listen()) if agent is not None else None
+        with unpinned():  # its listener thread, like the agent's others
+            address = tuple(agent.listen()) if agent is not None else None
         self.send(Ready(name=self.args.name, role=self.args.role, agent=address,
                         num_blocks=self.worker.cache.num_blocks,
                         block_size=self.args.block_size, pid=os.getpid()))
         logger.info("ready: %s, %d blocks, agent %s", self.args.role,
                     self.worker.cache.num_blocks, address)
         while self.running:
-            timeout = 0 if self.worker.has_work else IDLE_POLL_MS
+            timeout = (0 if self.worker.scheduler.has_work else
+                       TRANSFER_POLL_MS if self.worker.has_work else IDLE_POLL_MS)
             if self.socket.poll(timeout):
                 while self.running and self.socket.poll(0):
                     self.receive(self.socket.recv_multipart())
@@ -176,7 +197,8 @@ class WorkerServer:
                             num_output=len(request.output), num_cached=request.num_cached,
                             num_stored=request.num_stored, kv_bytes=request.kv_bytes,
                             kv_seconds=request.kv_seconds,
-                            kv_exposed_seconds=request.kv_exposed_seconds))
+                            kv_exposed_seconds=request.kv_exposed_seconds,
+                            timeline=_timeline(request)))
 
     def receive(self, frames: list[bytes]) -> None:
         """One message from the router: a command that does not parse gets an ``error``
@@ -248,6 +270,21 @@ class WorkerServer:
             self.store.close()
         self.socket.close()
         self.context.term()
+
+
+def _timeline(request: Request) -> dict[str, float] | None:
+    """This side's moments of the request's KV hand-off (``HANDOFF_STAGES``) that happened,
+    with the prefill's last layer (each side's report stands alone); None for a request that
+    had none (colocated, failed before it)."""
+    t = request.timings
+    if t.last_layer is None:  # no hand-off, or the prefill's clock is not ours
+        return None
+    if request.finish_reason is FinishReason.HANDED_OFF:
+        stages = {"sent": t.kv_sent, "sampled": t.kv_final}
+    else:  # decode: the prefill's last layer came with the KV
+        stages = {"landed": t.kv_landed, "learned": t.kv_end, "first_step": t.first_step}
+    return {"last_layer": t.last_layer,
+            **{stage: when for stage, when in stages.items() if when is not None}}
 
 
 def _open_store(args: argparse.Namespace, model: LlamaForCausalLM) -> KVStore | None:

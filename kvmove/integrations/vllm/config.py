@@ -3,10 +3,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,29 +123,3 @@ def wrap_kv_caches(kv_caches: dict[str, Any], layout: kvmove.KVLayout) -> kvmove
         return kvmove.KVCache.wrap(kv_caches, layout=layout, block_dim=0, order="vllm-cpu",
                                    pool=None)
     return kvmove.KVCache.wrap(kv_caches, layout=layout, block_dim=1, kv_dim=0, pool=None)
-
-
-def unpin() -> None:
-    """Lets the calling thread run on every CPU this process may use (the kernel clips the
-    set to its cpuset); a thread pool's initializer."""
-    with contextlib.suppress(OSError):
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
-
-
-@contextlib.contextmanager
-def unpinned() -> Iterator[None]:
-    """Threads started inside run on every CPU this process may use, not only on the CPU the
-    calling thread is pinned to.
-
-    vLLM's CPU backend pins its model thread to one core (OpenMP thread 0), and a thread
-    inherits its creator's affinity: without this, kvmove's progress thread, notification
-    thread, metadata server and ZeroMQ's I/O threads all share that core with the model
-    thread, which steps without pause while a request waits for its KV (seen here: two
-    instances on 2 cores, every kvmove thread of both on core 0).
-    """
-    pinned = os.sched_getaffinity(0)
-    unpin()
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, pinned)

@@ -49,7 +49,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 import kvmove
 from kvmove.errors import ConfigError, TimeoutError
-from kvmove.integrations.vllm.config import layout_of, unpinned, wrap_kv_caches
+from kvmove.integrations.vllm.config import layout_of, wrap_kv_caches
+from kvmove.runtime import unpinned
 from kvmove.store import decide_load
 
 __all__ = ["OffloadMeta", "OffloadWorkerMeta", "Scheduler", "Worker", "store_key"]
@@ -262,7 +263,7 @@ class Worker:
         """Wraps vLLM's CPU KV tensors (``[num_blocks, num_kv_heads, block_size,
         2 * head_dim]`` per layer, zero-copy) and opens the store's tiers here, beside them."""
         self.cache = wrap_kv_caches(kv_caches, self.layout)
-        with unpinned():   # the tiers' and the store's threads (see config.unpinned)
+        with unpinned():   # the tiers' and the store's threads (see kvmove.runtime.unpinned)
             tiers: list[Any] = [kvmove.HostTier(int(self.config.store_host_gb * _GB))]
             if self.config.store_disk_dir is not None:
                 path = self.config.store_disk_dir

@@ -37,9 +37,9 @@ from vllm.logger import init_logger
 import kvmove
 from kvmove.auth import key_from_file
 from kvmove.errors import ChecksumError, KVMoveError
-from kvmove.integrations.vllm.config import (ConnectorConfig, layout_of, unpin, unpinned,
-                                             wrap_kv_caches)
+from kvmove.integrations.vllm.config import ConnectorConfig, layout_of, wrap_kv_caches
 from kvmove.integrations.vllm.pd import LoadSpec, Metadata, PushSpec, SendSpec
+from kvmove.runtime import unpin, unpinned
 
 logger = init_logger("vllm.kvmove.pd_worker")
 
