@@ -29,7 +29,7 @@ from collections.abc import Callable
 import kvmove
 from kvmove import _log
 from kvmove.errors import ConfigError, KVMoveError
-from kvmove.serve.config import MODES, ServeConfig
+from kvmove.serve.config import MODES, ROUTINGS, ServeConfig
 from kvmove.serve.vllm_pools import KV_MODES, ProxyConfig
 
 # Flags that configure kvmove's own engine workers: meaningless in front of vLLM.
@@ -56,6 +56,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="engine instances for colocated/chunked (default 2)")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (disagg; default 1)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (disagg; default 1)")
+    p.add_argument("--routing", choices=ROUTINGS, default=_DEFAULTS.routing,
+                   help="where a request goes among the prefill (colocated) workers: kv: the "
+                   "one whose cached prefix saves the most prefill, traded off against its "
+                   "queue (docs/serving.md, How routing decides); least-loaded: the fewest "
+                   "requests in flight (default kv)")
     p.add_argument("--chunk-size", type=int, default=512,
                    help="prefill chunk in tokens (chunked, and disagg's prefill; default 512)")
     p.add_argument("--model", default="tiny",
@@ -269,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
             _setup_logging(proxy.log_level)
             return asyncio.run(_serve_proxy(proxy))
         config = ServeConfig(
-            mode=args.mode, workers=args.workers, prefill=args.prefill, decode=args.decode,
+            mode=args.mode, routing=args.routing, workers=args.workers, prefill=args.prefill,
+            decode=args.decode,
             model=args.model, chunk_size=args.chunk_size, num_blocks=args.num_blocks,
             block_size=args.block_size, max_num_seqs=args.max_num_seqs, host=args.host,
             port=args.port, agent_host=args.agent_host, key_file=args.key_file,

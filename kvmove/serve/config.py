@@ -10,9 +10,10 @@ from kvmove.auth import key_from_file, resolve_key
 from kvmove.bootstrap import is_loopback
 from kvmove.errors import ConfigError
 
-__all__ = ["LOOPBACK_HOSTS", "MODES", "ServeConfig"]
+__all__ = ["LOOPBACK_HOSTS", "MODES", "ROUTINGS", "ServeConfig"]
 
 MODES = ("colocated", "chunked", "disagg")
+ROUTINGS = ("kv", "least-loaded")
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
@@ -21,6 +22,9 @@ class ServeConfig:
     """``kvmove-serve``'s options (``kvmove-serve --help`` says what each one does)."""
 
     mode: str = "disagg"
+    # kv: where the prompt's prefix is cached, traded off against the queue (kv_index.py);
+    # the default, as it costs nothing without shared prefixes (it then spreads prefill work)
+    routing: str = "kv"
     workers: int = 2        # colocated / chunked: engine instances
     prefill: int = 1        # disagg
     decode: int = 1         # disagg
@@ -52,6 +56,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.routing not in ROUTINGS:
+            raise ConfigError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         for name in ("workers", "prefill", "decode", "chunk_size", "num_blocks", "block_size",
                      "max_num_seqs", "max_num_batched_tokens", "max_pending",
                      "max_body_bytes"):

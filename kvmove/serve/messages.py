@@ -25,11 +25,13 @@ from kvmove.errors import PeerError
 from kvmove.store.store import StoreStats
 
 __all__ = ["Abort", "Add", "Command", "Connect", "Connected", "Ended", "Event", "Failed",
-           "Ready", "Reserve", "Reserved", "Shutdown", "Stats", "Tokens", "encode",
-           "parse_command", "parse_event"]
+           "KVEvents", "MAX_KV_HASHES", "Ready", "Reserve", "Reserved", "Shutdown", "Stats",
+           "Tokens", "encode", "parse_command", "parse_event"]
 
 Count = Annotated[int, Field(ge=0)]
 BlockIds = list[Count]
+MAX_KV_HASHES = 4096  # per KVEvents message (~90 kB of JSON): more go in several messages
+Hashes = Annotated[list[Annotated[int, Field(ge=0, lt=2**64)]], Field(max_length=MAX_KV_HASHES)]
 
 
 class _Message(BaseModel):
@@ -145,6 +147,19 @@ class Ended(_Message):
     kv_exposed_seconds: float | None = None
 
 
+class KVEvents(_Message):
+    """Block hashes the worker's prefix cache (``medium`` "cache": its live blocks) or its
+    KVStore ("store") now holds (``stored``) or no longer holds (``removed``), since its last
+    such event; as Dynamo's KV events. Gathered after engine steps, at most
+    ``MAX_KV_HASHES`` in all a message (more: several messages). The router's ``KVIndex``
+    mirrors them for KV-aware routing."""
+
+    ev: Literal["kv"] = "kv"
+    medium: Literal["cache", "store"]
+    stored: Hashes
+    removed: Hashes
+
+
 class Failed(_Message):
     """A command the worker could not take (malformed, or for no request): the worker goes
     on; a failed command *for a request* ends that request instead (``Ended``, abort)."""
@@ -154,7 +169,7 @@ class Failed(_Message):
     error: str
 
 
-Event = Annotated[Union[Ready, Stats, Connected, Reserved, Tokens, Ended, Failed],
+Event = Annotated[Union[Ready, Stats, Connected, Reserved, Tokens, Ended, KVEvents, Failed],
                   Field(discriminator="ev")]
 
 _COMMANDS: TypeAdapter[Command] = TypeAdapter(Command)

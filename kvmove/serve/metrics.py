@@ -99,4 +99,17 @@ class Metrics:
         self.commands_refused = Counter("kvmove_control_commands_refused",
                                         "Router commands a worker answered with an error.",
                                         ["worker"], registry=r)
+        self.routed = Counter("kvmove_routing_decisions", "Requests placed on a prefill "
+                              "(colocated) worker, by why: kv_hit (it holds the longest "
+                              "cached prefix), load (a longer one is held by a busier worker), "
+                              "no_match (no worker holds any), least_loaded (--routing "
+                              "least-loaded).", ["worker", "reason"], registry=r)
+        self.matched = Histogram("kvmove_routing_matched_tokens",
+                                 "The prompt tokens the chosen worker holds cached (or stored) "
+                                 "when a request is placed, as its KV events told the router.",
+                                 buckets=(0, 16, 64, 256, 1024, 4096, 16384, 65536),
+                                 registry=r)
+        self.indexed = Gauge("kvmove_routing_indexed_blocks", "Block hashes the router's KV "
+                             "index holds per worker and medium (cache: its live prefix cache, "
+                             "store: its KVStore).", ["worker", "medium"], registry=r)
         r.register(_WorkerCollector(workers))

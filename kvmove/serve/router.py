@@ -4,8 +4,10 @@ Every worker process (``worker_main``) connects a DEALER socket to the router's 
 (``control.py``: a private ipc socket, an identity per process, bounded messages; every
 message parsed by ``messages.py``). Placement:
 
-* ``colocated`` / ``chunked``: the worker with the fewest queued + running requests.
-* ``disagg``: the prefill worker with the fewest requests is picked; the decode worker with
+* ``colocated`` / ``chunked``: the worker ``--routing`` picks (``routing.py``; kv: where the
+  prompt's prefix is cached, traded off against its queue; least-loaded: the fewest queued +
+  running requests).
+* ``disagg``: the prefill worker is picked likewise; the decode worker with
   the most free blocks reserves the request's blocks and leases them to it (none free: the
   request waits in the decode queue and asks again; never dropped); the prefill worker gets
   the prompt, where its KV goes and the lease's epoch. Prefill streams the KV layer by layer
@@ -36,9 +38,11 @@ from kvmove.errors import KVMoveError, PeerError
 from kvmove.serve.config import MODES, ServeConfig
 from kvmove.serve.control import ControlEndpoint
 from kvmove.serve.messages import (
-    Abort, Add, Connect, Connected, Ended, Event, Failed, Ready, Reserve, Reserved,
+    Abort, Add, Connect, Connected, Ended, Event, Failed, KVEvents, Ready, Reserve, Reserved,
     Shutdown, Stats, Tokens, encode, parse_event)
+from kvmove.serve.kv_index import Decision
 from kvmove.serve.metrics import Metrics
+from kvmove.serve.routing import Routing
 from kvmove.serve.workers import WorkerInfo, cpu_shares, end_process, worker_command
 
 __all__ = ["MODES", "Handle", "Router", "ServeConfig", "WorkerInfo"]
@@ -66,6 +70,8 @@ class Handle:
         self.done = False
         self.kv_exposed: float | None = None
         self.ttft: float | None = None
+        self.uncached = 0  # prompt tokens its prefill worker computes, as routing estimated
+        self.hashes: list[int] = []  # its prompt's prefix blocks (routing.py)
 
 
 class Router:
@@ -73,6 +79,7 @@ class Router:
         self.config = config
         self.workers: dict[str, WorkerInfo] = {}
         self.metrics = Metrics(self.workers)
+        self.routing = Routing(config, self.metrics)
         self.handles: dict[str, Handle] = {}
         self._ids = itertools.count()
         self._futures: dict[tuple[str, str], asyncio.Future] = {}
@@ -214,7 +221,8 @@ class Router:
             if self.config.mode == "disagg":
                 await self._place_disaggregated(handle)
             else:
-                worker = self._least_loaded("colocated")
+                worker, decision = self._route(handle, "colocated")
+                self.routing.record(handle, decision)
                 self._assign(handle, worker)
                 self._send(worker, Add(rid=handle.rid, prompt=handle.prompt,
                                        params=handle.params))
@@ -225,7 +233,7 @@ class Router:
         waiting = False
         try:
             while True:
-                prefill = self._least_loaded("prefill")
+                prefill, decision = self._route(handle, "prefill")
                 decode = max(self._alive("decode"),
                              key=lambda w: (w.stat("free_blocks"), -w.load))
                 future = self._expect(decode.name, handle.rid)
@@ -249,6 +257,7 @@ class Router:
         if not prefill.alive:  # it died while the blocks were reserved
             self.abort(handle, f"worker {prefill.name} died")
             return
+        self.routing.record(handle, decision)
         self._assign(handle, prefill)
         self._send(prefill, Add(rid=handle.rid, prompt=handle.prompt, params=handle.params,
                                 decode_peer=decode.name, remote_blocks=lease.blocks,
@@ -274,8 +283,8 @@ class Router:
             raise KVMoveError(f"no {role} worker is alive")
         return workers
 
-    def _least_loaded(self, role: str) -> WorkerInfo:
-        return min(self._alive(role), key=lambda w: (w.load, w.stat("waiting")))
+    def _route(self, handle: Handle, role: str) -> tuple[WorkerInfo, Decision]:
+        return self.routing.pick(handle, self._alive(role), self.handles)
 
     def _assign(self, handle: Handle, worker: WorkerInfo) -> None:
         handle.workers.append(worker.name)
@@ -360,6 +369,7 @@ class Router:
     def _on_event(self, worker: WorkerInfo, event: Event) -> None:
         match event:
             case Ready():
+                self.routing.forget(worker)  # a new process: its cache starts empty
                 worker.agent, worker.registered = event.agent, True
                 self._mark_ready()
             case Stats():
@@ -373,6 +383,8 @@ class Router:
                 self._on_tokens(worker, event)
             case Ended():
                 self._on_ended(worker, event)
+            case KVEvents():
+                self.routing.on_events(worker, event)
             case Failed():
                 self.metrics.commands_refused.labels(worker=worker.name).inc()
                 logger.warning("%s refused a %s command: %s", worker.name, event.op,
@@ -457,6 +469,7 @@ class Router:
     def _on_death(self, worker: WorkerInfo) -> None:
         worker.alive = False
         self._identities.pop(worker.identity, None)  # what it sent last is not heard
+        self.routing.forget(worker)
         code = worker.process.returncode
         logger.log(logging.INFO if self._stopped else logging.WARNING,
                    "worker %s (pid %d) exited with code %s", worker.name, worker.pid, code)
