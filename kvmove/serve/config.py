@@ -9,6 +9,7 @@ from kvmove._log import LEVELS
 from kvmove.auth import key_from_file, resolve_key
 from kvmove.bootstrap import is_loopback
 from kvmove.errors import ConfigError
+from kvmove.serve.planner import Bounds
 
 __all__ = ["LOOPBACK_HOSTS", "MODES", "ROUTINGS", "ServeConfig"]
 
@@ -52,6 +53,10 @@ class ServeConfig:
     max_pending: int = 256        # completions admitted at once (more: 429)
     max_body_bytes: int = 4 * 2**20  # a request body (more: 413)
     allowed_hosts: tuple[str, ...] | None = None  # Host headers served (None: loopback + host)
+    planner: bool = False         # disagg: add and drain workers per pool (planner.py)
+    prefill_bounds: tuple[int, int] | None = None  # the planner's (min, max); None: 1, 2 x
+    decode_bounds: tuple[int, int] | None = None   # the pool's starting size
+    planner_interval: float = 1.0  # seconds between the planner's samples
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -83,6 +88,13 @@ class ServeConfig:
             raise ConfigError(f"agent_host {self.agent_host!r} is not loopback: give the "
                               "workers a deployment key (--key-file, or KVMOVE_KEY_FILE / "
                               "KVMOVE_KEY), the host key proves nothing to another host")
+        if self.planner and self.mode != "disagg":
+            raise ConfigError(f"the planner sizes the prefill and decode pools: it needs "
+                              f"mode 'disagg', got {self.mode!r}")
+        if not 0 < self.planner_interval < 1e6:
+            raise ConfigError(f"planner_interval must be positive, got "
+                              f"{self.planner_interval!r}")
+        self.bounds()  # valid, or ConfigError now
         if self.allowed_hosts is not None and not all(self.allowed_hosts):
             raise ConfigError(f"allowed_hosts must be host names, got {self.allowed_hosts!r}")
 
@@ -112,6 +124,15 @@ class ServeConfig:
             return ([(f"prefill-{i}", "prefill") for i in range(self.prefill)] +
                     [(f"decode-{i}", "decode") for i in range(self.decode)])
         return [(f"worker-{i}", "colocated") for i in range(self.workers)]
+
+    def bounds(self) -> dict[str, Bounds]:
+        """The planner's bounds per pool (empty without the planner)."""
+        if not self.planner:
+            return {}
+        given = {"prefill": (self.prefill_bounds, self.prefill),
+                 "decode": (self.decode_bounds, self.decode)}
+        return {pool: Bounds(*bound) if bound is not None else Bounds(1, 2 * start)
+                for pool, (bound, start) in given.items()}
 
     def pools(self) -> tuple[str, ...]:
         return ("prefill", "decode") if self.mode == "disagg" else ("colocated",)

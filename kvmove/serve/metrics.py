@@ -112,4 +112,10 @@ class Metrics:
         self.indexed = Gauge("kvmove_routing_indexed_blocks", "Block hashes the router's KV "
                              "index holds per worker and medium (cache: its live prefix cache, "
                              "store: its KVStore).", ["worker", "medium"], registry=r)
+        self.planner = Counter("kvmove_planner_decisions", "The planner's actions (--planner): "
+                               "add or drain a worker of a pool, and why (below_min, "
+                               "above_max, queue, utilisation, idle).",
+                               ["pool", "action", "reason"], registry=r)
+        self.workers = Gauge("kvmove_pool_workers", "Live workers per pool taking requests "
+                             "or starting (not draining).", ["pool"], registry=r)
         r.register(_WorkerCollector(workers))

@@ -42,6 +42,7 @@ from kvmove.serve.messages import (
     Shutdown, Stats, Tokens, encode, parse_event)
 from kvmove.serve.kv_index import Decision
 from kvmove.serve.metrics import Metrics
+from kvmove.serve.planner import Planner, PoolSample
 from kvmove.serve.routing import Routing
 from kvmove.serve.workers import WorkerInfo, cpu_shares, end_process, worker_command
 
@@ -80,6 +81,7 @@ class Router:
         self.workers: dict[str, WorkerInfo] = {}
         self.metrics = Metrics(self.workers)
         self.routing = Routing(config, self.metrics)
+        self.planner = Planner(self, config.bounds(), config.planner_interval)
         self.handles: dict[str, Handle] = {}
         self._ids = itertools.count()
         self._futures: dict[tuple[str, str], asyncio.Future] = {}
@@ -125,6 +127,8 @@ class Router:
                 raise KVMoveError(f"workers not ready after {c.start_timeout:g} s: "
                                   f"{[w.name for w in self.workers.values() if not w.ready]}")
             await asyncio.sleep(0.05)
+        if c.planner:
+            self._loop("planner", self.planner.run())
 
     def _launch(self, worker: WorkerInfo) -> None:
         """Starts the worker's process; only its new identity is heard from then on."""
@@ -139,7 +143,7 @@ class Router:
         """A worker takes requests once registered and, disaggregated, a kvmove peer of every
         registered worker of the other pool (each one's current incarnation)."""
         for w in self.workers.values():
-            if not (w.alive and w.registered):
+            if not (w.alive and w.registered) or w.draining:
                 w.ready = False
             elif self.config.mode != "disagg":
                 w.ready = True
@@ -228,6 +232,8 @@ class Router:
                                        params=handle.params))
         except Exception as error:  # no worker left, or the control plane failed
             self._end(handle, "abort", "", f"{type(error).__name__}: {error}")
+        finally:
+            self.routing.release(handle)
 
     async def _place_disaggregated(self, handle: Handle) -> None:
         waiting = False
@@ -452,6 +458,7 @@ class Router:
                 queue += self._waiting_for_blocks
             m.queue.labels(pool=pool).set(queue)
             m.running.labels(pool=pool).set(sum(w.stat("running") for w in members))
+            m.workers.labels(pool=pool).set(sum(not w.draining for w in members))
         for w in self.workers.values():
             if w.stats is not None:
                 m.free_blocks.labels(worker=w.name).set(w.stats.free_blocks)
@@ -471,7 +478,7 @@ class Router:
         self._identities.pop(worker.identity, None)  # what it sent last is not heard
         self.routing.forget(worker)
         code = worker.process.returncode
-        logger.log(logging.INFO if self._stopped else logging.WARNING,
+        logger.log(logging.INFO if self._stopped or worker.draining else logging.WARNING,
                    "worker %s (pid %d) exited with code %s", worker.name, worker.pid, code)
         for rid in list(worker.requests):
             handle = self.handles.get(rid)
@@ -485,18 +492,87 @@ class Router:
         for other in self.workers.values():
             other.peers = {p for p in other.peers if p[0] != worker.name}
         self._mark_ready()
-        if self.config.restart and not self._stopped:
+        if worker.draining:  # the planner ended it (or it died draining): not started again
+            self._retire(worker)
+        elif self.config.restart and not self._stopped:
             self.metrics.restarts.labels(worker=worker.name).inc()
             worker.restarts += 1
             self._launch(worker)
 
+    # --- the planner's pools (planner.py decides) ------------------------------------------
+
+    def pool_sample(self, pool: str) -> PoolSample:
+        """``pool`` now, from its workers' last stats: those taking requests (or starting),
+        what waits on them (decode: for a batch slot or blocks) and runs."""
+        members = [w for w in self.workers.values()
+                   if w.role == pool and w.alive and not w.draining]
+        waiting = sum(w.stat("waiting") for w in members)
+        utilisation = 0.0
+        if pool == "decode":
+            waiting += self._waiting_for_blocks
+            c = self.config
+            used = [max(1 - w.stat("free_blocks") / c.num_blocks, w.stat("running") /
+                        c.max_num_seqs) for w in members if w.stats is not None]
+            utilisation = sum(used) / len(used) if used else 0.0
+        return PoolSample(len(members), waiting, sum(w.stat("running") for w in members),
+                          utilisation, self.config.max_num_seqs)
+
+    def add_worker(self, pool: str) -> WorkerInfo:
+        """Starts one more worker of ``pool`` (the router's own launch path); it takes
+        requests once ready (disaggregated: once a peer of the other pool)."""
+        index = next(i for i in itertools.count() if f"{pool}-{i}" not in self.workers)
+        name = f"{pool}-{index}"
+        command = worker_command(self.config, name, pool, [], self.control.address)
+        worker = self.workers[name] = WorkerInfo(name, pool, command)
+        self._launch(worker)
+        return worker
+
+    def drain(self, pool: str) -> WorkerInfo | None:
+        """Takes the least-loaded worker of ``pool`` out: no request is placed on it from
+        now, those it holds finish (none is dropped), then it is shut down and not started
+        again. None when the pool has no worker to spare."""
+        members = [w for w in self.workers.values()
+                   if w.role == pool and w.alive and not w.draining]
+        if len(members) < 2:
+            return None
+        worker = min(members, key=lambda w: (w.load, w.stat("waiting")))
+        worker.draining = True
+        self._mark_ready()
+        logger.info("draining %s: %d requests in flight", worker.name, worker.load)
+        self._spawn(self._finish_drain(worker))
+        return worker
+
+    async def _finish_drain(self, worker: WorkerInfo) -> None:
+        """Waits for its requests (and reservations) to end, then shuts it down. A request is
+        never cut short for this: past ``request_timeout`` it says so, and waits on."""
+        warn_at = time.monotonic() + self.config.request_timeout
+        while worker.alive and (worker.requests or any(
+                name == worker.name for name, _ in self._futures)):
+            if time.monotonic() > warn_at:
+                logger.warning("%s still drains %d requests", worker.name, worker.load)
+                warn_at += self.config.request_timeout
+            await asyncio.sleep(RESERVE_RETRY_SECONDS)
+        if worker.alive:
+            logger.info("%s drained: shutting it down", worker.name)
+            try:
+                self._send(worker, Shutdown())
+            except zmq.ZMQError:
+                pass
+            await end_process(worker.process, time.monotonic() + 10.0)
+
+    def _retire(self, worker: WorkerInfo) -> None:
+        worker.retired = True
+        logger.info("worker %s (pid %d) retired", worker.name, worker.pid)
+
     def health(self) -> dict[str, Any]:
+        current = [w for w in self.workers.values() if not w.retired]
         workers = [{"name": w.name, "role": w.role, "alive": w.alive, "ready": w.ready,
-                    "pid": w.pid, **(w.stats.model_dump(exclude={"ev"}) if w.stats else {})}
-                   for w in self.workers.values()]
-        serving = all(any(w.alive and w.role == role for w in self.workers.values())
-                      for role in {w.role for w in self.workers.values()})
-        everyone = all(w.alive for w in self.workers.values())
+                    "draining": w.draining, "pid": w.pid,
+                    **(w.stats.model_dump(exclude={"ev"}) if w.stats else {})}
+                   for w in current]
+        serving = all(any(w.alive and w.role == role for w in current)
+                      for role in {w.role for w in current})
+        everyone = all(w.alive for w in current)
         status = "ok" if everyone else ("degraded" if serving else "down")
         report: dict[str, Any] = {"status": status, "mode": self.config.mode,
                                   "workers": workers}
