@@ -86,6 +86,12 @@ class DeploymentKey:
         digest = hmac.new(self.secret, b"kvmove block hashes\0", hashlib.sha256).digest()
         return int.from_bytes(digest[:8], "little")
 
+    def prefix_seed(self) -> int:
+        """The seed of a serving deployment's prefix-cache hashes: the key's ``hash_seed``,
+        or 0 for the host key (it differs between hosts, which must agree on a prefix's
+        hashes). Every worker and the KV-aware router use it, so their hashes agree."""
+        return 0 if self.host_only else self.hash_seed()
+
     def _tag(self, blob: bytes) -> bytes:
         return hmac.new(self.secret, _CONTEXT + blob, hashlib.sha256).digest()
 

@@ -68,6 +68,23 @@ def test_prompts_share_no_first_block() -> None:
     assert len({t.prompt[:16] for t in trace}) == 200
 
 
+def test_shared_prefixes_keep_the_trace_and_mark_repeats() -> None:
+    """Issue 19: every prompt is one of N prefixes then its own prompt; arrivals, kinds and own
+    prompts are those of the trace without them; the first request of a prefix is no repeat."""
+    plain = make_trace(ServeConfig(num_requests=30))
+    shared = make_trace(ServeConfig(num_requests=30, shared_prefixes=3, prefix_bytes=100))
+    assert [(t.arrival, t.kind) for t in shared] == [(t.arrival, t.kind) for t in plain]
+    assert [t.prompt[100:] for t in shared] == [t.prompt for t in plain]
+    assert len({t.prompt[:100] for t in shared}) == 3 == len({t.prefix for t in shared})
+    seen: set[int] = set()
+    for t in shared:
+        assert t.repeat == (t.prefix in seen)
+        assert t.prompt[:100] == shared[[u.prefix for u in shared].index(t.prefix)].prompt[:100]
+        seen.add(t.prefix)
+    assert sum(not t.repeat for t in shared) == 3
+    assert all(t.prefix is None and not t.repeat for t in plain)
+
+
 # --- config rejections ----------------------------------------------------------------------
 
 
@@ -96,6 +113,12 @@ def test_prompts_share_no_first_block() -> None:
      "url must be http://HOST:PORT, got 'http://127.0.0.1:8000/v1'"),
     ({"model": "tiny", "long_prompt_bytes": 4000, "long_output_tokens": 100},
      "a long request needs 4000 + 1 (BOS) + 100 positions, tiny has 4096"),
+    ({"model": "tiny", "long_prompt_bytes": 3000, "shared_prefixes": 2,
+      "prefix_bytes": 1090}, "a long request needs 4090 + 1 (BOS) + 16 positions"),
+    ({"routings": ("kv", "kv")}, "routings must be distinct values of"),
+    ({"routings": ("random",)}, "routings must be distinct values of"),
+    ({"shared_prefixes": -1}, "shared_prefixes must be an int >= 0, got -1"),
+    ({"prefix_bytes": 0}, "prefix_bytes must be positive, got 0"),
 ])
 def test_config_rejects(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -279,6 +302,32 @@ def test_format_serve() -> None:
     assert "  chunked request 2 (short): 2 of 3 tokens" in lines
     assert text.endswith("measured in 12.5 s")
     json.dumps(_report().to_dict())  # the --json form serialises
+
+
+def test_format_serve_compares_routings_on_repeats_of_shared_prefixes() -> None:
+    """Issue 19: with shared prefixes, a table of repeat and first TTFTs and the matched
+    prefix per request, and the repeats' TTFT in the ratios; each routing labelled."""
+    config = ServeConfig(num_requests=3, model="tiny", rate=1.0, shared_prefixes=1,
+                         routings=("kv", "least-loaded"))
+    trace = make_trace(config)
+    assert [t.repeat for t in trace] == [False, True, True]
+
+    def mode(routing: str, repeat_ttft: float, matched: float) -> ModeResult:
+        requests = tuple(RequestResult(i, "long", 1, 0.0, (0.4 if i == 0 else repeat_ttft,),
+                                       1.0, None) for i in range(3))
+        return ModeResult("colocated", {"workers": 2}, requests, (), routing=routing,
+                          matched_tokens=matched, routed=3)
+
+    report = ServeReport(config, trace, (mode("kv", 0.1, 1024.0), mode("least-loaded", 0.2,
+                                                                         0.0)), 5.0)
+    lines = format_serve(report).splitlines()
+    assert "1 shared prefixes of 512 B:" in lines
+    kv = next(line for line in lines if line.startswith("colocated kv ") and "341" in line)
+    assert kv.split()[2:6] == ["2", "100.00", "100.00", "1"]
+    assert "against colocated kv (same trace, same run):" in lines
+    assert any(line.startswith("  colocated least-loaded: TTFT of repeats p50 2.00x, mean "
+                               "2.00x, ") for line in lines)
+    json.dumps(report.to_dict())
 
 
 def test_plot_serve_writes_two_pngs(tmp_path: object) -> None:

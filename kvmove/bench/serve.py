@@ -72,6 +72,7 @@ __all__ = ["KINDS", "MODES", "ServeConfig", "add_parser", "count_steps", "run", 
 logger = logging.getLogger(__name__)
 
 MODES = ("colocated", "chunked", "disagg")
+ROUTINGS = ("kv", "least-loaded")  # kvmove-serve --routing
 KINDS = ("long", "short")  # summarisation-like, chat-like
 
 
@@ -93,6 +94,12 @@ class ServeConfig:
         short_prompt_bytes / short_output_tokens: a short (chat-like) one's.
         ttft_slo / itl_slo: seconds; goodput counts requests within both (ITL: the mean).
         seed: the trace (arrivals, kinds, prompts).
+        routings: ``kvmove-serve --routing`` values; each mode runs once per routing (the
+            first mode with the first routing is the baseline of the ratios).
+        shared_prefixes: 0, or how many shared prefixes the trace's prompts begin with (each
+            request picks one, seeded): the first request of a prefix computes it, later ones
+            (its repeats) can find it cached, which is what KV-aware routing is for.
+        prefix_bytes: a shared prefix's length; the prompt lengths are what follows it.
         url: a running server to use instead of starting one (then ``modes`` names its mode,
             exactly one).
         timeout: deadline in seconds of every wait: the server's start and stop, each request.
@@ -115,6 +122,9 @@ class ServeConfig:
     ttft_slo: float = 2.0
     itl_slo: float = 0.1
     seed: int = 0
+    routings: tuple[str, ...] = ("kv",)
+    shared_prefixes: int = 0
+    prefix_bytes: int = 512
     url: str | None = None
     timeout: float = 120.0
     sample_interval: float = 0.25
@@ -124,8 +134,18 @@ class ServeConfig:
             modes = (self.modes,) if isinstance(self.modes, str) else tuple(self.modes)
             object.__setattr__(self, "modes", modes)
         _check_modes(self.modes)
+        if isinstance(self.routings, (list, str)):
+            routings = (self.routings,) if isinstance(self.routings, str) else tuple(
+                self.routings)
+            object.__setattr__(self, "routings", routings)
+        _check_routings(self.routings)
+        if isinstance(self.shared_prefixes, bool) or not isinstance(
+                self.shared_prefixes, int) or self.shared_prefixes < 0:
+            raise ConfigError(f"shared_prefixes must be an int >= 0, got "
+                              f"{self.shared_prefixes!r}")
         for name in ("workers", "chunk_size", "num_requests", "long_prompt_bytes",
-                     "long_output_tokens", "short_prompt_bytes", "short_output_tokens"):
+                     "long_output_tokens", "short_prompt_bytes", "short_output_tokens",
+                     "prefix_bytes"):
             require_positive_int(name, getattr(self, name))
         for name in ("prefill", "decode"):
             if getattr(self, name) is not None:
@@ -175,6 +195,7 @@ class ServeConfig:
         limit = MODEL_PRESETS[self.model].max_position_embeddings
         for kind in KINDS:
             prompt_bytes, max_tokens = self.lengths(kind)
+            prompt_bytes += self.prefix_bytes if self.shared_prefixes else 0
             if prompt_bytes + 1 + max_tokens > limit:
                 raise ConfigError(f"a {kind} request needs {prompt_bytes} + 1 (BOS) + "
                                   f"{max_tokens} positions, {self.model} has {limit}")
@@ -190,6 +211,12 @@ def _check_modes(modes: Any) -> None:
         raise ConfigError(f"modes must not repeat a mode, got {modes}")
 
 
+def _check_routings(routings: Any) -> None:
+    if not isinstance(routings, tuple) or not routings or len(set(routings)) != len(routings) \
+            or any(r not in ROUTINGS for r in routings):
+        raise ConfigError(f"routings must be distinct values of {ROUTINGS}, got {routings!r}")
+
+
 def _check_url(url: Any, modes: tuple[str, ...]) -> None:
     if not isinstance(url, str) or not re.match(r"https?://[^/\s]+/?$", url):
         raise ConfigError(f"url must be http://HOST:PORT, got {url!r}")
@@ -200,20 +227,21 @@ def _check_url(url: Any, modes: tuple[str, ...]) -> None:
 # --- the run --------------------------------------------------------------------------------
 
 
-def _run_mode(config: ServeConfig, mode: str, trace: Sequence[TraceRequest],
+def _run_mode(config: ServeConfig, mode: str, routing: str, trace: Sequence[TraceRequest],
               progress: Progress) -> ModeResult:
     if config.url is not None:
         progress(f"{mode}: using {config.url}")
         result = asyncio.run(replay(config, trace, config.url.rstrip("/"), mode, progress))
         progress(f"{mode}: done")
         return result
-    with ServerProcess(config, mode) as server:
+    with ServerProcess(config, mode, routing) as server:
         logger.info("kvmove-serve %s ready on %s in %.1f s", mode, server.url,
                     server.startup_seconds)
         progress(f"{mode}: server ready")
         result = asyncio.run(replay(config, trace, server.url, mode, progress))
     progress(f"{mode}: server stopped")
-    return replace(result, startup_seconds=server.startup_seconds, exit_code=server.exit_code)
+    return replace(result, startup_seconds=server.startup_seconds, exit_code=server.exit_code,
+                   routing=routing if len(config.routings) > 1 else None)
 
 
 def run(config: ServeConfig, progress: Progress | None = None) -> ServeReport:
@@ -225,13 +253,14 @@ def run(config: ServeConfig, progress: Progress | None = None) -> ServeReport:
     progress = progress or (lambda label: None)
     wall = time.perf_counter()
     trace = make_trace(config)
-    modes = tuple(_run_mode(config, mode, trace, progress) for mode in config.modes)
+    modes = tuple(_run_mode(config, mode, routing, trace, progress)
+                  for mode in config.modes for routing in config.routings)
     return ServeReport(config, trace, modes, time.perf_counter() - wall)
 
 
 def count_steps(config: ServeConfig) -> int:
     """How many times ``run`` calls ``progress``."""
-    return len(config.modes) * (config.num_requests + 2)
+    return len(config.modes) * len(config.routings) * (config.num_requests + 2)
 
 
 # --- the subcommand -------------------------------------------------------------------------
@@ -265,6 +294,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     sub.add_argument("--ttft-slo", type=float, default=2.0, help="goodput's TTFT bound, s (2)")
     sub.add_argument("--itl-slo", type=float, default=0.1, help="goodput's mean ITL bound, s "
                      "(0.1)")
+    sub.add_argument("--routing", nargs="+", choices=ROUTINGS, default=["kv"],
+                     help="kvmove-serve --routing; several: each mode once per routing, "
+                     "compared in one run (default kv)")
+    sub.add_argument("--shared-prefixes", type=int, default=0, metavar="N",
+                     help="prompts begin with one of N shared prefixes (default 0: none); "
+                     "the report gives the TTFT of their repeats")
+    sub.add_argument("--prefix-bytes", type=int, default=512,
+                     help="a shared prefix's length, before the prompt's own (default 512)")
     sub.add_argument("--url", default=None, help="a running kvmove-serve instead (one mode)")
     sub.add_argument("--seed", type=int, default=0, help="the trace's seed (default 0)")
     sub.add_argument("--timeout", type=float, default=120.0,
@@ -283,6 +320,8 @@ def run_command(args: argparse.Namespace) -> int:
         long_prompt_bytes=args.long_prompt, long_output_tokens=args.long_output,
         short_prompt_bytes=args.short_prompt, short_output_tokens=args.short_output,
         ttft_slo=args.ttft_slo, itl_slo=args.itl_slo, seed=args.seed, url=args.url,
+        routings=tuple(args.routing), shared_prefixes=args.shared_prefixes,
+        prefix_bytes=args.prefix_bytes,
         timeout=args.timeout)
     if args.plot:
         check_plot(args.plot)

@@ -11,6 +11,11 @@ Prompts are ASCII, so their length in bytes is their length in tokens minus the 
 presets' byte tokenizer; each begins with its request's index so that no two share a first
 KV block and prefix reuse cannot skip a prefill. Every mode gets the same trace.
 
+With ``shared_prefixes`` N > 0, every prompt is instead one of N shared prefixes
+(``prefix_bytes`` each, picked per request by their own seeded generator, so the arrivals,
+kinds and own prompts stay those of the trace without them) followed by the request's own
+prompt: the first request of a prefix computes it, its repeats can find it cached.
+
 What a request records, on the client's ``time.monotonic()``: when it was sent and when each
 token's chunk arrived. A chunk carries a token unless it has a ``finish_reason`` (the closing
 chunk, as OpenAI's, carries none); a token that ends inside a UTF-8 character arrives as a chunk
@@ -26,7 +31,7 @@ import random
 import string
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from kvmove.bench.serve_report import ModeResult, QueueSample, RequestResult
@@ -54,6 +59,8 @@ class TraceRequest:
     kind: str
     prompt: str  # ASCII: len(prompt) bytes
     max_tokens: int
+    prefix: int | None = None  # the shared prefix it begins with
+    repeat: bool = False       # an earlier request of the trace began with it too
 
 
 def make_trace(config: ServeConfig) -> tuple[TraceRequest, ...]:
@@ -63,6 +70,7 @@ def make_trace(config: ServeConfig) -> tuple[TraceRequest, ...]:
     rather than a coin per request, so that a short trace has the mix it asks for.
     """
     rng = random.Random(config.seed)
+    shared = _SharedPrefixes(config)
     num_long = round(config.num_requests * config.long_fraction)
     kinds = ["long"] * num_long + ["short"] * (config.num_requests - num_long)
     rng.shuffle(kinds)
@@ -71,9 +79,28 @@ def make_trace(config: ServeConfig) -> tuple[TraceRequest, ...]:
         if index:
             arrival += rng.expovariate(config.rate)
         prompt_bytes, max_tokens = config.lengths(kind)
-        trace.append(TraceRequest(index, arrival, kind, _prompt(rng, index, prompt_bytes),
-                                  max_tokens))
+        own = _prompt(rng, index, prompt_bytes)
+        trace.append(shared.apply(TraceRequest(index, arrival, kind, own, max_tokens)))
     return tuple(trace)
+
+
+class _SharedPrefixes:
+    """The trace's shared prefixes, from their own generator (seeded by the trace's seed)."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        rng = random.Random(f"shared-prefixes:{config.seed}")
+        self.rng = rng
+        self.texts = [_prompt(rng, j, config.prefix_bytes).replace(":", "#", 1)
+                      for j in range(config.shared_prefixes)]
+        self.seen: set[int] = set()
+
+    def apply(self, request: TraceRequest) -> TraceRequest:
+        if not self.texts:
+            return request
+        j = self.rng.randrange(len(self.texts))
+        repeat = j in self.seen
+        self.seen.add(j)
+        return replace(request, prompt=self.texts[j] + request.prompt, prefix=j, repeat=repeat)
 
 
 def _prompt(rng: random.Random, index: int, nbytes: int) -> str:
@@ -166,7 +193,8 @@ async def _sample(http: Any, stop: asyncio.Event, interval: float, start: float,
 
 _KV = ("kvmove_kv_bytes_total", "kvmove_kv_transfer_seconds_sum",
        "kvmove_kv_transfer_seconds_count", "kvmove_kv_exposed_seconds_sum",
-       "kvmove_kv_handoff_seconds_sum", "kvmove_kv_handoff_seconds_count")
+       "kvmove_kv_handoff_seconds_sum", "kvmove_kv_handoff_seconds_count",
+       "kvmove_routing_matched_tokens_sum", "kvmove_routing_matched_tokens_count")
 _STAGES = "kvmove_kv_handoff_stage_seconds"
 
 
@@ -219,9 +247,10 @@ async def replay(config: ServeConfig, trace: Sequence[TraceRequest], url: str, m
             stop.set()
             await sampler
         after = await _kv_totals(http)
-    kv_bytes, kv_seconds, kv_count, kv_exposed, handoff, handoffs = (
+    kv_bytes, kv_seconds, kv_count, kv_exposed, handoff, handoffs, matched, routed = (
         b - a for a, b in zip(before[0], after[0]))
     return ModeResult(mode, config.instances(mode), tuple(results), tuple(samples),
                       kv_bytes, kv_seconds, round(kv_count), kv_exposed,
                       kv_handoff_seconds=handoff, kv_handoffs=round(handoffs),
-                      kv_timeline=stage_means(before[1:], after[1:]))
+                      kv_timeline=stage_means(before[1:], after[1:]),
+                      matched_tokens=matched, routed=round(routed))

@@ -118,6 +118,13 @@ class ModeResult:
     kv_timeline: dict[str, float] = field(default_factory=dict)
     startup_seconds: float | None = None
     exit_code: int | None = None
+    routing: str | None = None  # kvmove-serve --routing, when a run compares several
+    matched_tokens: float = 0.0  # the routers' kvmove_routing_matched_tokens over the replay
+    routed: int = 0              # and its count: requests placed
+
+    @property
+    def label(self) -> str:
+        return self.mode if self.routing is None else f"{self.mode} {self.routing}"
 
     @property
     def wall_seconds(self) -> float:
@@ -189,7 +196,8 @@ class ModeResult:
     def to_dict(self, ttft_slo: float, itl_slo: float) -> dict[str, Any]:
         qs = (50, 90, 99)
         return {
-            "mode": self.mode, "instances": self.instances,
+            "mode": self.mode, "routing": self.routing, "instances": self.instances,
+            "matched_tokens": self.matched_tokens, "routed": self.routed,
             "requests": len(self.requests), "failures": self.failures,
             "wall_seconds": self.wall_seconds, "output_tokens": self.output_tokens,
             "tokens_per_s": self.tokens_per_s,
@@ -231,7 +239,8 @@ class ServeReport:
         return {
             "config": asdict(c),
             "trace": [{"index": t.index, "arrival": t.arrival, "kind": t.kind,
-                       "prompt_bytes": len(t.prompt), "max_tokens": t.max_tokens}
+                       "prompt_bytes": len(t.prompt), "max_tokens": t.max_tokens,
+                       "prefix": t.prefix, "repeat": t.repeat}
                       for t in self.trace],
             "modes": [m.to_dict(c.ttft_slo, c.itl_slo) for m in self.modes],
             "wall_seconds": self.wall_seconds,
@@ -248,7 +257,7 @@ def format_serve(report: ServeReport) -> str:
     failures (if any)."""
     return "\n".join([_header(report), "", *_latency_table(report), "",
                       *_throughput_table(report), "", *_timeline_lines(report),
-                      *_ratio_lines(report), *_failure_lines(report), "",
+                      *_prefix_lines(report), *_ratio_lines(report), *_failure_lines(report), "",
                       f"measured in {report.wall_seconds:.1f} s"])
 
 
@@ -272,7 +281,7 @@ def _instances(result: ModeResult) -> str:
 def _latency_table(report: ServeReport) -> list[str]:
     head = ["mode", "instances", *(f"TTFT p{q} ms" for q in _QS),
             *(f"ITL p{q} ms" for q in _QS), "ITL max ms", "ITL p99/p50"]
-    rows = [[m.mode, _instances(m), *(_ms_or_na(m.ttft(q)) for q in _QS),
+    rows = [[m.label, _instances(m), *(_ms_or_na(m.ttft(q)) for q in _QS),
              *(_ms_or_na(m.itl(q)) for q in _QS),
              _ms_or_na(max(m.itls, default=math.nan)), _ratio(m.itl_spread)]
             for m in report.modes]
@@ -283,7 +292,7 @@ def _throughput_table(report: ServeReport) -> list[str]:
     c = report.config
     head = ["mode", "ok", "failed", "wall s", "output tokens", "tokens/s", "within SLOs",
             "goodput req/s", "KV exposed % of TTFT (transfer ms, MB)"]
-    rows = [[m.mode, str(len(m.requests) - m.failures), str(m.failures),
+    rows = [[m.label, str(len(m.requests) - m.failures), str(m.failures),
              f"{m.wall_seconds:.1f}", f"{m.output_tokens:,}", f"{m.tokens_per_s:,.1f}",
              f"{m.good(c.ttft_slo, c.itl_slo)}/{len(m.requests)}",
              f"{m.goodput(c.ttft_slo, c.itl_slo):.3f}", _kv_cell(m)]
@@ -331,10 +340,15 @@ def _ratio_lines(report: ServeReport) -> list[str]:
     if len(report.modes) < 2:
         return []
     c, base = report.config, report.baseline
-    lines = [f"against {base.mode} (same trace, same run):"]
+    lines = [f"against {base.label} (same trace, same run):"]
     for m in report.modes[1:]:
+        repeats = ""
+        if report.config.shared_prefixes:
+            mine, theirs = _repeat_ttfts(report, m), _repeat_ttfts(report, base)
+            repeats = (f"TTFT of repeats p50 {_over(percentile(mine, 50), percentile(theirs, 50))}"
+                       f", mean {_over(_mean(mine), _mean(theirs))}, ")
         lines.append(
-            f"  {m.mode}: TTFT p99 {_over(m.ttft(99), base.ttft(99))}, ITL p99 "
+            f"  {m.label}: {repeats}TTFT p99 {_over(m.ttft(99), base.ttft(99))}, ITL p99 "
             f"{_over(m.itl(99), base.itl(99))}, tokens/s "
             f"{_over(m.tokens_per_s, base.tokens_per_s)}, goodput "
             f"{_over(m.goodput(c.ttft_slo, c.itl_slo), base.goodput(c.ttft_slo, c.itl_slo))}")
@@ -347,8 +361,38 @@ def _failure_lines(report: ServeReport) -> list[str]:
         for r in m.requests:
             if not r.completed:
                 why = r.error or f"{r.tokens} of {r.max_tokens} tokens"
-                lines.append(f"  {m.mode} request {r.index} ({r.kind}): {why}")
+                lines.append(f"  {m.label} request {r.index} ({r.kind}): {why}")
     return ["", "failed requests:", *lines] if lines else []
+
+
+def _repeat_ttfts(report: ServeReport, result: ModeResult, repeat: bool = True) -> list[float]:
+    """TTFTs of the requests whose shared prefix an earlier one began with (``repeat``), or
+    of the first of each prefix."""
+    repeats = {t.index for t in report.trace if t.prefix is not None and t.repeat == repeat}
+    return [r.ttft for r in result.requests if r.index in repeats and r.ttft is not None]
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def _prefix_lines(report: ServeReport) -> list[str]:
+    """With shared prefixes: TTFT of their repeats and firsts, and the prefix the router's
+    choices landed on (``kvmove_routing_matched_tokens``)."""
+    c = report.config
+    if not c.shared_prefixes:
+        return []
+    head = ["mode", "repeats", "repeat TTFT p50 ms", "repeat TTFT mean ms", "firsts",
+            "first TTFT p50 ms", "matched tokens / request"]
+    rows = []
+    for m in report.modes:
+        repeats, firsts = _repeat_ttfts(report, m), _repeat_ttfts(report, m, repeat=False)
+        rows.append([m.label, str(len(repeats)), _ms_or_na(percentile(repeats, 50)),
+                     _ms_or_na(_mean(repeats)), str(len(firsts)),
+                     _ms_or_na(percentile(firsts, 50)),
+                     f"{m.matched_tokens / m.routed:,.0f}" if m.routed else "n/a"])
+    return [f"{c.shared_prefixes} shared prefixes of {c.prefix_bytes:,} B:",
+            *aligned(head, rows, left={0}), ""]
 
 
 def _over(value: float, base: float) -> str:

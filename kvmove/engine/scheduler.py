@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvmove.block_pool import BlockPool, block_hashes
@@ -32,7 +32,7 @@ from kvmove.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Scheduled", "Scheduler", "SchedulerConfig"]
+__all__ = ["Scheduled", "Scheduler", "SchedulerConfig", "prefix_hashes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,11 +215,10 @@ class Scheduler:
         """Takes the longest cached prefix, leaving at least one token to compute (its
         logits give the next token), then asks the store for more. True when a fetch from the
         store started."""
-        usable = (request.num_tokens - 1) // self.block_size
-        if usable == 0:
+        hashes = prefix_hashes(request.tokens, self.block_size, self.config.hash_seed)
+        if not hashes:
             return False
-        hashes = block_hashes(request.tokens[:usable * self.block_size], self.block_size,
-                              seed=self.config.hash_seed)
+        usable = len(hashes)
         ids = self.pool.match(hashes)
         if ids:
             request.blocks = list(ids)
@@ -241,3 +240,13 @@ class Scheduler:
                               seed=self.config.hash_seed)
         self.pool.commit(request.blocks[done:full], hashes)
         request.hashes += hashes
+
+
+def prefix_hashes(tokens: Sequence[int], block_size: int, seed: int = 0) -> list[int]:
+    """The hashes a prompt's cached prefix is looked up by: its full blocks, leaving at least
+    one token to compute (its logits give the next token). The one definition, shared by the
+    scheduler's match and ``kvmove-serve``'s KV-aware router, which must hash as it does."""
+    usable = (len(tokens) - 1) // block_size
+    if usable <= 0:
+        return []
+    return block_hashes(tokens[:usable * block_size], block_size, seed=seed)

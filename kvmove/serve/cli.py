@@ -30,7 +30,8 @@ from collections.abc import Callable
 import kvmove
 from kvmove import _log
 from kvmove.errors import ConfigError, KVMoveError
-from kvmove.serve.config import MODES, ServeConfig
+from kvmove.serve.config import MODES, ROUTINGS, ServeConfig
+from kvmove.serve.planner import Bounds, parse_bounds
 from kvmove.serve.vllm_pools import KV_MODES, ProxyConfig
 
 # Flags that configure kvmove's own engine workers: meaningless in front of vLLM.
@@ -57,6 +58,21 @@ def _parser() -> argparse.ArgumentParser:
                    help="engine instances for colocated/chunked (default 2)")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (disagg; default 1)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (disagg; default 1)")
+    p.add_argument("--routing", choices=ROUTINGS, default=_DEFAULTS.routing,
+                   help="where a request goes among the prefill (colocated) workers: kv: the "
+                   "one whose cached prefix saves the most prefill, traded off against its "
+                   "queue (docs/serving.md, How routing decides); least-loaded: the fewest "
+                   "requests in flight (default kv)")
+    p.add_argument("--planner", action="store_true",
+                   help="disagg: add and drain prefill and decode workers as their queues and "
+                   "utilisation say, within --prefill-workers / --decode-workers (docs/"
+                   "serving.md, How the planner decides)")
+    p.add_argument("--prefill-workers", type=parse_bounds, default=None, metavar="MIN:MAX",
+                   help="the planner's bounds on the prefill pool (default 1:2x --prefill)")
+    p.add_argument("--decode-workers", type=parse_bounds, default=None, metavar="MIN:MAX",
+                   help="the planner's bounds on the decode pool (default 1:2x --decode)")
+    p.add_argument("--planner-interval", type=float, default=_DEFAULTS.planner_interval,
+                   help="seconds between the planner's samples (default 1)")
     p.add_argument("--chunk-size", type=int, default=512,
                    help="prefill chunk in tokens (chunked, and disagg's prefill; default 512)")
     p.add_argument("--model", default="tiny",
@@ -288,6 +304,10 @@ def _ray_resources(parser: argparse.ArgumentParser,
     return resources
 
 
+def _pair(bounds: Bounds | None) -> tuple[int, int] | None:
+    return (bounds.low, bounds.high) if bounds is not None else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -297,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
             _setup_logging(proxy.log_level)
             return asyncio.run(_serve_proxy(proxy))
         config = ServeConfig(
-            mode=args.mode, workers=args.workers, prefill=args.prefill, decode=args.decode,
+            mode=args.mode, routing=args.routing, workers=args.workers, prefill=args.prefill,
+            decode=args.decode,
             model=args.model, chunk_size=args.chunk_size, num_blocks=args.num_blocks,
             block_size=args.block_size, max_num_seqs=args.max_num_seqs, host=args.host,
             port=args.port, agent_host=args.agent_host, key_file=args.key_file,
@@ -307,7 +328,9 @@ def main(argv: list[str] | None = None) -> int:
             store_host_gb=args.store_host_gb, store_disk_gb=args.store_disk_gb,
             checksums=not args.no_checksums, restart=not args.no_restart,
             log_level=log_level(args.log_level), max_pending=args.max_pending,
-            max_body_bytes=args.max_body_bytes,
+            max_body_bytes=args.max_body_bytes, planner=args.planner,
+            prefill_bounds=_pair(args.prefill_workers), decode_bounds=_pair(args.decode_workers),
+            planner_interval=args.planner_interval,
             allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(","))
             if args.allowed_hosts is not None else None,
             ray=args.ray, ray_resources=_ray_resources(parser, args.ray_resources))

@@ -9,10 +9,12 @@ from kvmove._log import LEVELS
 from kvmove.auth import key_from_file, resolve_key
 from kvmove.bootstrap import is_loopback
 from kvmove.errors import ConfigError
+from kvmove.serve.planner import Bounds
 
-__all__ = ["LOOPBACK_HOSTS", "MODES", "ServeConfig"]
+__all__ = ["LOOPBACK_HOSTS", "MODES", "ROUTINGS", "ServeConfig"]
 
 MODES = ("colocated", "chunked", "disagg")
+ROUTINGS = ("kv", "least-loaded")
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
@@ -21,6 +23,9 @@ class ServeConfig:
     """``kvmove-serve``'s options (``kvmove-serve --help`` says what each one does)."""
 
     mode: str = "disagg"
+    # kv: where the prompt's prefix is cached, traded off against the queue (kv_index.py);
+    # the default, as it costs nothing without shared prefixes (it then spreads prefill work)
+    routing: str = "kv"
     workers: int = 2        # colocated / chunked: engine instances
     prefill: int = 1        # disagg
     decode: int = 1         # disagg
@@ -54,10 +59,16 @@ class ServeConfig:
     # Ray resources per role ({"prefill": {"CPU": 1, "GPU": 1}}); a role not given gets
     # ray_workers.default_resources'.
     ray_resources: dict[str, dict[str, float]] | None = None
+    planner: bool = False         # disagg: add and drain workers per pool (planner.py)
+    prefill_bounds: tuple[int, int] | None = None  # the planner's (min, max); None: 1, 2 x
+    decode_bounds: tuple[int, int] | None = None   # the pool's starting size
+    planner_interval: float = 1.0  # seconds between the planner's samples
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.routing not in ROUTINGS:
+            raise ConfigError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         for name in ("workers", "prefill", "decode", "chunk_size", "num_blocks", "block_size",
                      "max_num_seqs", "max_num_batched_tokens", "max_pending",
                      "max_body_bytes"):
@@ -83,6 +94,13 @@ class ServeConfig:
             raise ConfigError(f"agent_host {self.agent_host!r} is not loopback: give the "
                               "workers a deployment key (--key-file, or KVMOVE_KEY_FILE / "
                               "KVMOVE_KEY), the host key proves nothing to another host")
+        if self.planner and self.mode != "disagg":
+            raise ConfigError(f"the planner sizes the prefill and decode pools: it needs "
+                              f"mode 'disagg', got {self.mode!r}")
+        if not 0 < self.planner_interval < 1e6:
+            raise ConfigError(f"planner_interval must be positive, got "
+                              f"{self.planner_interval!r}")
+        self.bounds()  # valid, or ConfigError now
         if self.allowed_hosts is not None and not all(self.allowed_hosts):
             raise ConfigError(f"allowed_hosts must be host names, got {self.allowed_hosts!r}")
         self._check_ray()
@@ -130,6 +148,15 @@ class ServeConfig:
             return ([(f"prefill-{i}", "prefill") for i in range(self.prefill)] +
                     [(f"decode-{i}", "decode") for i in range(self.decode)])
         return [(f"worker-{i}", "colocated") for i in range(self.workers)]
+
+    def bounds(self) -> dict[str, Bounds]:
+        """The planner's bounds per pool (empty without the planner)."""
+        if not self.planner:
+            return {}
+        given = {"prefill": (self.prefill_bounds, self.prefill),
+                 "decode": (self.decode_bounds, self.decode)}
+        return {pool: Bounds(*bound) if bound is not None else Bounds(1, 2 * start)
+                for pool, (bound, start) in given.items()}
 
     def pools(self) -> tuple[str, ...]:
         return ("prefill", "decode") if self.mode == "disagg" else ("colocated",)

@@ -25,8 +25,8 @@ from kvmove.errors import PeerError
 from kvmove.store.store import StoreStats
 
 __all__ = ["HANDOFF_STAGES", "Abort", "Add", "Command", "Connect", "Connected", "Ended",
-           "Event", "Failed", "HandoffStage", "Ready", "Reserve", "Reserved", "Shutdown", "Stats", "Tokens", "encode",
-           "parse_command", "parse_event"]
+           "Event", "Failed", "HandoffStage", "KVEvents", "MAX_KV_HASHES", "Ready", "Reserve",
+           "Reserved", "Shutdown", "Stats", "Tokens", "encode", "parse_command", "parse_event"]
 
 Count = Annotated[int, Field(ge=0)]
 BlockIds = list[Count]
@@ -35,6 +35,8 @@ BlockIds = list[Count]
 HandoffStage = Literal["last_layer", "sent", "sampled", "landed", "learned", "first_step"]
 HANDOFF_STAGES: tuple[HandoffStage, ...] = ("last_layer", "sent", "sampled", "landed", "learned",
                                             "first_step")
+MAX_KV_HASHES = 4096  # per KVEvents message (~90 kB of JSON): more go in several messages
+Hashes = Annotated[list[Annotated[int, Field(ge=0, lt=2**64)]], Field(max_length=MAX_KV_HASHES)]
 
 
 class _Message(BaseModel):
@@ -151,6 +153,19 @@ class Ended(_Message):
     timeline: dict[HandoffStage, float] | None = None  # this side's moments of the hand-off
 
 
+class KVEvents(_Message):
+    """Block hashes the worker's prefix cache (``medium`` "cache": its live blocks) or its
+    KVStore ("store") now holds (``stored``) or no longer holds (``removed``), since its last
+    such event; as Dynamo's KV events. Gathered after engine steps, at most
+    ``MAX_KV_HASHES`` in all a message (more: several messages). The router's ``KVIndex``
+    mirrors them for KV-aware routing."""
+
+    ev: Literal["kv"] = "kv"
+    medium: Literal["cache", "store"]
+    stored: Hashes
+    removed: Hashes
+
+
 class Failed(_Message):
     """A command the worker could not take (malformed, or for no request): the worker goes
     on; a failed command *for a request* ends that request instead (``Ended``, abort)."""
@@ -160,7 +175,7 @@ class Failed(_Message):
     error: str
 
 
-Event = Annotated[Union[Ready, Stats, Connected, Reserved, Tokens, Ended, Failed],
+Event = Annotated[Union[Ready, Stats, Connected, Reserved, Tokens, Ended, KVEvents, Failed],
                   Field(discriminator="ev")]
 
 _COMMANDS: TypeAdapter[Command] = TypeAdapter(Command)

@@ -113,6 +113,25 @@ class Metrics:
         self.commands_refused = Counter("kvmove_control_commands_refused",
                                         "Router commands a worker answered with an error.",
                                         ["worker"], registry=r)
+        self.routed = Counter("kvmove_routing_decisions", "Requests placed on a prefill "
+                              "(colocated) worker, by why: kv_hit (it holds the longest "
+                              "cached prefix), load (a longer one is held by a busier worker), "
+                              "no_match (no worker holds any), least_loaded (--routing "
+                              "least-loaded).", ["worker", "reason"], registry=r)
+        self.matched = Histogram("kvmove_routing_matched_tokens",
+                                 "The prompt tokens the chosen worker holds cached (or stored) "
+                                 "when a request is placed, as its KV events told the router.",
+                                 buckets=(0, 16, 64, 256, 1024, 4096, 16384, 65536),
+                                 registry=r)
+        self.indexed = Gauge("kvmove_routing_indexed_blocks", "Block hashes the router's KV "
+                             "index holds per worker and medium (cache: its live prefix cache, "
+                             "store: its KVStore).", ["worker", "medium"], registry=r)
+        self.planner = Counter("kvmove_planner_decisions", "The planner's actions (--planner): "
+                               "add or drain a worker of a pool, and why (below_min, "
+                               "above_max, queue, utilisation, idle).",
+                               ["pool", "action", "reason"], registry=r)
+        self.workers = Gauge("kvmove_pool_workers", "Live workers per pool taking requests "
+                             "or starting (not draining).", ["pool"], registry=r)
         r.register(_WorkerCollector(workers))
 
     def observe_handoff(self, timeline: Mapping[str, float] | None,

@@ -4,8 +4,10 @@ Every worker process (``worker_main``) connects a DEALER socket to the router's 
 (``control.py``: a private ipc socket, an identity per process, bounded messages; every
 message parsed by ``messages.py``). Placement:
 
-* ``colocated`` / ``chunked``: the worker with the fewest queued + running requests.
-* ``disagg``: the prefill worker with the fewest requests is picked; the decode worker with
+* ``colocated`` / ``chunked``: the worker ``--routing`` picks (``routing.py``; kv: where the
+  prompt's prefix is cached, traded off against its queue; least-loaded: the fewest queued +
+  running requests).
+* ``disagg``: the prefill worker is picked likewise; the decode worker with
   the most free blocks reserves the request's blocks and leases them to it (none free: the
   request waits in the decode queue and asks again; never dropped); the prefill worker gets
   the prompt, where its KV goes and the lease's epoch. Prefill streams the KV layer by layer
@@ -36,9 +38,12 @@ from kvmove.errors import KVMoveError, PeerError
 from kvmove.serve.config import MODES, ServeConfig
 from kvmove.serve.control import ControlEndpoint
 from kvmove.serve.messages import (
-    Abort, Add, Connect, Connected, Ended, Event, Failed, Ready, Reserve, Reserved,
+    Abort, Add, Connect, Connected, Ended, Event, Failed, KVEvents, Ready, Reserve, Reserved,
     Shutdown, Stats, Tokens, encode, parse_event)
+from kvmove.serve.kv_index import Decision
 from kvmove.serve.metrics import Metrics
+from kvmove.serve.planner import Planner, PoolSample
+from kvmove.serve.routing import Routing
 from kvmove.serve.workers import (
     WorkerInfo, cpu_shares, end_process, launcher_for, worker_command)
 
@@ -66,6 +71,8 @@ class Handle:
         self.workers: list[str] = []
         self.done = False
         self.ttft: float | None = None
+        self.uncached = 0  # prompt tokens its prefill worker computes, as routing estimated
+        self.hashes: list[int] = []  # its prompt's prefix blocks (routing.py)
 
 
 class Router:
@@ -73,6 +80,8 @@ class Router:
         self.config = config
         self.workers: dict[str, WorkerInfo] = {}
         self.metrics = Metrics(self.workers)
+        self.routing = Routing(config, self.metrics)
+        self.planner = Planner(self, config.bounds(), config.planner_interval)
         self.handles: dict[str, Handle] = {}
         self._ids = itertools.count()
         self._futures: dict[tuple[str, str], asyncio.Future] = {}
@@ -120,6 +129,8 @@ class Router:
                 raise KVMoveError(f"workers not ready after {c.start_timeout:g} s: "
                                   f"{[w.name for w in self.workers.values() if not w.ready]}")
             await asyncio.sleep(0.05)
+        if c.planner:
+            self._loop("planner", self.planner.run())
 
     def _launch(self, worker: WorkerInfo) -> None:
         """Starts the worker's process; only its new identity is heard from then on."""
@@ -134,7 +145,7 @@ class Router:
         """A worker takes requests once registered and, disaggregated, a kvmove peer of every
         registered worker of the other pool (each one's current incarnation)."""
         for w in self.workers.values():
-            if not (w.alive and w.registered):
+            if not (w.alive and w.registered) or w.draining:
                 w.ready = False
             elif self.config.mode != "disagg":
                 w.ready = True
@@ -217,18 +228,21 @@ class Router:
             if self.config.mode == "disagg":
                 await self._place_disaggregated(handle)
             else:
-                worker = self._least_loaded("colocated")
+                worker, decision = self._route(handle, "colocated")
+                self.routing.record(handle, decision)
                 self._assign(handle, worker)
                 self._send(worker, Add(rid=handle.rid, prompt=handle.prompt,
                                        params=handle.params))
         except Exception as error:  # no worker left, or the control plane failed
             self._end(handle, "abort", "", f"{type(error).__name__}: {error}")
+        finally:
+            self.routing.release(handle)
 
     async def _place_disaggregated(self, handle: Handle) -> None:
         waiting = False
         try:
             while True:
-                prefill = self._least_loaded("prefill")
+                prefill, decision = self._route(handle, "prefill")
                 decode = max(self._alive("decode"),
                              key=lambda w: (w.stat("free_blocks"), -w.load))
                 future = self._expect(decode.name, handle.rid)
@@ -252,6 +266,7 @@ class Router:
         if not prefill.alive:  # it died while the blocks were reserved
             self.abort(handle, f"worker {prefill.name} died")
             return
+        self.routing.record(handle, decision)
         self._assign(handle, prefill)
         self._send(prefill, Add(rid=handle.rid, prompt=handle.prompt, params=handle.params,
                                 decode_peer=decode.name, remote_blocks=lease.blocks,
@@ -277,8 +292,8 @@ class Router:
             raise KVMoveError(f"no {role} worker is alive")
         return workers
 
-    def _least_loaded(self, role: str) -> WorkerInfo:
-        return min(self._alive(role), key=lambda w: (w.load, w.stat("waiting")))
+    def _route(self, handle: Handle, role: str) -> tuple[WorkerInfo, Decision]:
+        return self.routing.pick(handle, self._alive(role), self.handles)
 
     def _assign(self, handle: Handle, worker: WorkerInfo) -> None:
         handle.workers.append(worker.name)
@@ -363,6 +378,7 @@ class Router:
     def _on_event(self, worker: WorkerInfo, event: Event) -> None:
         match event:
             case Ready():
+                self.routing.forget(worker)  # a new process: its cache starts empty
                 worker.agent, worker.registered = event.agent, True
                 self._mark_ready()
             case Stats():
@@ -376,6 +392,8 @@ class Router:
                 self._on_tokens(worker, event)
             case Ended():
                 self._on_ended(worker, event)
+            case KVEvents():
+                self.routing.on_events(worker, event)
             case Failed():
                 self.metrics.commands_refused.labels(worker=worker.name).inc()
                 logger.warning("%s refused a %s command: %s", worker.name, event.op,
@@ -441,6 +459,7 @@ class Router:
                 queue += self._waiting_for_blocks
             m.queue.labels(pool=pool).set(queue)
             m.running.labels(pool=pool).set(sum(w.stat("running") for w in members))
+            m.workers.labels(pool=pool).set(sum(not w.draining for w in members))
         for w in self.workers.values():
             if w.stats is not None:
                 m.free_blocks.labels(worker=w.name).set(w.stats.free_blocks)
@@ -458,8 +477,9 @@ class Router:
     def _on_death(self, worker: WorkerInfo) -> None:
         worker.alive = False
         self._identities.pop(worker.identity, None)  # what it sent last is not heard
+        self.routing.forget(worker)
         code = worker.process.returncode
-        logger.log(logging.INFO if self._stopped else logging.WARNING,
+        logger.log(logging.INFO if self._stopped or worker.draining else logging.WARNING,
                    "worker %s (pid %s) exited with code %s", worker.name, worker.pid, code)
         for rid in list(worker.requests):
             handle = self.handles.get(rid)
@@ -473,19 +493,87 @@ class Router:
         for other in self.workers.values():
             other.peers = {p for p in other.peers if p[0] != worker.name}
         self._mark_ready()
-        if self.config.restart and not self._stopped:
+        if worker.draining:  # the planner ended it (or it died draining): not started again
+            self._retire(worker)
+        elif self.config.restart and not self._stopped:
             self.metrics.restarts.labels(worker=worker.name).inc()
             worker.restarts += 1
             self._launch(worker)
 
+    # --- the planner's pools (planner.py decides) ------------------------------------------
+
+    def pool_sample(self, pool: str) -> PoolSample:
+        """``pool`` now, from its workers' last stats: those taking requests (or starting),
+        what waits on them (decode: for a batch slot or blocks) and runs."""
+        members = [w for w in self.workers.values()
+                   if w.role == pool and w.alive and not w.draining]
+        waiting = sum(w.stat("waiting") for w in members)
+        utilisation = 0.0
+        if pool == "decode":
+            waiting += self._waiting_for_blocks
+            c = self.config
+            used = [max(1 - w.stat("free_blocks") / c.num_blocks, w.stat("running") /
+                        c.max_num_seqs) for w in members if w.stats is not None]
+            utilisation = sum(used) / len(used) if used else 0.0
+        return PoolSample(len(members), waiting, sum(w.stat("running") for w in members),
+                          utilisation, self.config.max_num_seqs)
+
+    def add_worker(self, pool: str) -> WorkerInfo:
+        """Starts one more worker of ``pool`` (the router's own launch path); it takes
+        requests once ready (disaggregated: once a peer of the other pool)."""
+        index = next(i for i in itertools.count() if f"{pool}-{i}" not in self.workers)
+        name = f"{pool}-{index}"
+        command = worker_command(self.config, name, pool, [], self.control.address)
+        worker = self.workers[name] = WorkerInfo(name, pool, command, self.launcher)
+        self._launch(worker)
+        return worker
+
+    def drain(self, pool: str) -> WorkerInfo | None:
+        """Takes the least-loaded worker of ``pool`` out: no request is placed on it from
+        now, those it holds finish (none is dropped), then it is shut down and not started
+        again. None when the pool has no worker to spare."""
+        members = [w for w in self.workers.values()
+                   if w.role == pool and w.alive and not w.draining]
+        if len(members) < 2:
+            return None
+        worker = min(members, key=lambda w: (w.load, w.stat("waiting")))
+        worker.draining = True
+        self._mark_ready()
+        logger.info("draining %s: %d requests in flight", worker.name, worker.load)
+        self._spawn(self._finish_drain(worker))
+        return worker
+
+    async def _finish_drain(self, worker: WorkerInfo) -> None:
+        """Waits for its requests (and reservations) to end, then shuts it down. A request is
+        never cut short for this: past ``request_timeout`` it says so, and waits on."""
+        warn_at = time.monotonic() + self.config.request_timeout
+        while worker.alive and (worker.requests or any(
+                name == worker.name for name, _ in self._futures)):
+            if time.monotonic() > warn_at:
+                logger.warning("%s still drains %d requests", worker.name, worker.load)
+                warn_at += self.config.request_timeout
+            await asyncio.sleep(RESERVE_RETRY_SECONDS)
+        if worker.alive:
+            logger.info("%s drained: shutting it down", worker.name)
+            try:
+                self._send(worker, Shutdown())
+            except zmq.ZMQError:
+                pass
+            await end_process(worker.process, time.monotonic() + 10.0)
+
+    def _retire(self, worker: WorkerInfo) -> None:
+        worker.retired = True
+        logger.info("worker %s (pid %s) retired", worker.name, worker.pid)
+
     def health(self) -> dict[str, Any]:
+        current = [w for w in self.workers.values() if not w.retired]
         workers = [{"name": w.name, "role": w.role, "alive": w.alive, "ready": w.ready,
-                    "pid": w.pid, "node": w.node,
+                    "draining": w.draining, "pid": w.pid, "node": w.node,
                     **(w.stats.model_dump(exclude={"ev"}) if w.stats else {})}
-                   for w in self.workers.values()]
-        serving = all(any(w.alive and w.role == role for w in self.workers.values())
-                      for role in {w.role for w in self.workers.values()})
-        everyone = all(w.alive for w in self.workers.values())
+                   for w in current]
+        serving = all(any(w.alive and w.role == role for w in current)
+                      for role in {w.role for w in current})
+        everyone = all(w.alive for w in current)
         status = "ok" if everyone else ("degraded" if serving else "down")
         report: dict[str, Any] = {"status": status, "mode": self.config.mode,
                                   "workers": workers}

@@ -6,7 +6,8 @@ with its control identity in ``KVMOVE_SERVE_IDENTITY`` (``control.py``).
 The worker connects a DEALER socket to the router's ROUTER socket. Commands in
 (``messages.py``): ``add``, ``reserve`` (and lease), ``abort``, ``connect``, ``shutdown``.
 Events out: ``ready`` (with its kvmove agent's listen address), ``reserved``, ``connected``,
-``tokens`` (every token sampled this step), ``ended``, ``stats`` (queue, running, free blocks,
+``tokens`` (every token sampled this step), ``ended``, ``kv`` (block hashes its prefix cache
+and store gained or lost: ``kv_events.py``), ``stats`` (queue, running, free blocks,
 the agent's and the KVStore's counters; also the router's heartbeat), ``error``. The KV never
 goes through here: prefill and decode workers move it between their own kvmove agents.
 
@@ -40,6 +41,7 @@ from kvmove.engine.worker import ROLES, Worker
 from kvmove.errors import KVMoveError, PeerError
 from kvmove.runtime import unpinned
 from kvmove.serve.control import IDENTITY_VARIABLE, worker_socket
+from kvmove.serve.kv_events import KVEventSource
 from kvmove.serve.messages import (
     Abort, Add, Command, Connect, Connected, Ended, Failed, Ready, Reserve, Reserved, Shutdown,
     Stats, Tokens, encode, parse_command)
@@ -110,7 +112,7 @@ class WorkerServer:
         scheduler = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             chunk_size=args.chunk_size or None,
-            hash_seed=0 if key.host_only else key.hash_seed())
+            hash_seed=key.prefix_seed())
         # The threads that move bytes and messages (the store's here, ZeroMQ's and the kvmove
         # agent's below) run on every CPU, not only on the compute thread's (--cpus):
         # kvmove.runtime.unpinned.
@@ -127,6 +129,9 @@ class WorkerServer:
             on_token=self._on_token,
             store=self.store)
         self.requests: dict[str, Request] = {}
+        # decode workers prefill nothing: no prefix the router could send a request to
+        self.kv_events = (KVEventSource(self.worker.cache.pool, self.store)
+                          if args.role != "decode" else None)
         with unpinned():  # libzmq starts its I/O thread with the first socket
             self.context = zmq.Context()
             self.socket = worker_socket(self.context, args.router,
@@ -166,6 +171,11 @@ class WorkerServer:
                 break
             if self.worker.has_work:
                 self.report(self.worker.step())
+                if self.kv_events is not None:
+                    self.kv_events.stepped()
+            if self.kv_events is not None:
+                for event in self.kv_events.take():
+                    self.send(event)
             now = time.monotonic()
             if now - self._last_stats >= STATS_SECONDS:
                 self._last_stats = now

@@ -106,6 +106,8 @@ class WorkerInfo:
     stats: Stats | None = None
     requests: set[str] = field(default_factory=set)
     restarts: int = 0
+    draining: bool = False  # the planner takes it out: no new requests, then it is shut down
+    retired: bool = False   # drained and ended: not started again, not reported
     # (name, pid) of the other pool's workers this one is a kvmove peer of, each incarnation
     peers: set[tuple[str, int]] = field(default_factory=set)
 
