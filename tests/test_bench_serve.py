@@ -119,6 +119,12 @@ def test_shared_prefixes_keep_the_trace_and_mark_repeats() -> None:
     ({"routings": ("random",)}, "routings must be distinct values of"),
     ({"shared_prefixes": -1}, "shared_prefixes must be an int >= 0, got -1"),
     ({"prefix_bytes": 0}, "prefix_bytes must be positive, got 0"),
+    ({"planners": ("on", "on")}, "planners must be distinct values of"),
+    ({"planners": ("sometimes",)}, "planners must be distinct values of"),
+    ({"planners": ("on",), "prefill_workers": "2:1"},
+     "worker bounds must be 1 <= MIN <= MAX, got 2:1"),
+    ({"planners": ("on",), "decode_workers": "two"}, "worker bounds must be MIN:MAX, got 'two'"),
+    ({"prefill_workers": "1:2"}, "prefill_workers bounds the planner: give planners 'on' too"),
 ])
 def test_config_rejects(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -132,6 +138,14 @@ def test_config_accepts_overrides_and_lists() -> None:
     assert ServeConfig(workers=3).instances("disagg") == {"prefill": 1, "decode": 2}
     assert ServeConfig(workers=3).instances("chunked") == {"workers": 3}
     assert ServeConfig(modes=("colocated",), workers=1).instances("colocated") == {"workers": 1}
+
+
+def test_the_planner_runs_disagg_once_more_and_only_disagg() -> None:
+    config = ServeConfig(modes=("colocated", "disagg"), planners=["off", "on"],
+                         num_requests=4, prefill_workers="1:2")
+    assert serve._runs(config) == [("colocated", "kv", "off"), ("disagg", "kv", "off"),
+                                   ("disagg", "kv", "on")]
+    assert serve.count_steps(config) == 3 * (4 + 2)
 
 
 # --- statistics -----------------------------------------------------------------------------
@@ -330,6 +344,28 @@ def test_format_serve_compares_routings_on_repeats_of_shared_prefixes() -> None:
     json.dumps(report.to_dict())
 
 
+def test_format_serve_shows_the_planners_decisions_and_pool_sizes() -> None:
+    """Issue 19: a run with the planner lists its decisions with their reasons, and each
+    pool's workers at the first sample, at most and at the last."""
+    config = ServeConfig(modes=("disagg",), num_requests=1, model="tiny", planners=("on",))
+    trace = make_trace(config)
+    samples = (QueueSample(0.0, {}, {}, {"prefill": 1.0, "decode": 1.0}),
+               QueueSample(1.0, {}, {}, {"prefill": 2.0, "decode": 1.0}),
+               QueueSample(2.0, {}, {}, {"prefill": 1.0, "decode": 1.0}))
+    result = ModeResult("disagg", {"prefill": 1, "decode": 1},
+                        (RequestResult(0, "long", 1, 0.0, (0.4,), 1.0, None),), samples,
+                        planner=True, planner_decisions={"prefill add queue": 1,
+                                                         "prefill drain idle": 1})
+    lines = format_serve(ServeReport(config, trace, (result,), 3.0)).splitlines()
+    assert "disagg planner: planner decisions: prefill add queue x1, prefill drain idle x1" \
+        in lines
+    assert "  workers per pool (first / most / last sample): decode 1 / 1 / 1; " \
+        "prefill 1 / 2 / 1" in lines
+    data = ServeReport(config, trace, (result,), 3.0).to_dict()
+    assert data["modes"][0]["planner_decisions"] == {"prefill add queue": 1,
+                                                     "prefill drain idle": 1}
+
+
 def test_plot_serve_writes_two_pngs(tmp_path: object) -> None:
     pytest.importorskip("matplotlib")
 
@@ -369,7 +405,7 @@ def test_end_to_end_every_request_completes() -> None:
     config = ServeConfig(modes=("colocated", "disagg"), model="tiny", num_requests=6,
                          rate=20.0, long_prompt_bytes=200, long_output_tokens=4,
                          short_prompt_bytes=20, short_output_tokens=12, chunk_size=64,
-                         timeout=60, sample_interval=0.05)
+                         timeout=60, sample_interval=0.05, planners=("off", "on"))
     labels: list[str] = []
     report = serve.run(config, labels.append)
     assert len(labels) == serve.count_steps(config)
@@ -382,10 +418,14 @@ def test_end_to_end_every_request_completes() -> None:
         for r in mode.requests:
             assert r.tokens == trace[r.index].max_tokens == r.max_tokens
         assert mode.samples, "no /metrics sample"
-    colocated, disagg = report.modes
+    colocated, disagg, planned = report.modes
     assert colocated.kv_transfers == 0 and disagg.kv_transfers == config.num_requests
     assert disagg.kv_bytes > 0 and disagg.kv_share is not None
     assert {"prefill", "decode"} <= {p for s in disagg.samples for p in s.queued}
+    # the same disagg with kvmove-serve --planner: its pools' sizes sampled, within bounds
+    assert planned.label == "disagg planner" and planned.kv_transfers == config.num_requests
+    sizes = [s.workers for s in planned.samples if s.workers]
+    assert sizes and all(1 <= w["prefill"] <= 2 and 1 <= w["decode"] <= 2 for w in sizes)
 
 
 @needs_server

@@ -65,6 +65,7 @@ from kvmove.bench.serve_load import TraceRequest, make_trace, replay
 from kvmove.bench.serve_report import ModeResult, ServeReport, format_serve, plot_serve
 from kvmove.bench.serve_server import ServerProcess
 from kvmove.errors import ConfigError
+from kvmove.serve.planner import parse_bounds
 from kvmove.validation import require_positive_finite, require_positive_int
 
 __all__ = ["KINDS", "MODES", "ServeConfig", "add_parser", "count_steps", "run", "run_command"]
@@ -73,6 +74,7 @@ logger = logging.getLogger(__name__)
 
 MODES = ("colocated", "chunked", "disagg")
 ROUTINGS = ("kv", "least-loaded")  # kvmove-serve --routing
+PLANNERS = ("off", "on")  # kvmove-serve --planner (disagg only)
 KINDS = ("long", "short")  # summarisation-like, chat-like
 
 
@@ -100,6 +102,10 @@ class ServeConfig:
             request picks one, seeded): the first request of a prefix computes it, later ones
             (its repeats) can find it cached, which is what KV-aware routing is for.
         prefix_bytes: a shared prefix's length; the prompt lengths are what follows it.
+        planners: ``PLANNERS`` values; disagg runs once per value ("on": ``kvmove-serve
+            --planner``), the other modes once, without it.
+        prefill_workers / decode_workers: the planner's bounds per pool, ``"MIN:MAX"`` (None:
+            kvmove-serve's default, 1 to twice the pool's starting size).
         url: a running server to use instead of starting one (then ``modes`` names its mode,
             exactly one).
         timeout: deadline in seconds of every wait: the server's start and stop, each request.
@@ -125,6 +131,9 @@ class ServeConfig:
     routings: tuple[str, ...] = ("kv",)
     shared_prefixes: int = 0
     prefix_bytes: int = 512
+    planners: tuple[str, ...] = ("off",)
+    prefill_workers: str | None = None
+    decode_workers: str | None = None
     url: str | None = None
     timeout: float = 120.0
     sample_interval: float = 0.25
@@ -139,6 +148,11 @@ class ServeConfig:
                 self.routings)
             object.__setattr__(self, "routings", routings)
         _check_routings(self.routings)
+        if isinstance(self.planners, (list, str)):
+            planners = (self.planners,) if isinstance(self.planners, str) else tuple(
+                self.planners)
+            object.__setattr__(self, "planners", planners)
+        _check_planners(self.planners, self)
         if isinstance(self.shared_prefixes, bool) or not isinstance(
                 self.shared_prefixes, int) or self.shared_prefixes < 0:
             raise ConfigError(f"shared_prefixes must be an int >= 0, got "
@@ -217,6 +231,18 @@ def _check_routings(routings: Any) -> None:
         raise ConfigError(f"routings must be distinct values of {ROUTINGS}, got {routings!r}")
 
 
+def _check_planners(planners: Any, config: ServeConfig) -> None:
+    if not isinstance(planners, tuple) or not planners or len(set(planners)) != len(planners) \
+            or any(p not in PLANNERS for p in planners):
+        raise ConfigError(f"planners must be distinct values of {PLANNERS}, got {planners!r}")
+    for name in ("prefill_workers", "decode_workers"):
+        bounds = getattr(config, name)
+        if bounds is not None:
+            if "on" not in planners:
+                raise ConfigError(f"{name} bounds the planner: give planners 'on' too")
+            parse_bounds(bounds)  # ConfigError naming the value
+
+
 def _check_url(url: Any, modes: tuple[str, ...]) -> None:
     if not isinstance(url, str) or not re.match(r"https?://[^/\s]+/?$", url):
         raise ConfigError(f"url must be http://HOST:PORT, got {url!r}")
@@ -227,21 +253,22 @@ def _check_url(url: Any, modes: tuple[str, ...]) -> None:
 # --- the run --------------------------------------------------------------------------------
 
 
-def _run_mode(config: ServeConfig, mode: str, routing: str, trace: Sequence[TraceRequest],
-              progress: Progress) -> ModeResult:
+def _run_mode(config: ServeConfig, mode: str, routing: str, planner: str,
+              trace: Sequence[TraceRequest], progress: Progress) -> ModeResult:
     if config.url is not None:
         progress(f"{mode}: using {config.url}")
         result = asyncio.run(replay(config, trace, config.url.rstrip("/"), mode, progress))
         progress(f"{mode}: done")
         return result
-    with ServerProcess(config, mode, routing) as server:
+    with ServerProcess(config, mode, routing, planner == "on") as server:
         logger.info("kvmove-serve %s ready on %s in %.1f s", mode, server.url,
                     server.startup_seconds)
         progress(f"{mode}: server ready")
         result = asyncio.run(replay(config, trace, server.url, mode, progress))
     progress(f"{mode}: server stopped")
     return replace(result, startup_seconds=server.startup_seconds, exit_code=server.exit_code,
-                   routing=routing if len(config.routings) > 1 else None)
+                   routing=routing if len(config.routings) > 1 else None,
+                   planner=planner == "on")
 
 
 def run(config: ServeConfig, progress: Progress | None = None) -> ServeReport:
@@ -253,14 +280,20 @@ def run(config: ServeConfig, progress: Progress | None = None) -> ServeReport:
     progress = progress or (lambda label: None)
     wall = time.perf_counter()
     trace = make_trace(config)
-    modes = tuple(_run_mode(config, mode, routing, trace, progress)
-                  for mode in config.modes for routing in config.routings)
+    modes = tuple(_run_mode(config, mode, routing, planner, trace, progress)
+                  for mode, routing, planner in _runs(config))
     return ServeReport(config, trace, modes, time.perf_counter() - wall)
+
+
+def _runs(config: ServeConfig) -> list[tuple[str, str, str]]:
+    """(mode, routing, planner) of each server ``run`` starts, in order."""
+    return [(mode, routing, planner) for mode in config.modes for routing in config.routings
+            for planner in (config.planners if mode == "disagg" else ("off",))]
 
 
 def count_steps(config: ServeConfig) -> int:
     """How many times ``run`` calls ``progress``."""
-    return len(config.modes) * len(config.routings) * (config.num_requests + 2)
+    return len(_runs(config)) * (config.num_requests + 2)
 
 
 # --- the subcommand -------------------------------------------------------------------------
@@ -302,6 +335,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                      "the report gives the TTFT of their repeats")
     sub.add_argument("--prefix-bytes", type=int, default=512,
                      help="a shared prefix's length, before the prompt's own (default 512)")
+    sub.add_argument("--planner", nargs="+", choices=PLANNERS, default=["off"],
+                     help="disagg with kvmove-serve --planner ('on'), without ('off'), or both "
+                     "compared in one run: 'off on' (default off)")
+    sub.add_argument("--prefill-workers", default=None, metavar="MIN:MAX",
+                     help="the planner's prefill pool bounds (kvmove-serve's default: 1 to "
+                     "twice the starting size)")
+    sub.add_argument("--decode-workers", default=None, metavar="MIN:MAX",
+                     help="the planner's decode pool bounds")
     sub.add_argument("--url", default=None, help="a running kvmove-serve instead (one mode)")
     sub.add_argument("--seed", type=int, default=0, help="the trace's seed (default 0)")
     sub.add_argument("--timeout", type=float, default=120.0,
@@ -321,7 +362,8 @@ def run_command(args: argparse.Namespace) -> int:
         short_prompt_bytes=args.short_prompt, short_output_tokens=args.short_output,
         ttft_slo=args.ttft_slo, itl_slo=args.itl_slo, seed=args.seed, url=args.url,
         routings=tuple(args.routing), shared_prefixes=args.shared_prefixes,
-        prefix_bytes=args.prefix_bytes,
+        prefix_bytes=args.prefix_bytes, planners=tuple(args.planner),
+        prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
         timeout=args.timeout)
     if args.plot:
         check_plot(args.plot)

@@ -181,7 +181,8 @@ async def _sample(http: Any, stop: asyncio.Event, interval: float, start: float,
             metrics = parse_metrics((await http.get("/metrics", timeout=interval * 4)).text)
             samples.append(QueueSample(time.monotonic() - start,
                                        by_pool(metrics, "kvmove_pool_queue_length"),
-                                       by_pool(metrics, "kvmove_pool_running")))
+                                       by_pool(metrics, "kvmove_pool_running"),
+                                       by_pool(metrics, "kvmove_pool_workers")))
         except Exception as exc:  # noqa: BLE001 - sampling must not end the run
             logger.debug("a /metrics sample failed: %s", exc)
         try:
@@ -199,12 +200,15 @@ _STAGES = "kvmove_kv_handoff_stage_seconds"
 
 
 async def _kv_totals(http: Any) -> tuple[tuple[float, ...], dict[str, float],
-                                         dict[str, float]]:
-    """The KV counters (``_KV``), and the hand-off stages' sums and counts."""
+                                         dict[str, float], dict[str, float]]:
+    """The KV counters (``_KV``), the hand-off stages' sums and counts, and the planner's
+    decisions ("pool action reason" -> count)."""
     metrics = parse_metrics((await http.get("/metrics")).text)
     return (tuple(metric_total(metrics, name) for name in _KV),
             by_label(metrics, f"{_STAGES}_sum", "stage"),
-            by_label(metrics, f"{_STAGES}_count", "stage"))
+            by_label(metrics, f"{_STAGES}_count", "stage"),
+            {f"{labels['pool']} {labels['action']} {labels['reason']}": value
+             for labels, value in metrics.get("kvmove_planner_decisions_total", ())})
 
 
 def stage_means(before: tuple[dict[str, float], dict[str, float]],
@@ -252,5 +256,8 @@ async def replay(config: ServeConfig, trace: Sequence[TraceRequest], url: str, m
     return ModeResult(mode, config.instances(mode), tuple(results), tuple(samples),
                       kv_bytes, kv_seconds, round(kv_count), kv_exposed,
                       kv_handoff_seconds=handoff, kv_handoffs=round(handoffs),
-                      kv_timeline=stage_means(before[1:], after[1:]),
-                      matched_tokens=matched, routed=round(routed))
+                      kv_timeline=stage_means(before[1:3], after[1:3]),
+                      matched_tokens=matched, routed=round(routed),
+                      planner_decisions={key: round(n - before[3].get(key, 0.0))
+                                         for key, n in after[3].items()
+                                         if n > before[3].get(key, 0.0)})

@@ -93,11 +93,12 @@ class RequestResult:
 @dataclass(frozen=True, slots=True)
 class QueueSample:
     """``/metrics`` at ``time`` seconds after the replay started: per pool, requests queued
-    and running."""
+    and running, and the workers taking requests."""
 
     time: float
     queued: dict[str, float]
     running: dict[str, float]
+    workers: dict[str, float] = field(default_factory=dict)  # taking requests (the planner's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,10 +122,15 @@ class ModeResult:
     routing: str | None = None  # kvmove-serve --routing, when a run compares several
     matched_tokens: float = 0.0  # the routers' kvmove_routing_matched_tokens over the replay
     routed: int = 0              # and its count: requests placed
+    planner: bool = False        # kvmove-serve --planner
+    # the planner's decisions over the replay: "pool action reason" -> count
+    planner_decisions: dict[str, int] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
-        return self.mode if self.routing is None else f"{self.mode} {self.routing}"
+        words = [self.mode, *([self.routing] if self.routing else []),
+                 *(["planner"] if self.planner else [])]
+        return " ".join(words)
 
     @property
     def wall_seconds(self) -> float:
@@ -198,6 +204,7 @@ class ModeResult:
         return {
             "mode": self.mode, "routing": self.routing, "instances": self.instances,
             "matched_tokens": self.matched_tokens, "routed": self.routed,
+            "planner": self.planner, "planner_decisions": self.planner_decisions,
             "requests": len(self.requests), "failures": self.failures,
             "wall_seconds": self.wall_seconds, "output_tokens": self.output_tokens,
             "tokens_per_s": self.tokens_per_s,
@@ -257,7 +264,8 @@ def format_serve(report: ServeReport) -> str:
     failures (if any)."""
     return "\n".join([_header(report), "", *_latency_table(report), "",
                       *_throughput_table(report), "", *_timeline_lines(report),
-                      *_prefix_lines(report), *_ratio_lines(report), *_failure_lines(report), "",
+                      *_prefix_lines(report), *_planner_lines(report), *_ratio_lines(report),
+                      *_failure_lines(report), "",
                       f"measured in {report.wall_seconds:.1f} s"])
 
 
@@ -393,6 +401,25 @@ def _prefix_lines(report: ServeReport) -> list[str]:
                      f"{m.matched_tokens / m.routed:,.0f}" if m.routed else "n/a"])
     return [f"{c.shared_prefixes} shared prefixes of {c.prefix_bytes:,} B:",
             *aligned(head, rows, left={0}), ""]
+
+
+def _planner_lines(report: ServeReport) -> list[str]:
+    """Per run with the planner: its decisions, and each pool's workers at the start, at most
+    and at the end of the replay (from the ``/metrics`` samples)."""
+    lines = []
+    for m in report.modes:
+        if not m.planner:
+            continue
+        decisions = ", ".join(f"{key} x{n}" for key, n in sorted(m.planner_decisions.items()))
+        lines.append(f"{m.label}: planner decisions: {decisions or 'none'}")
+        sampled = [s.workers for s in m.samples if s.workers]
+        if sampled:
+            pools = sorted({pool for w in sampled for pool in w})
+            lines.append("  workers per pool (first / most / last sample): " + "; ".join(
+                f"{pool} {sampled[0].get(pool, 0):.0f} / "
+                f"{max(w.get(pool, 0) for w in sampled):.0f} / {sampled[-1].get(pool, 0):.0f}"
+                for pool in pools))
+    return [*lines, ""] if lines else []
 
 
 def _over(value: float, base: float) -> str:

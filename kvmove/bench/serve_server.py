@@ -41,13 +41,19 @@ class ServerProcess:
     starts can be killed as a group), on a free port of 127.0.0.1. A context manager:
     entering waits for the ready line, leaving stops it."""
 
-    def __init__(self, config: ServeConfig, mode: str, routing: str = "kv") -> None:
+    def __init__(self, config: ServeConfig, mode: str, routing: str = "kv",
+                 planner: bool = False) -> None:
         self.command = [sys.executable, "-m", "kvmove.serve.cli", "--mode", mode,
                         "--routing", routing,
                         "--model", config.model, "--chunk-size", str(config.chunk_size),
                         "--host", "127.0.0.1", "--port", str(_free_port("127.0.0.1"))]
         for option, count in config.instances(mode).items():
             self.command += [f"--{option}", str(count)]
+        if planner:
+            self.command += ["--planner"]
+            for option in ("prefill_workers", "decode_workers"):
+                if getattr(config, option) is not None:
+                    self.command += [f"--{option.replace('_', '-')}", getattr(config, option)]
         self.timeout = config.timeout
         self.url = ""
         self.startup_seconds = math.nan

@@ -70,9 +70,10 @@ def parse_bounds(text: str) -> Bounds:
     """``"MIN:MAX"`` (or ``"N"``: exactly N)."""
     low, _, high = text.partition(":")
     try:
-        return Bounds(int(low), int(high or low))
+        values = int(low), int(high or low)
     except ValueError:
         raise ConfigError(f"worker bounds must be MIN:MAX, got {text!r}") from None
+    return Bounds(*values)  # ConfigError naming the bounds unless 1 <= MIN <= MAX
 
 
 @dataclass(frozen=True, slots=True)
