@@ -113,7 +113,7 @@ def test_each_notification_comes_after_its_bytes(far):
     theirs = far.call("snapshot")
     with kvmove.Agent("near", cache) as near:
         peer = connect(near, far)
-        assert far.call("peers") == ["near"]
+        assert far.call("peers") == ["near"] and near.peer_path(peer) == "mapped"
         batches = [(list(range(8 * i, 8 * i + 8)), list(range(63 - 8 * i, 55 - 8 * i, -1)),
                     f"batch-{i}".encode()) for i in range(6)]
         batches += [(ids[::-1], remote[::-1], n + b"-again") for ids, remote, n in batches]
