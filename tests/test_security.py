@@ -13,6 +13,7 @@ never added by the agent it talks to.
 from __future__ import annotations
 
 import gc
+import math
 import secrets
 import stat
 import struct
@@ -305,9 +306,11 @@ def test_finding_4_an_agent_named_like_a_peer_cannot_finish_its_load():
 # --- 5: a 3-byte Final payload killed the decode worker ---------------------------------------
 
 def test_finding_5_a_bad_final_payload_ends_its_request_not_the_worker():
-    """A prefill (here a bare agent) ends its stream with a 3-byte payload where the decode
-    worker expects an 8-byte first token: that request ends with an error naming it, its
-    blocks come back, and the worker serves the next request."""
+    """A prefill (here a bare agent) ends its stream with a 3-byte payload, then with the
+    8-byte first token of the engine's old format, where the decode worker expects its
+    32-byte final payload (first token, the prefill's last-layer time, its boot id): each such
+    request ends with an error naming the size, its blocks come back, and the worker serves
+    the next request."""
     from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
     from kvmove.engine.request import FinishReason, Request, SamplingParams
     from kvmove.engine.worker import Worker
@@ -320,7 +323,8 @@ def test_finding_5_a_bad_final_payload_ends_its_request_not_the_worker():
         decode.agent.add_peer(sender.metadata())
         sender.add_peer(decode.agent.metadata())
         params = SamplingParams(max_tokens=3, ignore_eos=True)
-        for payload, ok in ((b"abc", False), (struct.pack("<q", 5), True)):
+        final = struct.pack("<qd16s", 5, math.nan, bytes(16))  # no time, no boot id
+        for payload, ok in ((b"abc", False), (struct.pack("<q", 5), False), (final, True)):
             request = Request(f"r{len(payload)}", list(range(1, 20)), params)
             ids = decode.reserve(request)
             epoch = decode.start_load(request, "p")
@@ -338,7 +342,7 @@ def test_finding_5_a_bad_final_payload_ends_its_request_not_the_worker():
                 assert request.output[0] == 5 and len(request.output) == 3
             else:
                 assert request.finish_reason is FinishReason.ABORT
-                assert "3-byte first token" in request.error
+                assert f"{len(payload)}-byte final payload, not 32" in request.error
         assert decode.cache.pool.num_free == 16
     finally:
         sender.close()
