@@ -19,12 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
-from kvmove.engine.request import Request, SamplingParams
-from kvmove.engine.scheduler import SchedulerConfig
+from kvmove.engine.model import MODEL_PRESETS
 from kvmove.engine.tokenizer import ByteTokenizer
-from kvmove.engine.worker import Worker
 
+from helpers.greedy import greedy_tokens
 from helpers.serve import Server, process_alive, wait_until
 
 TINY = MODEL_PRESETS["tiny"]
@@ -46,15 +44,8 @@ PROMPTS = ["a", "Hello, world!", "the quick brown fox jumps over the lazy dog",
 @pytest.fixture(scope="module")
 def reference() -> dict[str, str]:
     """Greedy text of every prompt from a colocated engine here (no kvmove hand-off)."""
-    model = LlamaForCausalLM.random(TINY, seed=0)
-    worker = Worker(model, num_blocks=256, block_size=16,
-                    scheduler=SchedulerConfig(chunk_size=None, prefix_caching=False))
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    requests = {p: Request(f"r{i}", TOKENIZER.encode(p), params) for i, p in enumerate(PROMPTS)}
-    for request in requests.values():
-        worker.add_request(request)
-    worker.run()
-    return {p: TOKENIZER.decode(r.output) for p, r in requests.items()}
+    return {p: TOKENIZER.decode(tokens) for p, tokens in
+            greedy_tokens(PROMPTS, MAX_TOKENS).items()}
 
 
 def test_chaos_no_wrong_answer_no_hang_no_leak(reference: dict[str, str]) -> None:

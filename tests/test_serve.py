@@ -46,6 +46,7 @@ from kvmove.engine.worker import Worker
 from helpers.serve import (
     GONE_SECONDS, START_SECONDS, TAG_VARIABLE, WORKDIR, Server, ServerPool, process_alive,
     tagged_pids, wait_until)
+from helpers.threads import cpus_of_threads
 
 MODEL = "tiny"
 TINY = MODEL_PRESETS[MODEL]
@@ -490,25 +491,12 @@ def test_a_workers_kvmove_threads_are_not_pinned_to_its_model_cores(
     server.client().completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=2, **GREEDY)
     for name in ("prefill-0", "decode-0"):
         pid = server.worker(name)["pid"]
-        threads = {}
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/status") as status:
-                line = next(s for s in status if s.startswith("Cpus_allowed_list:"))
-            threads[int(tid)] = _cpu_list(line.split(":", 1)[1].strip())
+        threads = cpus_of_threads(pid)
         model_cpus = threads[pid]  # the main thread steps the model
         assert 0 < len(model_cpus) < len(every), (name, threads)
         wide = [tid for tid, cpus in threads.items() if cpus == every]
         # a progress thread, ZeroMQ's I/O and reaper threads; a prefill's post and copy threads
         assert len(wide) >= 3, (name, threads)
-
-
-def _cpu_list(text: str) -> set[int]:
-    """``0-2,5`` -> {0, 1, 2, 5}."""
-    cpus: set[int] = set()
-    for part in text.split(","):
-        low, _, high = part.partition("-")
-        cpus.update(range(int(low), int(high or low) + 1))
-    return cpus
 
 
 METRIC_TYPES = {  # name: type, for what the router measures and what the workers report

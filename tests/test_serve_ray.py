@@ -29,15 +29,13 @@ from typing import Any
 import openai
 import pytest
 
-from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
-from kvmove.engine.request import Request, SamplingParams
-from kvmove.engine.scheduler import SchedulerConfig
+from kvmove.engine.model import MODEL_PRESETS
 from kvmove.engine.tokenizer import ByteTokenizer
-from kvmove.engine.worker import Worker
 from kvmove.errors import ConfigError
 from kvmove.serve.config import ServeConfig
 from kvmove.serve.ray_workers import default_resources
 
+from helpers.greedy import greedy_tokens
 from helpers.serve import WORKDIR, Server, process_alive, wait_until
 
 # Ray resolves 127.0.0.1 to the host's primary address unless told to stay on loopback (read
@@ -85,14 +83,7 @@ def cluster(ray: Any) -> Iterator[Any]:
 def reference() -> dict[str, list[int]]:
     """The colocated engine's greedy tokens for every prompt (the tiny preset, seed 0: the
     weights every worker builds)."""
-    worker = Worker(LlamaForCausalLM.random(TINY, seed=0), num_blocks=256, block_size=16,
-                    scheduler=SchedulerConfig(chunk_size=None, prefix_caching=False))
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    requests = {p: Request(f"r{i}", TOKENIZER.encode(p), params) for i, p in enumerate(PROMPTS)}
-    for request in requests.values():
-        worker.add_request(request)
-    worker.run()
-    return {p: r.output for p, r in requests.items()}
+    return greedy_tokens(PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

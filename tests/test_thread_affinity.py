@@ -23,6 +23,7 @@ import kvmove
 from helpers.far import FarPeer
 from helpers.kv import fill, make_cache
 from helpers.serve import wait_until
+from helpers.threads import cpus_of_threads
 from kvmove.runtime import unpinned
 
 LAYOUT = dict(num_layers=4, num_kv_heads=8, head_dim=128, dtype="float16", block_size=16)
@@ -31,28 +32,6 @@ WAIT = 10.0
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
                                 reason="one CPU: nothing to pin a thread away from")
-
-
-def cpus_of_threads() -> dict[int, set[int]]:
-    """Thread id -> the CPUs it may run on, for every thread of this process."""
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/status") as status:
-                line = next(s for s in status if s.startswith("Cpus_allowed_list:"))
-        except FileNotFoundError:  # the thread exited meanwhile
-            continue
-        out[int(tid)] = parse_cpu_list(line.split(":", 1)[1].strip())
-    return out
-
-
-def parse_cpu_list(text: str) -> set[int]:
-    """``0-2,5`` -> {0, 1, 2, 5}."""
-    cpus: set[int] = set()
-    for part in text.split(","):
-        low, _, high = part.partition("-")
-        cpus.update(range(int(low), int(high or low) + 1))
-    return cpus
 
 
 EVERY = os.sched_getaffinity(0)  # this process's CPUs
