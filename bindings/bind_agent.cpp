@@ -20,8 +20,8 @@ py::bytes to_bytes(const std::vector<uint8_t>& v) {
     return {reinterpret_cast<const char*>(v.data()), v.size()};
 }
 
-py::tuple to_notification(const std::pair<std::string, std::string>& n) {
-    return py::make_tuple(n.first, py::bytes(n.second));
+py::tuple to_notification(const Notification& n) {
+    return py::make_tuple(n.peer, py::bytes(n.payload));
 }
 
 using StartFn = std::shared_ptr<Transfer> (Agent::*)(const std::string&,
@@ -212,7 +212,7 @@ void register_agent(py::module_& m) {
         .def(
             "wait_notification",
             [](Agent& a, double timeout) {
-                std::pair<std::string, std::string> n;
+                Notification n;
                 {
                     py::gil_scoped_release nogil;
                     n = a.wait_notification(timeout);
