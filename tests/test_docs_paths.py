@@ -36,7 +36,7 @@ def _files() -> list[Path]:
 
 
 def _exists(path: str, base: Path) -> bool:
-    path = path.rstrip(".")
+    path = re.sub(r"(?<=[\w.])\*+$", "", path).rstrip(".")  # markdown's **bold** is no glob
     if "*" in path:
         return any(base.glob(path))
     return (base / path).exists()
