@@ -39,8 +39,8 @@ from kvmove.engine.detokenizer import Detokenizer
 from kvmove.engine.model import LlamaForCausalLM, SeqChunk
 from kvmove.engine.prefix_store import PrefixStore
 from kvmove.engine.request import FinishReason, Request, RequestState
-from kvmove.engine.sampling import sample, skip_draw
 from kvmove.engine.role import ROLES, Role
+from kvmove.engine.sampling import sample, skip_draw
 from kvmove.engine.scheduler import BatchScheduler, Scheduled, SchedulerConfig
 from kvmove.engine.tokenizer import load_tokenizer
 from kvmove.errors import ConfigError, KVMoveError

@@ -35,8 +35,8 @@ from kvmove import _log
 from kvmove.auth import key_from_file, resolve_key
 from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
 from kvmove.engine.request import FinishReason, Request
-from kvmove.engine.scheduler import SchedulerConfig
 from kvmove.engine.role import ROLES, Role
+from kvmove.engine.scheduler import SchedulerConfig
 from kvmove.engine.tokenizer import load_tokenizer
 from kvmove.engine.worker import EngineWorker
 from kvmove.errors import KVMoveError, PeerError
