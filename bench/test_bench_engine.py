@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from kvmove.bench.engine import EngineConfig
+from kvmove.bench.engine_report import EngineConfig
 from kvmove.bench.engine_rig import EngineRig, time_calls
 
 CONFIG = EngineConfig()

@@ -23,26 +23,27 @@ import pytest
 
 from kvmove.bench import serve, serve_load
 from kvmove.bench.report import BenchError
-from kvmove.bench.serve import ServeConfig
-from kvmove.bench.serve_load import make_trace, parse_metrics
+from kvmove.bench.serve_config import ServeBenchConfig
+from kvmove.bench.serve_load import parse_metrics
 from kvmove.bench.serve_report import (ModeResult, QueueSample, RequestResult, ServeReport,
                                        format_serve, percentile, plot_serve)
 from kvmove.bench.serve_server import ServerProcess
+from kvmove.bench.serve_trace import make_trace
 from kvmove.errors import ConfigError
 
 # --- the trace ------------------------------------------------------------------------------
 
 
 def test_trace_is_seeded_and_the_same_for_every_mode() -> None:
-    config = ServeConfig(num_requests=50, seed=7)
-    assert make_trace(config) == make_trace(ServeConfig(num_requests=50, seed=7))
-    assert make_trace(config) == make_trace(ServeConfig(num_requests=50, seed=7,
-                                                        modes=("disagg",), workers=4))
-    assert make_trace(config) != make_trace(ServeConfig(num_requests=50, seed=8))
+    config = ServeBenchConfig(num_requests=50, seed=7)
+    assert make_trace(config) == make_trace(ServeBenchConfig(num_requests=50, seed=7))
+    assert make_trace(config) == make_trace(ServeBenchConfig(num_requests=50, seed=7,
+                                                             modes=("disagg",), workers=4))
+    assert make_trace(config) != make_trace(ServeBenchConfig(num_requests=50, seed=8))
 
 
 def test_arrivals_are_poisson_at_the_rate() -> None:
-    trace = make_trace(ServeConfig(num_requests=4000, rate=5.0))
+    trace = make_trace(ServeBenchConfig(num_requests=4000, rate=5.0))
     gaps = np.diff([t.arrival for t in trace])
     assert trace[0].arrival == 0.0 and (gaps >= 0).all()
     assert gaps.mean() == pytest.approx(1 / 5.0, rel=0.08)
@@ -51,8 +52,8 @@ def test_arrivals_are_poisson_at_the_rate() -> None:
 
 @pytest.mark.parametrize("fraction", [0.0, 0.25, 0.5, 1.0])
 def test_mix_has_the_asked_proportion_and_lengths(fraction: float) -> None:
-    config = ServeConfig(num_requests=40, long_fraction=fraction, long_prompt_bytes=300,
-                         long_output_tokens=5, short_prompt_bytes=20, short_output_tokens=50)
+    config = ServeBenchConfig(num_requests=40, long_fraction=fraction, long_prompt_bytes=300,
+                              long_output_tokens=5, short_prompt_bytes=20, short_output_tokens=50)
     trace = make_trace(config)
     assert sum(t.kind == "long" for t in trace) == round(40 * fraction)
     for t in trace:
@@ -64,15 +65,15 @@ def test_mix_has_the_asked_proportion_and_lengths(fraction: float) -> None:
 
 def test_prompts_share_no_first_block() -> None:
     """Prefix reuse must not skip a prefill: the first 16 bytes differ between requests."""
-    trace = make_trace(ServeConfig(num_requests=200))
+    trace = make_trace(ServeBenchConfig(num_requests=200))
     assert len({t.prompt[:16] for t in trace}) == 200
 
 
 def test_shared_prefixes_keep_the_trace_and_mark_repeats() -> None:
     """Issue 19: every prompt is one of N prefixes then its own prompt; arrivals, kinds and own
     prompts are those of the trace without them; the first request of a prefix is no repeat."""
-    plain = make_trace(ServeConfig(num_requests=30))
-    shared = make_trace(ServeConfig(num_requests=30, shared_prefixes=3, prefix_bytes=100))
+    plain = make_trace(ServeBenchConfig(num_requests=30))
+    shared = make_trace(ServeBenchConfig(num_requests=30, shared_prefixes=3, prefix_bytes=100))
     assert [(t.arrival, t.kind) for t in shared] == [(t.arrival, t.kind) for t in plain]
     assert [t.prompt[100:] for t in shared] == [t.prompt for t in plain]
     assert len({t.prompt[:100] for t in shared}) == 3 == len({t.prefix for t in shared})
@@ -128,21 +129,22 @@ def test_shared_prefixes_keep_the_trace_and_mark_repeats() -> None:
 ])
 def test_config_rejects(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
-        ServeConfig(**kwargs)
+        ServeBenchConfig(**kwargs)
 
 
 def test_config_accepts_overrides_and_lists() -> None:
-    config = ServeConfig(modes=["disagg"], workers=2, prefill=1, decode=3)
+    config = ServeBenchConfig(modes=["disagg"], workers=2, prefill=1, decode=3)
     assert config.modes == ("disagg",)
     assert config.instances("disagg") == {"prefill": 1, "decode": 3}
-    assert ServeConfig(workers=3).instances("disagg") == {"prefill": 1, "decode": 2}
-    assert ServeConfig(workers=3).instances("chunked") == {"workers": 3}
-    assert ServeConfig(modes=("colocated",), workers=1).instances("colocated") == {"workers": 1}
+    assert ServeBenchConfig(workers=3).instances("disagg") == {"prefill": 1, "decode": 2}
+    assert ServeBenchConfig(workers=3).instances("chunked") == {"workers": 3}
+    assert ServeBenchConfig(modes=("colocated",), workers=1).instances("colocated") == {
+        "workers": 1}
 
 
 def test_the_planner_runs_disagg_once_more_and_only_disagg() -> None:
-    config = ServeConfig(modes=("colocated", "disagg"), planners=["off", "on"],
-                         num_requests=4, prefill_workers="1:2")
+    config = ServeBenchConfig(modes=("colocated", "disagg"), planners=["off", "on"],
+                              num_requests=4, prefill_workers="1:2")
     assert serve._runs(config) == [("colocated", "kv", "off"), ("disagg", "kv", "off"),
                                    ("disagg", "kv", "on")]
     assert serve.count_steps(config) == 3 * (4 + 2)
@@ -230,7 +232,7 @@ def test_kv_share_is_the_measured_handoff_when_the_server_has_it() -> None:
 
 
 def test_format_serve_shows_the_handoff_and_its_timeline() -> None:
-    config = ServeConfig(num_requests=3, model="tiny", rate=1.0)
+    config = ServeBenchConfig(num_requests=3, model="tiny", rate=1.0)
     text = format_serve(ServeReport(config, make_trace(config), (_mode("disagg", **HANDOFF),),
                                     wall_seconds=1.0))
     lines = text.splitlines()
@@ -295,7 +297,7 @@ def test_parse_metrics_reads_what_prometheus_client_writes() -> None:
 
 
 def _report() -> ServeReport:
-    config = ServeConfig(num_requests=3, model="tiny", rate=1.0)
+    config = ServeBenchConfig(num_requests=3, model="tiny", rate=1.0)
     modes = (_mode("colocated"), _mode("chunked"),
              _mode("disagg", kv_bytes=2e6, kv_transfer_seconds=0.9, kv_transfers=3,
                    kv_exposed_seconds=0.3))
@@ -321,8 +323,8 @@ def test_format_serve() -> None:
 def test_format_serve_compares_routings_on_repeats_of_shared_prefixes() -> None:
     """Issue 19: with shared prefixes, a table of repeat and first TTFTs and the matched
     prefix per request, and the repeats' TTFT in the ratios; each routing labelled."""
-    config = ServeConfig(num_requests=3, model="tiny", rate=1.0, shared_prefixes=1,
-                         routings=("kv", "least-loaded"))
+    config = ServeBenchConfig(num_requests=3, model="tiny", rate=1.0, shared_prefixes=1,
+                              routings=("kv", "least-loaded"))
     trace = make_trace(config)
     assert [t.repeat for t in trace] == [False, True, True]
 
@@ -347,7 +349,7 @@ def test_format_serve_compares_routings_on_repeats_of_shared_prefixes() -> None:
 def test_format_serve_shows_the_planners_decisions_and_pool_sizes() -> None:
     """Issue 19: a run with the planner lists its decisions with their reasons, and each
     pool's workers at the first sample, at most and at the last."""
-    config = ServeConfig(modes=("disagg",), num_requests=1, model="tiny", planners=("on",))
+    config = ServeBenchConfig(modes=("disagg",), num_requests=1, model="tiny", planners=("on",))
     trace = make_trace(config)
     samples = (QueueSample(0.0, {}, {}, {"prefill": 1.0, "decode": 1.0}),
                QueueSample(1.0, {}, {}, {"prefill": 2.0, "decode": 1.0}),
@@ -394,7 +396,7 @@ needs_server = pytest.mark.skipif(not _serve_available(),
 
 @needs_server
 def test_a_server_that_cannot_start_ends_the_run_with_its_error() -> None:
-    config = ServeConfig(modes=("colocated",), model="/nonexistent/model", timeout=60)
+    config = ServeBenchConfig(modes=("colocated",), model="/nonexistent/model", timeout=60)
     with pytest.raises(BenchError, match=r"exited with status 2 before it was ready: .*"
                        "neither a preset nor a directory"):
         serve.run(config)
@@ -402,10 +404,10 @@ def test_a_server_that_cannot_start_ends_the_run_with_its_error() -> None:
 
 @needs_server
 def test_end_to_end_every_request_completes() -> None:
-    config = ServeConfig(modes=("colocated", "disagg"), model="tiny", num_requests=6,
-                         rate=20.0, long_prompt_bytes=200, long_output_tokens=4,
-                         short_prompt_bytes=20, short_output_tokens=12, chunk_size=64,
-                         timeout=60, sample_interval=0.05, planners=("off", "on"))
+    config = ServeBenchConfig(modes=("colocated", "disagg"), model="tiny", num_requests=6,
+                              rate=20.0, long_prompt_bytes=200, long_output_tokens=4,
+                              short_prompt_bytes=20, short_output_tokens=12, chunk_size=64,
+                              timeout=60, sample_interval=0.05, planners=("off", "on"))
     labels: list[str] = []
     report = serve.run(config, labels.append)
     assert len(labels) == serve.count_steps(config)
@@ -432,9 +434,9 @@ def test_end_to_end_every_request_completes() -> None:
 def test_a_running_server_by_url_and_nothing_left_after_an_error() -> None:
     """``url`` replays against a server started elsewhere (here: by hand); an exception
     inside ``ServerProcess`` still stops the server and every worker of its session."""
-    config = ServeConfig(modes=("chunked",), model="tiny", num_requests=3, rate=50.0,
-                         long_prompt_bytes=100, long_output_tokens=3, short_prompt_bytes=10,
-                         short_output_tokens=5, chunk_size=32, timeout=60)
+    config = ServeBenchConfig(modes=("chunked",), model="tiny", num_requests=3, rate=50.0,
+                              long_prompt_bytes=100, long_output_tokens=3, short_prompt_bytes=10,
+                              short_output_tokens=5, chunk_size=32, timeout=60)
     with pytest.raises(RuntimeError, match="stop here"):
         with ServerProcess(config, "chunked") as server:
             pid = server.proc.pid

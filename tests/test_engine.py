@@ -17,7 +17,7 @@ import pytest
 from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
 from kvmove.engine.request import FinishReason, Request, SamplingParams
 from kvmove.engine.scheduler import SchedulerConfig
-from kvmove.engine.worker import Worker
+from kvmove.engine.worker import EngineWorker
 from kvmove.errors import ConfigError
 
 from helpers.engine_far import WorkerProcess
@@ -43,9 +43,9 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
 
 
 def colocated(model: LlamaForCausalLM, prompts: list[list[int]], params: SamplingParams,
-              **scheduler: object) -> tuple[list[Request], Worker]:
-    worker = Worker(model, num_blocks=scheduler.pop("num_blocks", 512), block_size=BLOCK,
-                    scheduler=SchedulerConfig(**scheduler))
+              **scheduler: object) -> tuple[list[Request], EngineWorker]:
+    worker = EngineWorker(model, num_blocks=scheduler.pop("num_blocks", 512), block_size=BLOCK,
+                          scheduler=SchedulerConfig(**scheduler))
     requests = [Request(f"r{i}", p, params) for i, p in enumerate(prompts)]
     for r in requests:
         worker.add_request(r)
@@ -128,8 +128,8 @@ def test_seeded_sampling_disaggregated_equals_colocated(disaggregated, model) ->
 
 def test_decode_reserve_is_back_pressure_not_an_error() -> None:
     model = LlamaForCausalLM.random(MODEL_PRESETS["tiny"], seed=SEED)
-    worker = Worker(model, role="decode", num_blocks=8, block_size=BLOCK, name="d",
-                    agent_kwargs=TCP)
+    worker = EngineWorker(model, role="decode", num_blocks=8, block_size=BLOCK, name="d",
+                          agent_kwargs=TCP)
     try:
         first = worker.reserve(Request("a", list(range(1, 25)), greedy(4)))  # 6 blocks
         assert first is not None and len(first) == 6
@@ -161,8 +161,8 @@ def test_prefix_reuse_changes_no_token_and_skips_cached_blocks(model) -> None:
     tails = [[5, 6, 7], [9], list(range(30, 60))]
     first, _ = colocated(model, [shared + t for t in tails], greedy(), chunk_size=None,
                          prefix_caching=False)
-    worker = Worker(model, num_blocks=512, block_size=BLOCK,
-                    scheduler=SchedulerConfig(chunk_size=None, prefix_caching=True))
+    worker = EngineWorker(model, num_blocks=512, block_size=BLOCK,
+                          scheduler=SchedulerConfig(chunk_size=None, prefix_caching=True))
     outputs, cached = [], []
     for i, tail in enumerate(tails):  # one after the other: each finds the last one's blocks
         request = Request(f"p{i}", shared + tail, greedy())
@@ -195,7 +195,7 @@ def test_out_of_blocks_every_request_finishes(model, reference, caplog) -> None:
 
 
 def test_a_request_that_can_never_fit_is_refused(model) -> None:
-    worker = Worker(model, num_blocks=8, block_size=BLOCK)
+    worker = EngineWorker(model, num_blocks=8, block_size=BLOCK)
     with pytest.raises(ConfigError, match="needs up to 11 blocks.*has 8"):
         worker.add_request(Request("big", list(range(1, 41)), greedy(4)))
     assert not worker.has_work
@@ -261,10 +261,11 @@ def test_stop_string_ends_the_request_and_is_cut_from_the_text(model, reference)
 
 def test_bad_worker_arguments_are_refused(model) -> None:
     with pytest.raises(ConfigError, match="role"):
-        Worker(model, role="both")
-    worker = Worker(model, num_blocks=16, block_size=BLOCK, tokenizer=None)
-    nameless = Worker(LlamaForCausalLM.random(_with(eos_token_id=65), seed=SEED),
-                      num_blocks=16, block_size=BLOCK)  # EOS among the bytes: no byte tokenizer
+        EngineWorker(model, role="both")
+    worker = EngineWorker(model, num_blocks=16, block_size=BLOCK, tokenizer=None)
+    # EOS among the bytes: no byte tokenizer
+    nameless = EngineWorker(LlamaForCausalLM.random(_with(eos_token_id=65), seed=SEED),
+                            num_blocks=16, block_size=BLOCK)
     assert worker.tokenizer is not None and nameless.tokenizer is None
     with pytest.raises(ConfigError, match="stop strings"):
         nameless.add_request(Request("s", [1, 2], SamplingParams(stop=("x",))))
@@ -297,7 +298,7 @@ def test_a_dead_prefill_worker_ends_its_requests_on_the_decode_side() -> None:
 
 
 def test_abort_drops_a_request_and_returns_its_blocks(model) -> None:
-    worker = Worker(model, num_blocks=64, block_size=BLOCK)
+    worker = EngineWorker(model, num_blocks=64, block_size=BLOCK)
     keep, drop = Request("keep", prompts()[3], greedy()), Request("drop", prompts()[4], greedy())
     worker.add_request(keep)
     worker.add_request(drop)

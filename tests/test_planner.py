@@ -5,11 +5,13 @@ outputs the decode pool, the bounds hold, and hysteresis keeps it from flapping.
 from __future__ import annotations
 
 import pytest
+from prometheus_client import CollectorRegistry, Counter
 
+from kvmove.engine.role import Role
 from kvmove.errors import ConfigError
 from kvmove.serve.config import ServeConfig
 from kvmove.serve.planner import (
-    COOLDOWN_SAMPLES, GROW_SAMPLES, SHRINK_SAMPLES, Action, Bounds, PoolSample, decide,
+    COOLDOWN_SAMPLES, GROW_SAMPLES, SHRINK_SAMPLES, Action, Bounds, Planner, PoolSample, decide,
     parse_bounds)
 
 BOUNDS = {"prefill": Bounds(1, 3), "decode": Bounds(1, 3)}
@@ -117,3 +119,37 @@ def test_bounds_parse_and_validate() -> None:
                                                              "decode": Bounds(1, 2)}
     with pytest.raises(ConfigError, match="needs mode 'disagg'"):
         ServeConfig(mode="colocated", planner=True)
+
+
+class _Pools:
+    """A ``Pools`` that records what the planner asks of it."""
+
+    def __init__(self, samples: dict[Role, PoolSample]) -> None:
+        self.samples, self.calls = samples, []
+
+    def sample(self, pool: Role) -> PoolSample:
+        return self.samples[pool]
+
+    def add(self, pool: Role) -> None:
+        self.calls.append(("add", pool))
+
+    def drain(self, pool: Role) -> None:
+        self.calls.append(("drain", pool))
+
+
+def test_the_planner_acts_through_its_pools_and_counts_each_action() -> None:
+    """The Planner needs nothing of the server but ``Pools`` and a counter: a step samples
+    every bounded pool, and each action ``decide`` gives is carried out and counted."""
+    registry = CollectorRegistry()
+    decisions = Counter("decisions", "", ["pool", "action", "reason"], registry=registry)
+    pools = _Pools({Role.PREFILL: PoolSample(0, 0, 0), Role.DECODE: PoolSample(4, 0, 0)})
+    planner = Planner(pools, BOUNDS, 1.0, decisions)
+    assert planner.step() == [Action("prefill", "add", "below_min"),
+                              Action("decode", "drain", "above_max")]
+    assert pools.calls == [("add", "prefill"), ("drain", "decode")]
+    for pool, action, reason in (("prefill", "add", "below_min"),
+                                 ("decode", "drain", "above_max")):
+        labels = {"pool": pool, "action": action, "reason": reason}
+        assert registry.get_sample_value("decisions_total", labels) == 1.0
+    pools.samples = {Role.PREFILL: PoolSample(1, 0, 0), Role.DECODE: PoolSample(3, 0, 0)}
+    assert planner.step() == [] and len(pools.calls) == 2  # within bounds, cooling down

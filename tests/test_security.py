@@ -313,11 +313,11 @@ def test_finding_5_a_bad_final_payload_ends_its_request_not_the_worker():
     the next request."""
     from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
     from kvmove.engine.request import FinishReason, Request, SamplingParams
-    from kvmove.engine.worker import Worker
+    from kvmove.engine.worker import EngineWorker
 
     model = LlamaForCausalLM.random(MODEL_PRESETS["tiny"], seed=0)
-    decode = Worker(model, role="decode", name="d", num_blocks=16, block_size=16,
-                    agent_kwargs=TCP)
+    decode = EngineWorker(model, role="decode", name="d", num_blocks=16, block_size=16,
+                          agent_kwargs=TCP)
     sender = kvmove.Agent("p", kvmove.KVCache(model.config.kv_layout(16), 16), **TCP)
     try:
         decode.agent.add_peer(sender.metadata())
@@ -452,7 +452,7 @@ def test_finding_10_block_hashes_are_keyed_by_the_deployment():
     from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
     from kvmove.engine.request import Request, SamplingParams
     from kvmove.engine.scheduler import SchedulerConfig
-    from kvmove.engine.worker import Worker
+    from kvmove.engine.worker import EngineWorker
 
     tokens = list(range(64))
     ours, theirs = DeploymentKey(b"k" * 32, "argument"), DeploymentKey(b"j" * 32, "argument")
@@ -463,8 +463,8 @@ def test_finding_10_block_hashes_are_keyed_by_the_deployment():
     assert not set(keyed) & set(kvmove.block_hashes(tokens, 16, seed=theirs.hash_seed()))
 
     model = LlamaForCausalLM.random(MODEL_PRESETS["tiny"], seed=0)
-    worker = Worker(model, num_blocks=16, block_size=16,
-                    scheduler=SchedulerConfig(hash_seed=ours.hash_seed()))
+    worker = EngineWorker(model, num_blocks=16, block_size=16,
+                          scheduler=SchedulerConfig(hash_seed=ours.hash_seed()))
     request = Request("r", tokens + [1], SamplingParams(max_tokens=1, ignore_eos=True))
     worker.add_request(request)
     worker.run()

@@ -41,7 +41,7 @@ from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
 from kvmove.engine.request import Request, SamplingParams
 from kvmove.engine.scheduler import SchedulerConfig
 from kvmove.engine.tokenizer import ByteTokenizer
-from kvmove.engine.worker import Worker
+from kvmove.engine.worker import EngineWorker
 
 from helpers.serve import (
     GONE_SECONDS, START_SECONDS, TAG_VARIABLE, WORKDIR, Server, ServerPool, process_alive,
@@ -98,8 +98,8 @@ def num_tokens(text: str) -> int:
 def reference() -> dict[str, list[int]]:
     """Greedy tokens (``MAX_TOKENS``, EOS ignored) of every prompt, from the engine here."""
     model = LlamaForCausalLM.random(TINY, seed=0)
-    worker = Worker(model, num_blocks=512, block_size=BLOCK,
-                    scheduler=SchedulerConfig(chunk_size=None, prefix_caching=False))
+    worker = EngineWorker(model, num_blocks=512, block_size=BLOCK,
+                          scheduler=SchedulerConfig(chunk_size=None, prefix_caching=False))
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     requests = {p: Request(f"r{i}", TOKENIZER.encode(p), params)
                 for i, p in enumerate([*PROMPTS, CHAT_TEXT])}

@@ -152,8 +152,7 @@ def _router_with_worker() -> tuple[Router, WorkerInfo, Handle]:
     """A router (not started) that believes ``worker-0`` is live and holds ``req-0``."""
     router = Router(ServeConfig(mode="colocated", workers=1))
     worker = WorkerInfo("worker-0", "colocated", [], identity=b"worker-0/live", alive=True)
-    router.workers[worker.name] = worker
-    router._identities[worker.identity] = worker
+    router.pool.add(worker)
     handle = Handle("req-0", [1, 2, 3], SamplingParams())
     router.handles[handle.rid] = handle
     worker.requests.add(handle.rid)
@@ -183,12 +182,12 @@ def test_finding_6_a_malformed_message_from_a_live_worker_is_dropped(
         frames: list[bytes]) -> None:
     router, worker, handle = _router_with_worker()
     try:
-        router._dispatch([worker.identity, *frames])
+        router.channel.dispatch([worker.identity, *frames])
         samples = {s.labels["reason"]: s.value for m in router.metrics.control_dropped.collect()
                    for s in m.samples if s.name.endswith("_total")}
         assert samples == {"malformed": 1.0}
         assert handle.events.empty() and not handle.done
-        router._dispatch([worker.identity, encode(Tokens(items=[("req-0", 65)]))])
+        router.channel.dispatch([worker.identity, encode(Tokens(items=[("req-0", 65)]))])
         assert handle.events.get_nowait() == ("token", 65)  # and the next good one is taken
     finally:
         router.control.close()
@@ -203,7 +202,7 @@ def test_finding_6_health_says_down_when_the_receive_loop_ends() -> None:
         router, worker, _ = _router_with_worker()
         try:
             router.socket.close()
-            router._loop("receive", router._receive())
+            router.tasks.loop("receive", router.channel.receive())
             await asyncio.sleep(0.1)
             return router.health()
         finally:

@@ -212,16 +212,16 @@ def test_the_engine_worker_never_gives_a_reused_block_to_a_late_prefill():
     prompt KV keeps every byte, and its output equals the colocated one."""
     from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
     from kvmove.engine.request import FinishReason, Request, SamplingParams
-    from kvmove.engine.worker import Worker
+    from kvmove.engine.worker import EngineWorker
 
     model = LlamaForCausalLM.random(MODEL_PRESETS["tiny"], seed=0)
     kwargs = {"num_blocks": 32, "block_size": 16,
               "agent_kwargs": {"transports": "tcp", "peer_timeout": 2.0}}
-    prefill = Worker(model, role="prefill", name="p", **kwargs)
+    prefill = EngineWorker(model, role="prefill", name="p", **kwargs)
     # The timeout is what the late prefill misses; the new one's prefill must beat it, on a
     # busy machine, so the model is warmed up first (a process's first forward is slow).
-    decode = Worker(model, role="decode", name="d", transfer_timeout=1.0, **kwargs)
-    colocated = Worker(model, num_blocks=32, block_size=16)
+    decode = EngineWorker(model, role="decode", name="d", transfer_timeout=1.0, **kwargs)
+    colocated = EngineWorker(model, num_blocks=32, block_size=16)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     ref = Request("new", list(range(50, 90)), params)
     colocated.add_request(ref)
@@ -246,7 +246,7 @@ def test_the_engine_worker_never_gives_a_reused_block_to_a_late_prefill():
         new_at_prefill = Request("new", list(range(50, 90)), params)
         new_ids = decode.reserve(new)
         assert set(new_ids) & set(ids), "the new request reuses the old one's blocks"
-        prefill_new = Worker(model, role="prefill", name="p2", **kwargs)
+        prefill_new = EngineWorker(model, role="prefill", name="p2", **kwargs)
         try:
             prefill_new.agent.add_peer(decode.agent.metadata())
             decode.agent.add_peer(prefill_new.agent.metadata())

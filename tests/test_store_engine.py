@@ -21,7 +21,7 @@ from kvmove import DiskTier, HostTier, KVStore
 from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
 from kvmove.engine.request import Request, SamplingParams
 from kvmove.engine.scheduler import SchedulerConfig
-from kvmove.engine.worker import Worker
+from kvmove.engine.worker import EngineWorker
 from kvmove.errors import ConfigError
 
 BLOCK = 4
@@ -49,8 +49,8 @@ def model() -> LlamaForCausalLM:
 def run(model: LlamaForCausalLM, store: KVStore | None, batch: list[list[int]],
         **scheduler: object) -> list[Request]:
     """Every prompt through one fresh worker; checks every block came back."""
-    worker = Worker(model, num_blocks=NUM_BLOCKS, block_size=BLOCK, store=store,
-                    scheduler=SchedulerConfig(**scheduler))
+    worker = EngineWorker(model, num_blocks=NUM_BLOCKS, block_size=BLOCK, store=store,
+                          scheduler=SchedulerConfig(**scheduler))
     requests = [Request(f"r{i}", p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
                 for i, p in enumerate(batch)]
     for r in requests:
@@ -146,7 +146,7 @@ def test_an_aborted_fetch_gives_its_blocks_back(model):
     prompt = prompts()[-1]
     with KVStore(LAYOUT, [HostTier(1 << 20)], load_policy="always") as store:
         run(model, store, [prompt])
-        worker = Worker(model, num_blocks=NUM_BLOCKS, block_size=BLOCK, store=store)
+        worker = EngineWorker(model, num_blocks=NUM_BLOCKS, block_size=BLOCK, store=store)
         request = Request("r", prompt, SamplingParams(max_tokens=MAX_TOKENS))
         worker.add_request(request)
         worker.scheduler.schedule()  # admits it: the fetch starts
@@ -161,17 +161,17 @@ def test_an_aborted_fetch_gives_its_blocks_back(model):
 def test_a_decode_worker_takes_no_store(model):
     with KVStore(LAYOUT, [HostTier(1 << 20)]) as store:
         with pytest.raises(ConfigError, match="decode worker"):
-            Worker(model, role="decode", num_blocks=NUM_BLOCKS, block_size=BLOCK, store=store)
+            EngineWorker(model, role="decode", num_blocks=NUM_BLOCKS, block_size=BLOCK, store=store)
 
 
 def test_a_store_needs_prefix_caching(model):
     with KVStore(LAYOUT, [HostTier(1 << 20)]) as store:
         with pytest.raises(ConfigError, match="prefix_caching"):
-            Worker(model, num_blocks=NUM_BLOCKS, block_size=BLOCK, store=store,
-                   scheduler=SchedulerConfig(prefix_caching=False))
+            EngineWorker(model, num_blocks=NUM_BLOCKS, block_size=BLOCK, store=store,
+                         scheduler=SchedulerConfig(prefix_caching=False))
 
 
 def test_a_store_of_another_layout_is_refused(model):
     with KVStore(TINY.kv_layout(BLOCK * 2), [HostTier(1 << 20)]) as store:
         with pytest.raises(ConfigError, match="layout"):
-            Worker(model, num_blocks=NUM_BLOCKS, block_size=BLOCK, store=store)
+            EngineWorker(model, num_blocks=NUM_BLOCKS, block_size=BLOCK, store=store)

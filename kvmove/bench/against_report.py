@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import textwrap
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvmove.bench.report import RoundTrip, aligned
 
-if TYPE_CHECKING:
-    from kvmove.bench.transfer_report import TransferRow
-
-__all__ = ["AGAINST", "NixlRoundTrip", "NixlRow", "NixlRun", "nixl_lines"]
+__all__ = ["AGAINST", "KVMoveRow", "NixlRoundTrip", "NixlRow", "NixlRun", "nixl_lines"]
 
 # The libraries --against takes.
 AGAINST = ("nixl",)
@@ -62,6 +59,26 @@ class NixlRow:
         return {**asdict(self), "verified": self.verified, "gbytes_per_s": self.gbytes_per_s}
 
 
+class KVMoveRow(Protocol):
+    """What the comparison reads of one of kvmove's rows (``transfer_report.TransferRow``,
+    which imports this module: a Protocol here keeps the import one-way)."""
+
+    @property
+    def cache(self) -> str: ...
+    @property
+    def op(self) -> str: ...
+    @property
+    def placement(self) -> str: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def num_ops(self) -> int: ...
+    @property
+    def gbytes_per_s(self) -> float: ...
+
+
 # NIXL's one-block round trip (one prepared request, posted again each time: NIXL's fastest
 # small write) is measured and reported as kvmove's.
 NixlRoundTrip = RoundTrip
@@ -80,7 +97,7 @@ class NixlRun:
     def verified(self) -> bool:
         return all(row.verified for row in self.rows)
 
-    def row_for(self, row: TransferRow) -> NixlRow | None:
+    def row_for(self, row: KVMoveRow) -> NixlRow | None:
         """NIXL's row of kvmove's ``row`` (None for a wrapped cache's row: NIXL moves the
         native cache only)."""
         if row.cache != "native":
@@ -88,7 +105,7 @@ class NixlRun:
         return next((r for r in self.rows if r.key == (row.op, row.placement,
                                                        row.block_size)), None)
 
-    def ratio(self, row: TransferRow) -> float | None:
+    def ratio(self, row: KVMoveRow) -> float | None:
         """kvmove's GB/s over NIXL's for the same workload (above 1: kvmove faster)."""
         nixl = self.row_for(row)
         return None if nixl is None else row.gbytes_per_s / nixl.gbytes_per_s
@@ -104,7 +121,7 @@ class NixlRun:
                 "round_trip_time_ratio": self.round_trip_ratio(trip)}
 
 
-def nixl_lines(run: NixlRun, rows: tuple[TransferRow, ...], trip: RoundTrip,
+def nixl_lines(run: NixlRun, rows: tuple[KVMoveRow, ...], trip: RoundTrip,
                setting: str) -> list[str]:
     """The comparison: per kvmove row with a NIXL row, both GB/s and kvmove / NIXL; then
     the one-block round trip of each. ``setting``: the transports and error mode both ran

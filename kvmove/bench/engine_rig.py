@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kvmove.bench.engine import DecodeRow, EngineConfig, EngineReport, PrefillRow
+from kvmove.bench.engine_report import DecodeRow, EngineConfig, EngineReport, PrefillRow
 from kvmove.bench.progress import Progress
 from kvmove.engine.model import LlamaForCausalLM, SeqChunk
 from kvmove.kv_cache import KVCache

@@ -1,7 +1,8 @@
 """Serving benchmark: one seeded request trace replayed against ``kvmove-serve`` in each mode
-(colocated, chunked prefill, disaggregated prefill/decode). This module holds the
-configuration, the run and the subcommand; ``serve_load`` the trace and its replay,
-``serve_server`` kvmove-serve as a process, ``serve_report`` the results, their text and plots.
+(colocated, chunked prefill, disaggregated prefill/decode). This module holds the run and the
+subcommand; ``serve_config`` the configuration, ``serve_trace`` the trace, ``serve_load`` its
+replay, ``serve_server`` kvmove-serve as a process, ``serve_report`` the results, their text
+and plots.
 
 The trace mixes two kinds of request, in exact proportion and shuffled:
 
@@ -53,207 +54,28 @@ import argparse
 import asyncio
 import json
 import logging
-import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
 from kvmove.bench.options import check_plot
 from kvmove.bench.progress import Progress, bar
-from kvmove.bench.serve_load import TraceRequest, make_trace, replay
+from kvmove.bench.serve_config import MODES, PLANNERS, ROUTINGS, ServeBenchConfig
+from kvmove.bench.serve_load import replay
 from kvmove.bench.serve_report import ModeResult, ServeReport, format_serve, plot_serve
 from kvmove.bench.serve_server import ServerProcess
+from kvmove.bench.serve_trace import TraceRequest, make_trace
 from kvmove.errors import ConfigError
-from kvmove.serve.planner import parse_bounds
-from kvmove.validation import require_positive_finite, require_positive_int
+from kvmove.serve.config import Mode
 
-__all__ = ["KINDS", "MODES", "ServeConfig", "add_parser", "count_steps", "run", "run_command"]
+__all__ = ["add_parser", "count_steps", "run", "run_command"]
 
 logger = logging.getLogger(__name__)
-
-MODES = ("colocated", "chunked", "disagg")
-ROUTINGS = ("kv", "least-loaded")  # kvmove-serve --routing
-PLANNERS = ("off", "on")  # kvmove-serve --planner (disagg only)
-KINDS = ("long", "short")  # summarisation-like, chat-like
-
-
-@dataclass(frozen=True, slots=True)
-class ServeConfig:
-    """What ``run`` measures.
-
-    Args:
-        modes: subset of ``MODES``, in order; the first is the baseline of the ratios.
-        workers: engine processes per mode: colocated / chunked run ``workers`` instances,
-            disagg ``prefill`` + ``decode``.
-        prefill / decode: disagg's instances (None: ``workers // 2`` prefill, the rest decode).
-        model: ``kvmove-serve --model`` (a preset, or a directory: lengths stay in bytes).
-        chunk_size: prefill chunk in tokens (chunked, and disagg's prefill workers).
-        num_requests: requests in the trace.
-        rate: mean arrivals per second (Poisson).
-        long_fraction: share of long (summarisation-like) requests, rounded to a count.
-        long_prompt_bytes / long_output_tokens: a long request's prompt and ``max_tokens``.
-        short_prompt_bytes / short_output_tokens: a short (chat-like) one's.
-        ttft_slo / itl_slo: seconds; goodput counts requests within both (ITL: the mean).
-        seed: the trace (arrivals, kinds, prompts).
-        routings: ``kvmove-serve --routing`` values; each mode runs once per routing (the
-            first mode with the first routing is the baseline of the ratios).
-        shared_prefixes: 0, or how many shared prefixes the trace's prompts begin with (each
-            request picks one, seeded): the first request of a prefix computes it, later ones
-            (its repeats) can find it cached, which is what KV-aware routing is for.
-        prefix_bytes: a shared prefix's length; the prompt lengths are what follows it.
-        planners: ``PLANNERS`` values; disagg runs once per value ("on": ``kvmove-serve
-            --planner``), the other modes once, without it.
-        prefill_workers / decode_workers: the planner's bounds per pool, ``"MIN:MAX"`` (None:
-            kvmove-serve's default, 1 to twice the pool's starting size).
-        url: a running server to use instead of starting one (then ``modes`` names its mode,
-            exactly one).
-        timeout: deadline in seconds of every wait: the server's start and stop, each request.
-        sample_interval: seconds between ``/metrics`` samples.
-    """
-
-    modes: tuple[str, ...] = MODES
-    workers: int = 2
-    prefill: int | None = None
-    decode: int | None = None
-    model: str = "small"
-    chunk_size: int = 256
-    num_requests: int = 40
-    rate: float = 2.0
-    long_fraction: float = 0.5
-    long_prompt_bytes: int = 1024
-    long_output_tokens: int = 16
-    short_prompt_bytes: int = 64
-    short_output_tokens: int = 128
-    ttft_slo: float = 2.0
-    itl_slo: float = 0.1
-    seed: int = 0
-    routings: tuple[str, ...] = ("kv",)
-    shared_prefixes: int = 0
-    prefix_bytes: int = 512
-    planners: tuple[str, ...] = ("off",)
-    prefill_workers: str | None = None
-    decode_workers: str | None = None
-    url: str | None = None
-    timeout: float = 120.0
-    sample_interval: float = 0.25
-
-    def __post_init__(self) -> None:
-        if isinstance(self.modes, (list, str)):  # as argparse gives them
-            modes = (self.modes,) if isinstance(self.modes, str) else tuple(self.modes)
-            object.__setattr__(self, "modes", modes)
-        _check_modes(self.modes)
-        if isinstance(self.routings, (list, str)):
-            routings = (self.routings,) if isinstance(self.routings, str) else tuple(
-                self.routings)
-            object.__setattr__(self, "routings", routings)
-        _check_routings(self.routings)
-        if isinstance(self.planners, (list, str)):
-            planners = (self.planners,) if isinstance(self.planners, str) else tuple(
-                self.planners)
-            object.__setattr__(self, "planners", planners)
-        _check_planners(self.planners, self)
-        if isinstance(self.shared_prefixes, bool) or not isinstance(
-                self.shared_prefixes, int) or self.shared_prefixes < 0:
-            raise ConfigError(f"shared_prefixes must be an int >= 0, got "
-                              f"{self.shared_prefixes!r}")
-        for name in ("workers", "chunk_size", "num_requests", "long_prompt_bytes",
-                     "long_output_tokens", "short_prompt_bytes", "short_output_tokens",
-                     "prefix_bytes"):
-            require_positive_int(name, getattr(self, name))
-        for name in ("prefill", "decode"):
-            if getattr(self, name) is not None:
-                require_positive_int(name, getattr(self, name))
-        for name in ("rate", "ttft_slo", "itl_slo", "timeout", "sample_interval"):
-            require_positive_finite(name, getattr(self, name))
-        if isinstance(self.long_fraction, bool) or not isinstance(
-                self.long_fraction, (int, float)) or not 0 <= self.long_fraction <= 1:
-            raise ConfigError(f"long_fraction must be in [0, 1], got {self.long_fraction!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError(f"seed must be an int, got {self.seed!r}")
-        if "disagg" in self.modes:
-            self.disagg_instances()  # validates workers against prefill / decode
-        if self.url is not None:
-            _check_url(self.url, self.modes)
-        self._check_context()
-
-    def disagg_instances(self) -> tuple[int, int]:
-        """(prefill, decode) instances of the disagg mode."""
-        prefill = self.prefill if self.prefill is not None else self.workers // 2
-        decode = self.decode if self.decode is not None else self.workers - prefill
-        if prefill < 1 or decode < 1:
-            raise ConfigError(f"disagg needs a prefill and a decode worker: workers = "
-                              f"{self.workers} gives {prefill} prefill + {decode} decode")
-        return prefill, decode
-
-    def instances(self, mode: str) -> dict[str, int]:
-        """``kvmove-serve``'s instance counts for ``mode``, by option name."""
-        if mode == "disagg":
-            prefill, decode = self.disagg_instances()
-            return {"prefill": prefill, "decode": decode}
-        return {"workers": self.workers}
-
-    def lengths(self, kind: str) -> tuple[int, int]:
-        """(prompt bytes, max_tokens) of a request of ``kind``."""
-        if kind == "long":
-            return self.long_prompt_bytes, self.long_output_tokens
-        return self.short_prompt_bytes, self.short_output_tokens
-
-    def _check_context(self) -> None:
-        try:  # the engine (torch) is the server's; without it the server checks alone
-            from kvmove.engine.model import MODEL_PRESETS
-        except ImportError:
-            return
-        if self.model not in MODEL_PRESETS:
-            return
-        limit = MODEL_PRESETS[self.model].max_position_embeddings
-        for kind in KINDS:
-            prompt_bytes, max_tokens = self.lengths(kind)
-            prompt_bytes += self.prefix_bytes if self.shared_prefixes else 0
-            if prompt_bytes + 1 + max_tokens > limit:
-                raise ConfigError(f"a {kind} request needs {prompt_bytes} + 1 (BOS) + "
-                                  f"{max_tokens} positions, {self.model} has {limit}")
-
-
-def _check_modes(modes: Any) -> None:
-    if not isinstance(modes, tuple) or not modes:
-        raise ConfigError(f"modes must be a non-empty tuple of {MODES}, got {modes!r}")
-    for mode in modes:
-        if mode not in MODES:
-            raise ConfigError(f"modes: unknown mode {mode!r}; known: {', '.join(MODES)}")
-    if len(set(modes)) != len(modes):
-        raise ConfigError(f"modes must not repeat a mode, got {modes}")
-
-
-def _check_routings(routings: Any) -> None:
-    if not isinstance(routings, tuple) or not routings or len(set(routings)) != len(routings) \
-            or any(r not in ROUTINGS for r in routings):
-        raise ConfigError(f"routings must be distinct values of {ROUTINGS}, got {routings!r}")
-
-
-def _check_planners(planners: Any, config: ServeConfig) -> None:
-    if not isinstance(planners, tuple) or not planners or len(set(planners)) != len(planners) \
-            or any(p not in PLANNERS for p in planners):
-        raise ConfigError(f"planners must be distinct values of {PLANNERS}, got {planners!r}")
-    for name in ("prefill_workers", "decode_workers"):
-        bounds = getattr(config, name)
-        if bounds is not None:
-            if "on" not in planners:
-                raise ConfigError(f"{name} bounds the planner: give planners 'on' too")
-            parse_bounds(bounds)  # ConfigError naming the value
-
-
-def _check_url(url: Any, modes: tuple[str, ...]) -> None:
-    if not isinstance(url, str) or not re.match(r"https?://[^/\s]+/?$", url):
-        raise ConfigError(f"url must be http://HOST:PORT, got {url!r}")
-    if len(modes) != 1:
-        raise ConfigError(f"with url, modes must name the server's one mode, got {modes}")
-
 
 # --- the run --------------------------------------------------------------------------------
 
 
-def _run_mode(config: ServeConfig, mode: str, routing: str, planner: str,
+def _run_mode(config: ServeBenchConfig, mode: str, routing: str, planner: str,
               trace: Sequence[TraceRequest], progress: Progress) -> ModeResult:
     if config.url is not None:
         progress(f"{mode}: using {config.url}")
@@ -271,7 +93,7 @@ def _run_mode(config: ServeConfig, mode: str, routing: str, planner: str,
                    planner=planner == "on")
 
 
-def run(config: ServeConfig, progress: Progress | None = None) -> ServeReport:
+def run(config: ServeBenchConfig, progress: Progress | None = None) -> ServeReport:
     """Replays one trace against each of ``config.modes`` (a fresh server each).
 
     Raises:
@@ -285,13 +107,13 @@ def run(config: ServeConfig, progress: Progress | None = None) -> ServeReport:
     return ServeReport(config, trace, modes, time.perf_counter() - wall)
 
 
-def _runs(config: ServeConfig) -> list[tuple[str, str, str]]:
+def _runs(config: ServeBenchConfig) -> list[tuple[str, str, str]]:
     """(mode, routing, planner) of each server ``run`` starts, in order."""
     return [(mode, routing, planner) for mode in config.modes for routing in config.routings
-            for planner in (config.planners if mode == "disagg" else ("off",))]
+            for planner in (config.planners if mode == Mode.DISAGG else ("off",))]
 
 
-def count_steps(config: ServeConfig) -> int:
+def count_steps(config: ServeBenchConfig) -> int:
     """How many times ``run`` calls ``progress``."""
     return len(_runs(config)) * (config.num_requests + 2)
 
@@ -306,7 +128,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "short-prompt/long-output requests against kvmove-serve in each mode, with the "
         "official openai client, on the same number of worker processes; reports TTFT, ITL, "
         "decode tokens/s, goodput under a TTFT+ITL SLO and the KV hand-off's share of TTFT.")
-    sub.add_argument("--modes", nargs="+", default=["colocated", "chunked", "disagg"],
+    sub.add_argument("--modes", nargs="+", default=list(MODES),
                      metavar="MODE", help="colocated chunked disagg (default: all three)")
     sub.add_argument("--workers", type=int, default=2,
                      help="worker processes per mode (default 2)")
@@ -354,7 +176,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    config = ServeConfig(
+    config = ServeBenchConfig(
         modes=tuple(args.modes), workers=args.workers, prefill=args.prefill,
         decode=args.decode, model=args.model, chunk_size=args.chunk_size,
         num_requests=args.requests, rate=args.rate, long_fraction=args.long_fraction,

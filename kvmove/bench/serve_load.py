@@ -1,20 +1,5 @@
-"""The serving benchmark's load (``serve``): the seeded request trace, and its replay against a
+"""The serving benchmark's load (``serve``): the trace (``serve_trace``) replayed against a
 server with the official ``openai`` client while ``/metrics`` is sampled.
-
-The trace mixes two kinds of request, in exact proportion and shuffled:
-
-* **long** (summarisation-like): a long prompt, a short answer — prefill-heavy;
-* **short** (chat-like): a short prompt, a long answer — decode-heavy.
-
-Arrivals are a Poisson process (exponential gaps at ``rate`` per second, the first at 0).
-Prompts are ASCII, so their length in bytes is their length in tokens minus the BOS with the
-presets' byte tokenizer; each begins with its request's index so that no two share a first
-KV block and prefix reuse cannot skip a prefill. Every mode gets the same trace.
-
-With ``shared_prefixes`` N > 0, every prompt is instead one of N shared prefixes
-(``prefix_bytes`` each, picked per request by their own seeded generator, so the arrivals,
-kinds and own prompts stay those of the trace without them) followed by the request's own
-prompt: the first request of a prefix computes it, its repeats can find it cached.
 
 What a request records, on the client's ``time.monotonic()``: when it was sent and when each
 token's chunk arrived. A chunk carries a token unless it has a ``finish_reason`` (the closing
@@ -27,85 +12,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
-import string
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from kvmove.bench.serve_report import ModeResult, QueueSample, RequestResult
 
 if TYPE_CHECKING:
-    from kvmove.bench.serve import ServeConfig
+    from kvmove.bench.serve_config import ServeBenchConfig
+    from kvmove.bench.serve_trace import TraceRequest
 
-__all__ = ["Metrics", "TraceRequest", "by_pool", "make_trace", "metric_total", "parse_metrics",
-           "replay"]
+__all__ = ["Metrics", "by_pool", "metric_total", "parse_metrics", "replay"]
 
 logger = logging.getLogger(__name__)
-
-_ALPHABET = string.ascii_lowercase + " "
-
-
-# --- the trace ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
-    """One request of the trace: ``arrival`` in seconds after the first request's."""
-
-    index: int
-    arrival: float
-    kind: str
-    prompt: str  # ASCII: len(prompt) bytes
-    max_tokens: int
-    prefix: int | None = None  # the shared prefix it begins with
-    repeat: bool = False       # an earlier request of the trace began with it too
-
-
-def make_trace(config: ServeConfig) -> tuple[TraceRequest, ...]:
-    """The seeded trace: same config, same trace, whatever the mode.
-
-    The kinds are an exact ``round(num_requests * long_fraction)`` long requests, shuffled,
-    rather than a coin per request, so that a short trace has the mix it asks for.
-    """
-    rng = random.Random(config.seed)
-    shared = _SharedPrefixes(config)
-    num_long = round(config.num_requests * config.long_fraction)
-    kinds = ["long"] * num_long + ["short"] * (config.num_requests - num_long)
-    rng.shuffle(kinds)
-    arrival, trace = 0.0, []
-    for index, kind in enumerate(kinds):
-        if index:
-            arrival += rng.expovariate(config.rate)
-        prompt_bytes, max_tokens = config.lengths(kind)
-        own = _prompt(rng, index, prompt_bytes)
-        trace.append(shared.apply(TraceRequest(index, arrival, kind, own, max_tokens)))
-    return tuple(trace)
-
-
-class _SharedPrefixes:
-    """The trace's shared prefixes, from their own generator (seeded by the trace's seed)."""
-
-    def __init__(self, config: ServeConfig) -> None:
-        rng = random.Random(f"shared-prefixes:{config.seed}")
-        self.rng = rng
-        self.texts = [_prompt(rng, j, config.prefix_bytes).replace(":", "#", 1)
-                      for j in range(config.shared_prefixes)]
-        self.seen: set[int] = set()
-
-    def apply(self, request: TraceRequest) -> TraceRequest:
-        if not self.texts:
-            return request
-        j = self.rng.randrange(len(self.texts))
-        repeat = j in self.seen
-        self.seen.add(j)
-        return replace(request, prompt=self.texts[j] + request.prompt, prefix=j, repeat=repeat)
-
-
-def _prompt(rng: random.Random, index: int, nbytes: int) -> str:
-    head = f"{index:05d}:"
-    return (head + "".join(rng.choices(_ALPHABET, k=max(nbytes - len(head), 0))))[:nbytes]
 
 
 # --- /metrics -------------------------------------------------------------------------------
@@ -224,7 +143,7 @@ def stage_means(before: tuple[dict[str, float], dict[str, float]],
     return means
 
 
-async def replay(config: ServeConfig, trace: Sequence[TraceRequest], url: str, mode: str,
+async def replay(config: ServeBenchConfig, trace: Sequence[TraceRequest], url: str, mode: str,
                  progress: Callable[[str], None]) -> ModeResult:
     """Sends ``trace`` to the server at ``url`` on its schedule; waits for every response."""
     import httpx

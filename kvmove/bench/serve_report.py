@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 from kvmove.bench.report import aligned, ms, pyplot, save_figure
 
 if TYPE_CHECKING:
-    from kvmove.bench.serve import ServeConfig
-    from kvmove.bench.serve_load import TraceRequest
+    from kvmove.bench.serve_config import ServeBenchConfig
+    from kvmove.bench.serve_trace import TraceRequest
 
 __all__ = ["ModeResult", "QueueSample", "RequestResult", "ServeReport", "format_serve",
            "percentile", "plot_serve"]
@@ -232,7 +232,7 @@ class ModeResult:
 class ServeReport:
     """Everything one ``run`` measured; ``to_dict`` is the ``--json`` form."""
 
-    config: ServeConfig
+    config: ServeBenchConfig
     trace: tuple[TraceRequest, ...] = field(repr=False)
     modes: tuple[ModeResult, ...]
     wall_seconds: float

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from kvmove.bench.report import BenchError
 
 if TYPE_CHECKING:
-    from kvmove.bench.serve import ServeConfig
+    from kvmove.bench.serve_config import ServeBenchConfig
 
 __all__ = ["READY", "ServerProcess"]
 
@@ -41,7 +41,7 @@ class ServerProcess:
     starts can be killed as a group), on a free port of 127.0.0.1. A context manager:
     entering waits for the ready line, leaving stops it."""
 
-    def __init__(self, config: ServeConfig, mode: str, routing: str = "kv",
+    def __init__(self, config: ServeBenchConfig, mode: str, routing: str = "kv",
                  planner: bool = False) -> None:
         self.command = [sys.executable, "-m", "kvmove.serve.cli", "--mode", mode,
                         "--routing", routing,

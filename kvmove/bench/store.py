@@ -295,7 +295,7 @@ def _file_read(path: str, out: np.ndarray) -> None:
 
 def _measure_ttft(config: StoreBenchConfig, root: str) -> list[TtftRow]:
     from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
-    from kvmove.engine.worker import Worker
+    from kvmove.engine.worker import EngineWorker
 
     model_config = MODEL_PRESETS[config.engine_model]
     model = LlamaForCausalLM.random(model_config, seed=0)
@@ -308,10 +308,10 @@ def _measure_ttft(config: StoreBenchConfig, root: str) -> list[TtftRow]:
         from kvmove.engine.request import Request, SamplingParams
         from kvmove.engine.scheduler import SchedulerConfig
 
-        worker = Worker(model, num_blocks=num_blocks, block_size=config.block_size,
-                        scheduler=SchedulerConfig(chunk_size=None,
-                                                  max_num_batched_tokens=config.prompt_tokens),
-                        store=store)
+        worker = EngineWorker(model, num_blocks=num_blocks, block_size=config.block_size,
+                              scheduler=SchedulerConfig(
+                                  chunk_size=None, max_num_batched_tokens=config.prompt_tokens),
+                              store=store)
         request = Request("r", prompt, SamplingParams(max_tokens=1))
         worker.add_request(request)
         worker.run()

@@ -1,6 +1,6 @@
 """A generation's text, one token at a time, ended before its first stop string.
 
-Both the engine (``Worker``, to end a request on a stop string) and ``kvmove-serve``'s router
+Both the engine (``EngineWorker``, to end a request on a stop string) and ``kvmove-serve``'s router
 (to stream text deltas) used to decode a request's whole output again after every token and
 search all of it for every stop string: O(n) work a token, O(n²) a request. 1,000 stop
 strings of 50 characters cost 12.4 s of router CPU for one 2,000-token request. Here a token

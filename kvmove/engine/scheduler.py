@@ -32,7 +32,7 @@ from kvmove.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Scheduled", "Scheduler", "SchedulerConfig", "prefix_hashes"]
+__all__ = ["BatchScheduler", "Scheduled", "SchedulerConfig", "prefix_hashes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +72,10 @@ class Scheduled:
         return self.request.num_computed + self.num_tokens == self.request.num_tokens
 
 
-class Scheduler:
+class BatchScheduler:
+    """One engine instance's continuous batching (the module's docstring says how a step's
+    batch is formed). Named for its side: the vLLM connector has schedulers of its own."""
+
     def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int,
                  store: PrefixStore | None = None) -> None:
         if store is not None and not config.prefix_caching:

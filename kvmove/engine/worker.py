@@ -39,8 +39,9 @@ from kvmove.engine.detokenizer import Detokenizer
 from kvmove.engine.model import LlamaForCausalLM, SeqChunk
 from kvmove.engine.prefix_store import PrefixStore
 from kvmove.engine.request import FinishReason, Request, RequestState
+from kvmove.engine.role import ROLES, Role
 from kvmove.engine.sampling import sample, skip_draw
-from kvmove.engine.scheduler import Scheduled, Scheduler, SchedulerConfig
+from kvmove.engine.scheduler import BatchScheduler, Scheduled, SchedulerConfig
 from kvmove.engine.tokenizer import load_tokenizer
 from kvmove.errors import ConfigError, KVMoveError
 from kvmove.kv_cache import KVCache
@@ -50,9 +51,8 @@ from kvmove.stream import LoadStream, SaveStream, StreamState
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ROLES", "Worker"]
+__all__ = ["ROLES", "EngineWorker"]
 
-ROLES = ("colocated", "prefill", "decode")
 # The final message's payload: the first token, when the prefill computed the last layer
 # (time.monotonic()) and its host's boot id: the decode side puts the moment in its timeline
 # only when the boot ids say both clocks are one.
@@ -72,12 +72,12 @@ _BOOT_ID = _boot_id()
 _IDLE_WAIT = 0.001  # seconds an idle step waits for a fetch from the store
 
 
-class Worker:
+class EngineWorker:
     """One engine instance.
 
     Args:
         model: the model (its config gives the KV layout).
-        role: one of ``ROLES``.
+        role: a ``Role`` (or its string, one of ``ROLES``).
         num_blocks: KV cache size in blocks of ``block_size`` tokens.
         scheduler: batch limits, chunked prefill, prefix caching.
         tokenizer: decodes output for stop strings (``decode_stream()``); None: the byte
@@ -93,7 +93,7 @@ class Worker:
             decides that is faster, finished requests' full blocks are offered to it.
     """
 
-    def __init__(self, model: LlamaForCausalLM, *, role: str = "colocated",
+    def __init__(self, model: LlamaForCausalLM, *, role: Role | str = Role.COLOCATED,
                  num_blocks: int = 1024, block_size: int = 16,
                  scheduler: SchedulerConfig | None = None, tokenizer: Any = None,
                  name: str | None = None, agent_kwargs: dict[str, Any] | None = None,
@@ -102,21 +102,21 @@ class Worker:
                  store: KVStore | None = None) -> None:
         if role not in ROLES:
             raise ConfigError(f"role must be one of {ROLES}, got {role!r}")
-        if store is not None and role == "decode":
+        if store is not None and role == Role.DECODE:
             raise ConfigError("a decode worker does not prefill: give the store to the "
                               "prefill (or colocated) workers")
         self.model = model
-        self.role = role
+        self.role = Role(role)
         self.tokenizer = tokenizer if tokenizer is not None else _default_tokenizer(model)
         self.transfer_timeout = transfer_timeout
         self.on_token = on_token
         self.cache = KVCache(model.config.kv_layout(block_size), num_blocks)
         self.kv = self.cache.torch()
         self.store = PrefixStore(store, self.cache) if store is not None else None
-        self.scheduler = Scheduler(scheduler or SchedulerConfig(), self.cache.pool, block_size,
+        self.scheduler = BatchScheduler(scheduler or SchedulerConfig(), self.cache.pool, block_size,
                                    self.store)
         self.agent = None
-        if role != "colocated":
+        if role != Role.COLOCATED:
             with unpinned():  # its threads are not confined to a pinned model thread's cores
                 self.agent = Agent(name or f"{role}-worker", self.cache, **(agent_kwargs or {}))
         self.sending: dict[str, tuple[Request, SaveStream]] = {}   # prefill: KV going out
@@ -132,10 +132,10 @@ class Worker:
         """Queues a request (colocated and prefill roles). A prefill worker also needs where
         its KV goes: the decode worker's agent name, the blocks it leased and the lease's
         epoch (what its ``start_load`` returned)."""
-        if self.role == "decode":
+        if self.role == Role.DECODE:
             raise ConfigError("a decode worker takes requests through reserve()/start_load()")
         self._check(request)
-        if self.role == "prefill":
+        if self.role == Role.PREFILL:
             need = self.scheduler.blocks_for(len(request.prompt))
             if decode_peer is None or remote_blocks is None or len(remote_blocks) != need:
                 raise ConfigError(f"a prefill worker needs decode_peer and {need} remote_blocks "
@@ -149,7 +149,7 @@ class Worker:
 
     def reserve(self, request: Request) -> list[int] | None:
         """Decode role: blocks for the request's prompt KV, or None while the cache is full."""
-        if self.role != "decode":
+        if self.role != Role.DECODE:
             raise ConfigError("only a decode worker reserves blocks for incoming KV")
         self._check(request)
         ids = self.cache.pool.allocate(self.scheduler.blocks_for(len(request.prompt)))
@@ -216,7 +216,7 @@ class Worker:
                 self.store.wait_fetch(_IDLE_WAIT)  # rather than spin while the store reads
             return ended
         self.num_steps += 1
-        streams = self._open_streams(batch) if self.role == "prefill" else []
+        streams = self._open_streams(batch) if self.role == Role.PREFILL else []
         hook = None
         if streams:
             last = self.model.config.num_layers - 1
@@ -269,9 +269,9 @@ class Worker:
         if request.timings.first_token is None:
             request.timings.first_token = now
         request.timings.tokens.append(now)
-        if self.on_token is not None and self.role != "prefill":
+        if self.on_token is not None and self.role != Role.PREFILL:
             self.on_token(request, token)
-        if self.role == "prefill":
+        if self.role == Role.PREFILL:
             self.scheduler.remove(request, free=False)  # the blocks stream out until acked
             request.state = RequestState.HANDING_OFF
             if request.id not in self.sending:  # its stream could not open

@@ -23,7 +23,7 @@ from typing import Any
 from starlette.exceptions import HTTPException
 
 from kvmove.serve.api import APIError, error_response
-from kvmove.serve.metrics import Metrics
+from kvmove.serve.server_metrics import ServerMetrics
 
 __all__ = ["Admission", "COMPLETION_PATHS", "RETRY_AFTER_SECONDS"]
 
@@ -49,7 +49,7 @@ class Admission:
     """
 
     def __init__(self, app: ASGIApp, *, hosts: frozenset[str] | None, max_body_bytes: int,
-                 max_pending: int, metrics: Metrics) -> None:
+                 max_pending: int, metrics: ServerMetrics) -> None:
         self.app, self.hosts, self.metrics = app, hosts, metrics
         self.max_body_bytes, self.max_pending = max_body_bytes, max_pending
         self.pending = 0

@@ -34,7 +34,8 @@ from kvmove.serve.admission import Admission
 from kvmove.serve.api import (
     APIError, ChatBody, CompletionBody, error_body, install_error_handlers)
 from kvmove.serve.chat_template import ChatTemplate, TemplateError, load_chat_template
-from kvmove.serve.router import Handle, Router
+from kvmove.serve.handle import Handle
+from kvmove.serve.router import Router
 
 __all__ = ["MAX_BYTES_PER_TOKEN", "create_app"]
 

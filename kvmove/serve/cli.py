@@ -30,7 +30,7 @@ from collections.abc import Callable
 import kvmove
 from kvmove import _log
 from kvmove.errors import ConfigError, KVMoveError
-from kvmove.serve.config import MODES, ROUTINGS, ServeConfig
+from kvmove.serve.config import MODES, ROUTINGS, Mode, ServeConfig
 from kvmove.serve.planner import Bounds, parse_bounds
 from kvmove.serve.vllm_pools import KV_MODES, ProxyConfig
 
@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="kvmove-serve",
         description="Serve a model with kvmove: colocated, chunked-prefill or disaggregated "
         "prefill/decode workers behind an OpenAI-compatible API.")
-    p.add_argument("--mode", choices=MODES, default="disagg",
+    p.add_argument("--mode", choices=MODES, default=Mode.DISAGG.value,
                    help="colocated: whole-prompt prefill and decode in one batch; chunked: "
                    "the same with chunked prefill; disagg: prefill and decode workers, KV "
                    "streamed layer by layer over kvmove (default disagg)")

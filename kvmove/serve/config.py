@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
+import enum
 import os
 from dataclasses import dataclass
 
 from kvmove._log import LEVELS
 from kvmove.auth import key_from_file, resolve_key
 from kvmove.bootstrap import is_loopback
+from kvmove.engine.role import Role
 from kvmove.errors import ConfigError
 from kvmove.serve.planner import Bounds
 
-__all__ = ["LOOPBACK_HOSTS", "MODES", "ROUTINGS", "ServeConfig"]
+__all__ = ["LOOPBACK_HOSTS", "MODES", "ROUTINGS", "Mode", "ServeConfig"]
 
-MODES = ("colocated", "chunked", "disagg")
+
+class Mode(enum.StrEnum):
+    """How the engines share the work: ``colocated`` (prefill and decode in one batch),
+    ``chunked`` (the same, prompts in chunks), ``disagg`` (prefill and decode workers, the KV
+    handed over by kvmove). A ``StrEnum``, as ``Role``: its members are the CLI's strings."""
+
+    COLOCATED = "colocated"
+    CHUNKED = "chunked"
+    DISAGG = "disagg"
+
+
+MODES: tuple[str, ...] = tuple(mode.value for mode in Mode)  # as Role's ROLES
 ROUTINGS = ("kv", "least-loaded")
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
@@ -22,7 +35,7 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 class ServeConfig:
     """``kvmove-serve``'s options (``kvmove-serve --help`` says what each one does)."""
 
-    mode: str = "disagg"
+    mode: Mode = Mode.DISAGG  # a string of MODES is taken and turned into its Mode
     # kv: where the prompt's prefix is cached, traded off against the queue (kv_index.py);
     # the default, as it costs nothing without shared prefixes (it then spreads prefill work)
     routing: str = "kv"
@@ -67,6 +80,7 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
+        object.__setattr__(self, "mode", Mode(self.mode))
         if self.routing not in ROUTINGS:
             raise ConfigError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         for name in ("workers", "prefill", "decode", "chunk_size", "num_blocks", "block_size",
@@ -94,9 +108,9 @@ class ServeConfig:
             raise ConfigError(f"agent_host {self.agent_host!r} is not loopback: give the "
                               "workers a deployment key (--key-file, or KVMOVE_KEY_FILE / "
                               "KVMOVE_KEY), the host key proves nothing to another host")
-        if self.planner and self.mode != "disagg":
+        if self.planner and self.mode != Mode.DISAGG:
             raise ConfigError(f"the planner sizes the prefill and decode pools: it needs "
-                              f"mode 'disagg', got {self.mode!r}")
+                              f"mode 'disagg', got {self.mode.value!r}")
         if not 0 < self.planner_interval < 1e6:
             raise ConfigError(f"planner_interval must be positive, got "
                               f"{self.planner_interval!r}")
@@ -114,7 +128,8 @@ class ServeConfig:
             raise ConfigError("ray_resources needs ray (--ray-resources without --ray)")
         for role, amounts in self.ray_resources.items():
             if role not in self.pools():
-                raise ConfigError(f"ray_resources are for the roles {self.pools()} of mode "
+                raise ConfigError(f"ray_resources are for the roles "
+                                  f"{tuple(map(str, self.pools()))} of mode "
                                   f"{self.mode}, got {role!r}")
             for name, amount in amounts.items():
                 if not isinstance(name, str) or isinstance(amount, bool) or \
@@ -131,10 +146,10 @@ class ServeConfig:
             return None
         return frozenset(n.lower().strip("[]") for n in names)
 
-    def store_args(self, name: str, role: str) -> list[str]:
+    def store_args(self, name: str, role: Role) -> list[str]:
         """A worker's KVStore options: prefill and colocated workers only (decode workers
         never prefill), each with its own directory (a disk tier is one process's)."""
-        if role == "decode" or (self.store_dir is None and not self.store_host_gb):
+        if role == Role.DECODE or (self.store_dir is None and not self.store_host_gb):
             return []
         args = ["--store-host-gb", str(self.store_host_gb)]
         if self.store_dir is not None:
@@ -142,21 +157,22 @@ class ServeConfig:
                      "--store-disk-gb", str(self.store_disk_gb)]
         return args
 
-    def roles(self) -> list[tuple[str, str]]:
+    def roles(self) -> list[tuple[str, Role]]:
         """(worker name, role) for every worker process."""
-        if self.mode == "disagg":
-            return ([(f"prefill-{i}", "prefill") for i in range(self.prefill)] +
-                    [(f"decode-{i}", "decode") for i in range(self.decode)])
-        return [(f"worker-{i}", "colocated") for i in range(self.workers)]
+        if self.mode == Mode.DISAGG:
+            return ([(f"prefill-{i}", Role.PREFILL) for i in range(self.prefill)] +
+                    [(f"decode-{i}", Role.DECODE) for i in range(self.decode)])
+        return [(f"worker-{i}", Role.COLOCATED) for i in range(self.workers)]
 
-    def bounds(self) -> dict[str, Bounds]:
+    def bounds(self) -> dict[Role, Bounds]:
         """The planner's bounds per pool (empty without the planner)."""
         if not self.planner:
             return {}
-        given = {"prefill": (self.prefill_bounds, self.prefill),
-                 "decode": (self.decode_bounds, self.decode)}
+        given = {Role.PREFILL: (self.prefill_bounds, self.prefill),
+                 Role.DECODE: (self.decode_bounds, self.decode)}
         return {pool: Bounds(*bound) if bound is not None else Bounds(1, 2 * start)
                 for pool, (bound, start) in given.items()}
 
-    def pools(self) -> tuple[str, ...]:
-        return ("prefill", "decode") if self.mode == "disagg" else ("colocated",)
+    def pools(self) -> tuple[Role, ...]:
+        """The roles of this mode's workers (a pool per role)."""
+        return (Role.PREFILL, Role.DECODE) if self.mode == Mode.DISAGG else (Role.COLOCATED,)

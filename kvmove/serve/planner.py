@@ -3,11 +3,12 @@ each pool's queue and utilisation, within ``--prefill-workers`` / ``--decode-wor
 bounds.
 
 ``decide`` is the decision, a pure function: the recent samples in, at most one action per
-pool out (``add`` or ``drain``, with its reason). The ``Planner`` samples the router's workers
-(their last stats) every ``--planner-interval`` seconds, keeps the last ``WINDOW`` samples,
-asks ``decide`` and carries it out through the router: ``add`` starts a worker as the router
-starts any (``WorkerInfo.start``), ``drain`` stops placing requests on one, lets its requests
-finish, then shuts it down (``Router.drain``).
+pool out (``add`` or ``drain``, with its reason). The ``Planner`` samples the pools every
+``--planner-interval`` seconds, keeps the last ``WINDOW`` samples, asks ``decide`` and carries
+it out through ``Pools``, all it knows of the server (``Supervisor`` is the one there is):
+``add`` starts a worker as any is started, ``drain`` stops placing requests on one, lets its
+requests finish, then shuts it down. It counts each action in the counter it is given
+(``kvmove_planner_decisions_total``).
 
 How it decides, per pool (Dynamo's planner's signals: a clogged pool shows in its own queue;
 the right prefill:decode ratio follows the prompt and output lengths, which is what the two
@@ -32,14 +33,15 @@ import logging
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from kvmove.engine.role import Role
 from kvmove.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvmove.serve.router import Router
+    from prometheus_client import Counter
 
-__all__ = ["ACTIONS", "Action", "Bounds", "Planner", "PoolSample", "REASONS", "decide",
+__all__ = ["ACTIONS", "Action", "Bounds", "Planner", "PoolSample", "Pools", "REASONS", "decide",
            "parse_bounds"]
 
 logger = logging.getLogger(__name__)
@@ -90,13 +92,13 @@ class PoolSample:
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    pool: str
+    pool: Role
     action: str   # one of ACTIONS
     reason: str   # one of REASONS
 
 
-def decide(samples: Sequence[Mapping[str, PoolSample]], bounds: Mapping[str, Bounds],
-           since_action: Mapping[str, int]) -> list[Action]:
+def decide(samples: Sequence[Mapping[Role, PoolSample]], bounds: Mapping[Role, Bounds],
+           since_action: Mapping[Role, int]) -> list[Action]:
     """At most one action per pool in ``bounds`` from ``samples`` (oldest first, one mapping
     pool → sample per interval); ``since_action``: samples since the pool's last action
     (absent: none yet)."""
@@ -111,7 +113,7 @@ def decide(samples: Sequence[Mapping[str, PoolSample]], bounds: Mapping[str, Bou
     return actions
 
 
-def _decide_pool(pool: str, history: list[PoolSample], bound: Bounds,
+def _decide_pool(pool: Role, history: list[PoolSample], bound: Bounds,
                  since: int) -> Action | None:
     if not history:
         return None
@@ -140,10 +142,10 @@ def _sustained(history: list[PoolSample], n: int, test) -> str | None:
     return reasons[-1] if all(reasons) else None
 
 
-def _clogged(s: PoolSample, pool: str) -> str | None:
+def _clogged(s: PoolSample, pool: Role) -> str | None:
     if s.workers and s.waiting / s.workers >= GROW_QUEUE:
         return "queue"
-    if pool == "decode" and s.utilisation >= GROW_UTILISATION:
+    if pool == Role.DECODE and s.utilisation >= GROW_UTILISATION:
         return "utilisation"
     return None
 
@@ -156,13 +158,27 @@ def _idle(s: PoolSample) -> str | None:
     return "idle" if share <= SHRINK_UTILISATION else None
 
 
-class Planner:
-    """Samples the router's pools every ``interval`` seconds and carries out ``decide``."""
+class Pools(Protocol):
+    """What the planner needs of the server: a pool's sample now, and a worker more or one
+    fewer in a pool. (What they return, the planner does not use.)"""
 
-    def __init__(self, router: Router, bounds: Mapping[str, Bounds], interval: float) -> None:
-        self.router, self.bounds, self.interval = router, dict(bounds), interval
-        self.samples: deque[dict[str, PoolSample]] = deque(maxlen=WINDOW)
-        self.since: dict[str, int] = {}
+    def sample(self, pool: Role) -> PoolSample: ...
+
+    def add(self, pool: Role) -> object: ...
+
+    def drain(self, pool: Role) -> object: ...
+
+
+class Planner:
+    """Samples ``pools`` every ``interval`` seconds and carries out ``decide``, counting each
+    action in ``decisions`` (labels ``pool``, ``action``, ``reason``)."""
+
+    def __init__(self, pools: Pools, bounds: Mapping[Role, Bounds], interval: float,
+                 decisions: Counter) -> None:
+        self.pools, self.bounds, self.interval = pools, dict(bounds), interval
+        self.decisions = decisions
+        self.samples: deque[dict[Role, PoolSample]] = deque(maxlen=WINDOW)
+        self.since: dict[Role, int] = {}
 
     async def run(self) -> None:
         while True:
@@ -170,7 +186,7 @@ class Planner:
             self.step()
 
     def step(self) -> list[Action]:
-        self.samples.append({pool: self.router.pool_sample(pool) for pool in self.bounds})
+        self.samples.append({pool: self.pools.sample(pool) for pool in self.bounds})
         for pool in self.since:
             self.since[pool] += 1
         actions = decide(list(self.samples), self.bounds, self.since)
@@ -184,10 +200,10 @@ class Planner:
         logger.info("planner: %s a %s worker (%s: %d workers, %d waiting, %d running, "
                     "utilisation %.2f)", action.action, action.pool, action.reason,
                     sample.workers, sample.waiting, sample.running, sample.utilisation)
-        self.router.metrics.planner.labels(pool=action.pool, action=action.action,
-                                           reason=action.reason).inc()
+        self.decisions.labels(pool=action.pool, action=action.action,
+                              reason=action.reason).inc()
         if action.action == "add":
-            self.router.add_worker(action.pool)
+            self.pools.add(action.pool)
         else:
-            self.router.drain(action.pool)
+            self.pools.drain(action.pool)
         self.since[action.pool] = 0

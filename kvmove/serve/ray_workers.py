@@ -107,8 +107,10 @@ class RayLauncher:
         self.control_host = ray.util.get_node_ip_address()
         cluster = ray.cluster_resources()
         given = config.ray_resources or {}
+        # Keyed by the roles' plain strings, as Ray's resources and these messages show them
+        # (a Role's repr is not its string).
         self.resources = {role: given.get(role) or default_resources(role, cluster)
-                          for role in config.pools()}
+                          for role in map(str, config.pools())}
         self._check_fits(config, cluster)
         self._actor = ray.remote(_WorkerActor)
         logger.info("Ray: workers' resources %s; control socket on %s", self.resources,
@@ -118,7 +120,7 @@ class RayLauncher:
         """A Ray on this host, with the role resources its workers ask for by default."""
         counts: dict[str, float] = {}
         for _, role in config.roles():
-            counts[role] = counts.get(role, 0) + 1
+            counts[str(role)] = counts.get(str(role), 0) + 1
         self.ray.init(address="local", num_cpus=max(os.cpu_count() or 1, len(config.roles())),
                       resources=counts, include_dashboard=False, log_to_driver=True)
 

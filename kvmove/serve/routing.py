@@ -13,17 +13,17 @@ from kvmove.engine.scheduler import prefix_hashes
 from kvmove.serve.config import ServeConfig
 from kvmove.serve.kv_index import Candidate, Decision, KVIndex, choose, least_loaded
 from kvmove.serve.messages import KVEvents
-from kvmove.serve.metrics import Metrics
+from kvmove.serve.server_metrics import ServerMetrics
 
 if TYPE_CHECKING:
-    from kvmove.serve.router import Handle
+    from kvmove.serve.handle import Handle
     from kvmove.serve.workers import WorkerInfo
 
 __all__ = ["Routing"]
 
 
 class Routing:
-    def __init__(self, config: ServeConfig, metrics: Metrics) -> None:
+    def __init__(self, config: ServeConfig, metrics: ServerMetrics) -> None:
         self.config, self.metrics = config, metrics
         self.index = KVIndex()
         key = key_from_file(config.key_file) if config.key_file else resolve_key()

@@ -35,9 +35,10 @@ from kvmove import _log
 from kvmove.auth import key_from_file, resolve_key
 from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
 from kvmove.engine.request import FinishReason, Request
+from kvmove.engine.role import ROLES, Role
 from kvmove.engine.scheduler import SchedulerConfig
 from kvmove.engine.tokenizer import load_tokenizer
-from kvmove.engine.worker import ROLES, Worker
+from kvmove.engine.worker import EngineWorker
 from kvmove.errors import KVMoveError, PeerError
 from kvmove.runtime import unpinned
 from kvmove.serve.control import IDENTITY_VARIABLE, worker_socket
@@ -118,7 +119,7 @@ class WorkerServer:
         # kvmove.runtime.unpinned.
         with unpinned():
             self.store = _open_store(args, model)
-        self.worker = Worker(
+        self.worker = EngineWorker(
             model, role=args.role, num_blocks=args.num_blocks, block_size=args.block_size,
             scheduler=scheduler, tokenizer=self.tokenizer, name=args.name,
             agent_kwargs={"transports": args.transports, "error_mode": args.error_mode,
@@ -131,7 +132,7 @@ class WorkerServer:
         self.requests: dict[str, Request] = {}
         # decode workers prefill nothing: no prefix the router could send a request to
         self.kv_events = (KVEventSource(self.worker.cache.pool, self.store)
-                          if args.role != "decode" else None)
+                          if args.role != Role.DECODE else None)
         with unpinned():  # libzmq starts its I/O thread with the first socket
             self.context = zmq.Context()
             self.socket = worker_socket(self.context, args.router,
@@ -146,7 +147,7 @@ class WorkerServer:
 
     def _on_token(self, request: Request, token: int) -> None:
         """Tokens go out after each step, a request's first one at once: a decode worker
-        gets it with the KV, between the layers of a forward pass (``Worker.step``)."""
+        gets it with the KV, between the layers of a forward pass (``EngineWorker.step``)."""
         self.tokens.append([request.id, token])
         if len(request.output) == 1:
             self.send(Tokens(items=[tuple(item) for item in self.tokens]))

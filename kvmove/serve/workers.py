@@ -27,7 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
-from kvmove.serve.config import ServeConfig
+from kvmove.engine.role import Role
+from kvmove.serve.config import Mode, ServeConfig
 from kvmove.serve.control import IDENTITY_VARIABLE, new_identity
 from kvmove.serve.messages import Stats
 
@@ -47,7 +48,7 @@ class Launcher(Protocol):
     local: bool  # its workers are this host's processes (they may be pinned to its cores)
     control_host: str | None  # where the control socket listens (None: the private ipc one)
 
-    def start(self, name: str, role: str, command: list[str], env: dict[str, str]) -> Any:
+    def start(self, name: str, role: Role, command: list[str], env: dict[str, str]) -> Any:
         """Starts ``command`` (``env`` added to the environment); a Popen-like handle."""
         ...
 
@@ -62,7 +63,7 @@ class LocalLauncher:
     local = True
     control_host = None
 
-    def start(self, name: str, role: str, command: list[str],
+    def start(self, name: str, role: Role, command: list[str],
               env: dict[str, str]) -> subprocess.Popen:
         # PYTHONSAFEPATH: run from a source checkout, `-m` would import the checkout's kvmove
         # (without its compiled core) instead of the installed one
@@ -94,7 +95,7 @@ class WorkerInfo:
     another, each with its own identity)."""
 
     name: str
-    role: str
+    role: Role
     command: list[str]
     launcher: Launcher = field(default_factory=LocalLauncher)
     process: Any = None  # the launcher's handle: a subprocess.Popen, or Popen-like
@@ -120,6 +121,11 @@ class WorkerInfo:
     def node(self) -> str | None:
         """Where its process runs: a Ray node's id under Ray, None for this host."""
         return getattr(self.process, "node", None)
+
+    @property
+    def listening(self) -> bool:
+        """Its process runs and has registered: its agent listens (a peer can connect)."""
+        return self.alive and self.registered
 
     @property
     def load(self) -> int:
@@ -150,15 +156,15 @@ def _relay(stream: IO[bytes], name: str, default: int) -> None:
             output_logger.log(level or default, "[%s] %s", name, rest if level else line)
 
 
-def worker_command(config: ServeConfig, name: str, role: str, cpus: list[int],
+def worker_command(config: ServeConfig, name: str, role: Role, cpus: list[int],
                    address: str) -> list[str]:
     """The command line of worker ``name`` (role ``role``, pinned to ``cpus``), which
     connects to the router's control socket at ``address``."""
     c = config
     command = [sys.executable, "-m", "kvmove.serve.worker_main", "--name", name,
-               "--role", role, "--router", address, "--model", c.model,
+               "--role", str(role), "--router", address, "--model", c.model,
                "--num-blocks", str(c.num_blocks), "--block-size", str(c.block_size),
-               "--chunk-size", str(c.chunk_size if c.mode != "colocated" else 0),
+               "--chunk-size", str(c.chunk_size if c.mode != Mode.COLOCATED else 0),
                "--max-num-seqs", str(c.max_num_seqs),
                "--max-num-batched-tokens", str(c.max_num_batched_tokens),
                "--agent-host", c.agent_host, "--transfer-timeout", str(c.transfer_timeout),
@@ -167,7 +173,7 @@ def worker_command(config: ServeConfig, name: str, role: str, cpus: list[int],
         command += ["--transports", c.transports]
     if c.key_file:
         command += ["--key-file", os.path.abspath(c.key_file)]
-    if c.checksums and role == "prefill":
+    if c.checksums and role == Role.PREFILL:
         command += ["--checksums"]
     command += c.store_args(name, role)
     if cpus:

@@ -15,19 +15,19 @@ from kvmove.bench.harness import Child
 from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
 from kvmove.engine.request import Request, SamplingParams
 from kvmove.engine.scheduler import SchedulerConfig
-from kvmove.engine.worker import Worker
+from kvmove.engine.worker import EngineWorker
 
 
-class EngineWorker:
-    """A ``Worker`` in the child: commands add and hand off requests; between commands it
-    steps (``work``), and each request that ends is an event ``(request id, summary)``."""
+class FarEngineWorker:
+    """An ``EngineWorker`` in the child: commands add and hand off requests; between commands
+    it steps (``work``), and each request that ends is an event ``(request id, summary)``."""
 
     def __init__(self, role: str, model_seed: int, worker_kwargs: dict) -> None:
         kwargs = dict(worker_kwargs)
         kwargs["scheduler"] = SchedulerConfig(**kwargs.pop("scheduler", {}))
         model = LlamaForCausalLM.random(MODEL_PRESETS[kwargs.pop("preset", "tiny")],
                                         seed=model_seed)
-        self.worker = Worker(model, role=role, name=role, **kwargs)
+        self.worker = EngineWorker(model, role=role, name=role, **kwargs)
         self.requests: dict[str, Request] = {}
 
     def listen(self) -> tuple[str, int]:
@@ -70,8 +70,8 @@ class WorkerProcess(Child):
 
     def __init__(self, role: str, model_seed: int = 0, timeout: float = 60.0,
                  **worker_kwargs: Any) -> None:
-        super().__init__(EngineWorker, role, model_seed, worker_kwargs, name=f"engine-{role}",
-                         label=f"{role} worker", timeout=timeout)
+        super().__init__(FarEngineWorker, role, model_seed, worker_kwargs,
+                         name=f"engine-{role}", label=f"{role} worker", timeout=timeout)
         self.role = role
         self.ended: dict[str, dict] = {}
         try:

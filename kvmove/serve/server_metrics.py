@@ -18,12 +18,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
 from kvmove.metrics import agent_families, store_families
-from kvmove.serve.messages import HANDOFF_STAGES
+from kvmove.serve.messages import HANDOFF_STAGES, Ended
 
 if TYPE_CHECKING:
+    from kvmove.serve.pool import WorkerPool
     from kvmove.serve.workers import WorkerInfo
 
-__all__ = ["Metrics"]
+__all__ = ["ServerMetrics"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                     30.0)
@@ -49,7 +50,9 @@ class _WorkerCollector:
         yield dropped
 
 
-class Metrics:
+class ServerMetrics:
+    """``kvmove-serve``'s families; ``docs/serving.md`` lists them with their labels."""
+
     def __init__(self, workers: Mapping[str, WorkerInfo]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -133,6 +136,25 @@ class Metrics:
         self.workers = Gauge("kvmove_pool_workers", "Live workers per pool taking requests "
                              "or starting (not draining).", ["pool"], registry=r)
         r.register(_WorkerCollector(workers))
+
+    def observe_pools(self, pool: WorkerPool) -> None:
+        """The pools' gauges and each worker's free blocks, from their last stats."""
+        for role in pool.config.pools():
+            self.queue.labels(pool=role).set(pool.queue(role))
+            self.running.labels(pool=role).set(pool.running(role))
+            self.workers.labels(pool=role).set(len(pool.active(role)))
+        for w in pool.values():
+            if w.stats is not None:
+                self.free_blocks.labels(worker=w.name).set(w.stats.free_blocks)
+
+    def observe_handed_off(self, event: Ended) -> None:
+        """A prefill worker's KV hand-off ended (its ack may come after the response)."""
+        self.kv_bytes.inc(event.kv_bytes)
+        self.observe_handoff(event.timeline, None)
+        if event.kv_seconds is None or event.kv_exposed_seconds is None:
+            return
+        self.kv_seconds.observe(event.kv_seconds)
+        self.kv_exposed.observe(event.kv_exposed_seconds)
 
     def observe_handoff(self, timeline: Mapping[str, float] | None,
                         ttft: float | None) -> None:
