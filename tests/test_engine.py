@@ -83,12 +83,12 @@ def disaggregated():
 
 def handoff(prefill: WorkerProcess, decode: WorkerProcess, rid: str, prompt: list[int],
             params: dict) -> None:
-    """What a router does: the decode worker reserves blocks and leases them to the prefill
-    worker, which gets the prompt, where its KV goes and the lease's epoch."""
+    """What a router does: the decode worker reserves blocks, leases and offers them to the
+    prefill worker (by kvmove), which gets the prompt and which decode worker its KV goes to."""
     blocks = decode.call("reserve", rid, prompt, params)
     assert blocks is not None, "the decode cache is big enough for the whole test"
-    epoch = decode.call("load", rid, "prefill")
-    prefill.call("add", rid, prompt, params, "decode", blocks, epoch)
+    decode.call("load", rid, "prefill")
+    prefill.call("add", rid, prompt, params, "decode")
 
 
 def test_disaggregated_greedy_equals_colocated(disaggregated, reference) -> None:

@@ -327,8 +327,10 @@ def test_finding_5_a_bad_final_payload_ends_its_request_not_the_worker():
         for payload, ok in ((b"abc", False), (struct.pack("<q", 5), False), (final, True)):
             request = Request(f"r{len(payload)}", list(range(1, 20)), params)
             ids = decode.reserve(request)
-            epoch = decode.start_load(request, "p")
-            stream = sender.stream_to("d", ids, ids, request.id, epoch=epoch)
+            decode.start_load(request, "p")
+            offer = sender.wait_offer(WAIT)
+            assert (offer.request_id, offer.blocks) == (request.id, tuple(ids))
+            stream = sender.stream_to("d", ids, offer.blocks, request.id, epoch=offer.epoch)
             for layer in range(model.config.num_layers):
                 stream.save_layer(layer)
             stream.finish(payload)

@@ -3,14 +3,14 @@
 * ``colocated``: prefill and decode in one batch, the baseline whose decode steps stall
   behind long prefills.
 * ``prefill``: computes prompts (in chunks) and streams each request's KV layer by layer into
-  the blocks a decode worker leased (``save_layer`` is the model's per-layer hook), sends the
-  first sampled token with the final message (and when its last layer was computed: the
-  hand-off's timeline), and frees its blocks once the decode side
-  acknowledged it.
+  the blocks its decode worker leased and offered (``save_layer`` is the model's per-layer
+  hook; ``prefill_handoff.py``), sends the first sampled token with the final message (and
+  when its last layer was computed: the hand-off's timeline), and frees its blocks once the
+  decode side acknowledged it.
 * ``decode``: ``reserve`` blocks for an incoming request (None when full: back-pressure),
-  ``start_load`` leases them to the prefill worker (the epoch it returns goes to the prefill
-  with the block ids), and once the KV is in, decode it in the batch until EOS, ``max_tokens``
-  or a stop string. A load that fails, times out or is aborted gives its blocks back only once
+  ``start_load`` leases them to the prefill worker and offers it the lease (``Agent.offer``:
+  the epoch and the ids go by kvmove, not by the router), and once the KV is in, decode it in
+  the batch until EOS, ``max_tokens`` or a stop string. A load that fails, times out or is aborted gives its blocks back only once
   its lease is released: no late write from the prefill can reach a block reused meanwhile.
 
 Colocated and prefill workers may keep a ``KVStore`` (host and disk tiers): the prefixes it
@@ -28,15 +28,14 @@ from __future__ import annotations
 
 import logging
 import math
-import struct
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 from kvmove.agent import Agent
 from kvmove.engine.detokenizer import Detokenizer
 from kvmove.engine.model import LlamaForCausalLM, SeqChunk
+from kvmove.engine.prefill_handoff import BOOT_ID, FINAL, PrefillHandoffs
 from kvmove.engine.prefix_store import PrefixStore
 from kvmove.engine.request import FinishReason, Request, RequestState
 from kvmove.engine.role import ROLES, Role
@@ -53,22 +52,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ROLES", "EngineWorker"]
 
-# The final message's payload: the first token, when the prefill computed the last layer
-# (time.monotonic()) and its host's boot id: the decode side puts the moment in its timeline
-# only when the boot ids say both clocks are one.
-_FINAL = struct.Struct("<qd16s")
-
-
-def _boot_id() -> bytes:
-    """This boot's id (one CLOCK_MONOTONIC per boot); zeros where Linux does not say."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return uuid.UUID(f.read().strip()).bytes
-    except (OSError, ValueError):
-        return bytes(16)
-
-
-_BOOT_ID = _boot_id()
 _IDLE_WAIT = 0.001  # seconds an idle step waits for a fetch from the store
 
 
@@ -119,32 +102,27 @@ class EngineWorker:
         if role != Role.COLOCATED:
             with unpinned():  # its threads are not confined to a pinned model thread's cores
                 self.agent = Agent(name or f"{role}-worker", self.cache, **(agent_kwargs or {}))
-        self.sending: dict[str, tuple[Request, SaveStream]] = {}   # prefill: KV going out
+        self.handoffs = PrefillHandoffs(self.agent, transfer_timeout,
+                                        self.cache.layout.bytes_per_block) \
+            if self.role == Role.PREFILL else None
         self.loading: dict[str, tuple[Request, LoadStream]] = {}   # decode: KV coming in
-        self._handoff: dict[str, tuple[str, list[int], int]] = {}  # prefill: where it goes
         self._releasing: list[tuple[LoadStream, list[int]]] = []  # decode: freed once released
         self.num_steps = 0
 
     # --- requests in ----------------------------------------------------------------------
 
-    def add_request(self, request: Request, *, decode_peer: str | None = None,
-                    remote_blocks: list[int] | None = None, epoch: int | None = None) -> None:
-        """Queues a request (colocated and prefill roles). A prefill worker also needs where
-        its KV goes: the decode worker's agent name, the blocks it leased and the lease's
-        epoch (what its ``start_load`` returned)."""
+    def add_request(self, request: Request, *, decode_peer: str | None = None) -> None:
+        """Queues a request (colocated and prefill roles). A prefill worker also needs the
+        decode worker's agent its KV goes to: that worker offers the blocks it leased for it
+        (``start_load`` there), by kvmove."""
         if self.role == Role.DECODE:
             raise ConfigError("a decode worker takes requests through reserve()/start_load()")
         self._check(request)
-        if self.role == Role.PREFILL:
-            need = self.scheduler.blocks_for(len(request.prompt))
-            if decode_peer is None or remote_blocks is None or len(remote_blocks) != need:
-                raise ConfigError(f"a prefill worker needs decode_peer and {need} remote_blocks "
-                                  f"for request {request.id!r}, got {decode_peer!r} and "
-                                  f"{None if remote_blocks is None else len(remote_blocks)}")
-            if isinstance(epoch, bool) or not isinstance(epoch, int):
-                raise ConfigError(f"a prefill worker needs the decode side's lease epoch for "
-                                  f"request {request.id!r}, got {epoch!r}")
-            self._handoff[request.id] = (decode_peer, list(remote_blocks), epoch)
+        if self.handoffs is not None:
+            if not decode_peer:
+                raise ConfigError(f"a prefill worker needs the decode_peer its KV goes to for "
+                                  f"request {request.id!r}, got {decode_peer!r}")
+            self.handoffs.expect(request, decode_peer)
         self.scheduler.add(request)
 
     def reserve(self, request: Request) -> list[int] | None:
@@ -158,17 +136,22 @@ class EngineWorker:
             request.state = RequestState.LOADING
         return ids
 
-    def start_load(self, request: Request, prefill_peer: str) -> int:
+    def start_load(self, request: Request, prefill_peer: str) -> None:
         """Decode role: lease the request's reserved blocks to ``prefill_peer`` for
-        ``transfer_timeout`` seconds and receive its KV into them; it joins the decode batch
-        once everything is in. Returns the lease's epoch, for the prefill worker."""
+        ``transfer_timeout`` seconds, offer them to it (``Agent.offer``) and receive its KV
+        into them; it joins the decode batch once everything is in. When the offer cannot be
+        made (the prefill worker is gone), the blocks go back and the error is raised."""
         if not request.blocks:
             raise ConfigError(f"request {request.id!r} has no reserved blocks: reserve() first")
-        load = self.agent.expect(prefill_peer, request.id, request.blocks,
-                                 timeout=self.transfer_timeout).start_load()
+        try:
+            load = self.agent.offer(prefill_peer, request.id, request.blocks,
+                                    timeout=self.transfer_timeout)
+        except KVMoveError:
+            self.cache.pool.free(request.blocks)  # nobody was offered them: free at once
+            request.blocks = []
+            raise
         request.timings.kv_start = time.monotonic()
         self.loading[request.id] = (request, load)
-        return load.epoch
 
     def _check(self, request: Request) -> None:
         if request.params.stop and self.tokenizer is None:
@@ -178,7 +161,13 @@ class EngineWorker:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.scheduler.has_work or self.sending or self.loading or self._releasing)
+        return bool(self.scheduler.has_work or self.loading or self._releasing or
+                    (self.handoffs is not None and self.handoffs.has_work))
+
+    @property
+    def sending(self) -> dict[str, tuple[Request, SaveStream]]:
+        """Prefill role: the requests whose KV streams out now (empty for the others)."""
+        return self.handoffs.sending if self.handoffs is not None else {}
 
     def abort(self, request_id: str) -> Request | None:
         """Drops a request wherever it is (queued, in the batch, its KV streaming in or out);
@@ -189,17 +178,17 @@ class EngineWorker:
             request, load = self.loading.pop(request_id)
             load.cancel()
             self._releasing.append((load, request.blocks))
-        elif request_id in self.sending:
-            request, stream = self.sending[request_id]
-            stream.abort(wait=False)  # polling frees the blocks once the posted layers landed
-            return request
+        elif self.handoffs is not None and (held := self.handoffs.abort(request_id)):
+            if request_id in self.sending:
+                return held  # polling frees the blocks once the posted layers landed
+            request = held   # its offer was late: its blocks go back now
+            self.cache.pool.free(request.blocks)
         else:
             fetching = [f.request for f in self.store.fetching] if self.store else []
             request = next((r for r in [*self.scheduler.running, *self.scheduler.waiting,
                                         *fetching] if r.id == request_id), None)
             if request is None:
                 return None
-            self._handoff.pop(request_id, None)
             self.scheduler.remove(request)
         request.blocks = []
         request.finish(FinishReason.ABORT, "aborted")
@@ -216,7 +205,8 @@ class EngineWorker:
                 self.store.wait_fetch(_IDLE_WAIT)  # rather than spin while the store reads
             return ended
         self.num_steps += 1
-        streams = self._open_streams(batch) if self.role == Role.PREFILL else []
+        streams = self.handoffs.open([s.request for s in batch if s.samples]) \
+            if self.handoffs is not None else []
         hook = None
         if streams:
             last = self.model.config.num_layers - 1
@@ -271,22 +261,15 @@ class EngineWorker:
         request.timings.tokens.append(now)
         if self.on_token is not None and self.role != Role.PREFILL:
             self.on_token(request, token)
-        if self.role == Role.PREFILL:
+        if self.handoffs is not None:
             self.scheduler.remove(request, free=False)  # the blocks stream out until acked
             request.state = RequestState.HANDING_OFF
-            if request.id not in self.sending:  # its stream could not open
-                self.cache.pool.free(request.blocks)
-                request.blocks = []
-                request.finish(FinishReason.ABORT, request.error)
-                return [request]
-            try:
-                request.timings.kv_final = time.monotonic()
-                last_layer = request.timings.last_layer
-                self.sending[request.id][1].finish(payload=_FINAL.pack(
-                    token, math.nan if last_layer is None else last_layer, _BOOT_ID))
-            except KVMoveError:
-                pass  # the stream failed: polling ends the request
-            return []
+            if self.handoffs.first_token(request, token):
+                return []
+            self.cache.pool.free(request.blocks)  # its stream could not open
+            request.blocks = []
+            request.finish(FinishReason.ABORT, request.error)
+            return [request]
         reason = self._stop_reason(request, token)
         if reason is None:
             return []
@@ -324,30 +307,9 @@ class EngineWorker:
 
     # --- KV hand-offs ---------------------------------------------------------------------
 
-    def _open_streams(self, batch: list[Scheduled]) -> list[tuple[Request, SaveStream]]:
-        """A stream for each request whose last prompt chunk runs now: its layers are saved
-        as this forward pass writes them."""
-        streams = []
-        for s in batch:
-            request = s.request
-            if not s.samples or request.id in self.sending:
-                continue
-            peer, remote, epoch = self._handoff.pop(request.id)
-            try:
-                stream = self.agent.stream_to(peer, request.blocks, remote, request.id,
-                                              epoch=epoch)
-            except KVMoveError as error:
-                request.error = f"cannot stream to {peer!r}: {error}"
-                logger.warning("request %r: %s", request.id, request.error)
-                continue
-            request.timings.kv_start = time.monotonic()
-            self.sending[request.id] = (request, stream)
-            streams.append((request, stream))
-        return streams
-
     def _poll_transfers(self) -> list[Request]:
         now = time.monotonic()
-        ended = [r for r in self._poll_sending(now)] + [r for r in self._poll_loading(now)]
+        ended = self._poll_sending(now) + self._poll_loading(now)
         kept = []
         for load, blocks in self._releasing:
             if load.released:  # no byte of its stream can land any more
@@ -358,35 +320,16 @@ class EngineWorker:
         return ended
 
     def _poll_sending(self, now: float) -> list[Request]:
-        ended = []
-        for rid, (request, stream) in list(self.sending.items()):
-            state = stream.state
-            if state == StreamState.OPEN and now - request.timings.kv_start > self.transfer_timeout:
-                logger.warning("request %r: its KV hand-off passed transfer_timeout (%g s); "
-                               "aborting it", rid, self.transfer_timeout)
-                stream.abort(wait=False)
-                continue
-            if state == StreamState.OPEN:
-                continue
-            del self.sending[rid]
-            request.timings.kv_end = now
-            request.kv_bytes = len(request.blocks) * self.cache.layout.bytes_per_block
-            times = [t for t in stream.layer_times() if None not in t]
-            if times and state == StreamState.DONE:
-                posted, landed = zip(*times)
-                request.kv_seconds = max(landed) - min(posted)
-                request.kv_exposed_seconds = max(landed) - max(posted)
-                request.timings.kv_sent = max(landed)
-            if state == StreamState.DONE:
+        """Prefill role: the hand-offs that ended; their blocks go back (those handed off are
+        offered to the store first)."""
+        if self.handoffs is None:
+            return []
+        ended = self.handoffs.poll(now)
+        for request in ended:
+            if request.finish_reason == FinishReason.HANDED_OFF:
                 self.scheduler.offer(request)
             self.cache.pool.free(request.blocks)
             request.blocks = []
-            if state == StreamState.DONE:
-                request.finish(FinishReason.HANDED_OFF)
-            else:
-                request.finish(FinishReason.ABORT, stream.error or f"stream {state.name}")
-                logger.warning("request %r: KV hand-off failed: %s", rid, request.error)
-            ended.append(request)
         return ended
 
     def _poll_loading(self, now: float) -> list[Request]:
@@ -400,9 +343,9 @@ class EngineWorker:
                 continue
             del self.loading[rid]
             request.timings.kv_end = now
-            if state == StreamState.DONE and len(load.payload) == _FINAL.size:
-                token, last_layer, boot_id = _FINAL.unpack(load.payload)
-                if boot_id == _BOOT_ID != bytes(16) and not math.isnan(last_layer):
+            if state == StreamState.DONE and len(load.payload) == FINAL.size:
+                token, last_layer, boot_id = FINAL.unpack(load.payload)
+                if boot_id == BOOT_ID != bytes(16) and not math.isnan(last_layer):
                     request.timings.last_layer = last_layer  # the prefill's, on our clock
                 landed = [t for t in load.layer_times() if t is not None]
                 request.timings.kv_landed = max(landed) if landed else None
@@ -414,7 +357,7 @@ class EngineWorker:
             if state == StreamState.DONE:  # released; but its final payload is not ours
                 self.cache.pool.free(request.blocks)
                 request.finish(FinishReason.ABORT, f"the KV of {rid!r} came with a "
-                               f"{len(load.payload)}-byte final payload, not {_FINAL.size}")
+                               f"{len(load.payload)}-byte final payload, not {FINAL.size}")
                 logger.warning("request %r: %s", rid, request.error)
                 request.blocks = []
                 ended.append(request)

@@ -29,7 +29,6 @@ __all__ = ["HANDOFF_STAGES", "Abort", "Add", "Command", "Connect", "Connected", 
            "Reserved", "Shutdown", "Stats", "Tokens", "encode", "parse_command", "parse_event"]
 
 Count = Annotated[int, Field(ge=0)]
-BlockIds = list[Count]
 # A KV hand-off's moments (``time.monotonic()``, one clock for every process of a host): the
 # prefill reports the first three, the decode the others (docs/serving.md, the timeline).
 HandoffStage = Literal["last_layer", "sent", "sampled", "landed", "learned", "first_step"]
@@ -46,20 +45,20 @@ class _Message(BaseModel):
 # --- commands: router -> worker ---------------------------------------------------------------
 
 class Add(_Message):
-    """A request to compute (colocated, prefill); a prefill worker also gets where its KV
-    goes: the decode worker's agent, the blocks leased to it and the lease's epoch."""
+    """A request to compute (colocated, prefill); a prefill worker also gets the decode
+    worker's agent its KV goes to, whose offer of the leased blocks comes by kvmove itself
+    (``Agent.offer``, docs/streaming.md), never through the router."""
 
     op: Literal["add"] = "add"
     rid: str
     prompt: Annotated[list[Count], Field(min_length=1)]
     params: SamplingParams
     decode_peer: str | None = None
-    remote_blocks: BlockIds | None = None
-    epoch: Count | None = None
 
 
 class Reserve(_Message):
-    """Decode: reserve the request's blocks and lease them to the prefill worker ``peer``."""
+    """Decode: reserve the request's blocks, lease them to the prefill worker ``peer`` and
+    offer it the lease."""
 
     op: Literal["reserve"] = "reserve"
     rid: str
@@ -125,10 +124,12 @@ class Connected(_Message):
 
 
 class Reserved(_Message):
+    """The request's blocks are leased and offered to its prefill worker (``num_blocks``),
+    or there is no room now (None: back-pressure, ask again)."""
+
     ev: Literal["reserved"] = "reserved"
     rid: str
-    blocks: BlockIds | None  # None: no room now (back-pressure: ask again)
-    epoch: Count | None
+    num_blocks: Count | None
 
 
 class Tokens(_Message):

@@ -167,8 +167,7 @@ class Router:
         self.routing.record(handle, decision)
         self._assign(handle, prefill)
         self.channel.send(prefill, Add(rid=handle.rid, prompt=handle.prompt,
-                                       params=handle.params, decode_peer=decode.name,
-                                       remote_blocks=lease.blocks, epoch=lease.epoch))
+                                       params=handle.params, decode_peer=decode.name))
 
     async def _wait_for_pool(self, handle: Handle, role: Role) -> None:
         """Returns once a worker of ``role`` takes requests. While every one of them is being
@@ -249,7 +248,7 @@ class Router:
             case Connected():
                 self.channel.resolve(worker.name, "connect", event.peer)
             case Reserved():
-                self.channel.resolve(worker.name, event.rid, event if event.blocks else None)
+                self.channel.resolve(worker.name, event.rid, event if event.num_blocks else None)
             case Tokens():
                 self._on_tokens(worker, event)
             case Ended():

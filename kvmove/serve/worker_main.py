@@ -239,19 +239,16 @@ class WorkerServer:
     def handle(self, command: Command) -> None:
         match command:
             case Add():
-                self.worker.add_request(self._request(command),
-                                        decode_peer=command.decode_peer,
-                                        remote_blocks=command.remote_blocks,
-                                        epoch=command.epoch)
-            case Reserve():  # blocks, leased to the prefill worker at once
+                self.worker.add_request(self._request(command), decode_peer=command.decode_peer)
+            case Reserve():  # blocks, leased and offered to the prefill worker at once
                 request = self._request(command)
                 blocks = self.worker.reserve(request)
-                epoch = None
                 if blocks is None:
                     self.requests.pop(command.rid)
                 else:
-                    epoch = self.worker.start_load(request, command.peer)
-                self.send(Reserved(rid=command.rid, blocks=blocks, epoch=epoch))
+                    self.worker.start_load(request, command.peer)  # frees them if it fails
+                self.send(Reserved(rid=command.rid,
+                                   num_blocks=None if blocks is None else len(blocks)))
             case Abort():  # the client is gone, or another worker ended the request
                 self.worker.abort(command.rid)
                 self.requests.pop(command.rid, None)

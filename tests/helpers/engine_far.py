@@ -36,11 +36,9 @@ class FarEngineWorker:
     def connect(self, host: str, port: int) -> str:
         return self.worker.agent.connect(host, port)
 
-    def add(self, rid: str, prompt: list[int], params: dict, peer: str | None,
-            blocks: list[int] | None, epoch: int | None = None) -> Any:
+    def add(self, rid: str, prompt: list[int], params: dict, peer: str | None) -> Any:
         self.requests[rid] = Request(rid, prompt, SamplingParams(**params))
-        return self.worker.add_request(self.requests[rid], decode_peer=peer,
-                                       remote_blocks=blocks, epoch=epoch)
+        return self.worker.add_request(self.requests[rid], decode_peer=peer)
 
     def reserve(self, rid: str, prompt: list[int], params: dict) -> list[int] | None:
         self.requests[rid] = Request(rid, prompt, SamplingParams(**params))
