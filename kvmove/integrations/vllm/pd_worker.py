@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation in vLLM over kvmove: the worker side (see ``pd.py``).
+"""Prefill/decode disaggregation in vLLM over kvmove: the worker side (see ``pd_scheduler.py``).
 
 One ``kvmove.Agent`` per worker wraps vLLM's own KV tensors (``KVCache.wrap``: no copy, each
 tensor registered once). The prefill's agent listens on ``kv_port`` (+ its tensor-parallel
@@ -37,8 +37,9 @@ from vllm.logger import init_logger
 import kvmove
 from kvmove.auth import key_from_file
 from kvmove.errors import ChecksumError, KVMoveError
-from kvmove.integrations.vllm.config import ConnectorConfig, layout_of, wrap_kv_caches
-from kvmove.integrations.vllm.pd import LoadSpec, Metadata, PushSpec, SendSpec
+from kvmove.integrations.vllm.config import ConnectorConfig, KVRole, layout_of, wrap_kv_caches
+from kvmove.integrations.vllm.pd_scheduler import PDMetadata as Metadata
+from kvmove.integrations.vllm.pd_specs import LoadSpec, PushSpec, SendSpec
 from kvmove.runtime import unpin, unpinned
 
 logger = init_logger("vllm.kvmove.pd_worker")
@@ -80,7 +81,7 @@ class _Reservation:
     since: float
 
 
-class Worker:
+class PDWorker:
     """The worker side of ``KVMoveConnector`` for ``kv_producer``/``kv_consumer``."""
 
     def __init__(self, vllm_config: Any, config: ConnectorConfig, kv_cache_config: Any) -> None:
@@ -118,20 +119,20 @@ class Worker:
         cache = wrap_kv_caches(kv_caches, self.layout)
         cfg = self.config
         key = key_from_file(cfg.key_file).secret if cfg.key_file else None
-        role = "prefill" if cfg.producer else "decode"
+        role = "prefill" if cfg.role is KVRole.PRODUCER else "decode"
         with unpinned():   # the agent's threads, its listener's and ours
             self.agent = kvmove.Agent(f"vllm-{role}-{cfg.engine_id}-{cfg.tp_rank}", cache,
                                       transports=cfg.transports, checksums=cfg.checksums,
                                       key=key, host=cfg.host)
-            if cfg.producer:
+            if cfg.role is KVRole.PRODUCER:
                 self.agent.listen(cfg.host, cfg.port + cfg.tp_rank)
             self._thread = threading.Thread(target=self._serve, name="kvmove-vllm-notify",
                                             daemon=True)
             self._thread.start()
         logger.info("kvmove: %s agent %s over %d layers of %s (%s)%s", role, self.agent.name,
                     len(kv_caches), self.layout, cache.device,
-                    f", listening on {cfg.host}:{cfg.port + cfg.tp_rank}" if cfg.producer
-                    else "")
+                    f", listening on {cfg.host}:{cfg.port + cfg.tp_rank}"
+                    if cfg.role is KVRole.PRODUCER else "")
 
     def shutdown(self) -> None:
         self._closed.set()
@@ -202,6 +203,9 @@ class Worker:
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def build_connector_worker_meta(self) -> None:
+        return None   # the scheduler side needs no report from P/D workers
 
     # ---- prefill side -----------------------------------------------------------------------
 
@@ -381,7 +385,7 @@ class Worker:
                 nbytes = len(spec.blocks) * self.agent.cache.block_nbytes
                 self.bytes_loaded += nbytes
                 logger.info("kvmove: loaded %s (%s): %d tokens, %d blocks, %d bytes in "
-                            "%.1f ms", spec.req_id, spec.mode, spec.num_tokens,
+                            "%.1f ms", spec.req_id, spec.mode.value, spec.num_tokens,
                             len(spec.blocks), nbytes, 1e3 * (time.monotonic() - started))
             errors: list[int] = []
         except ChecksumError as error:
