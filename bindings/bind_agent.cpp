@@ -56,8 +56,8 @@ void register_agent(py::module_& m) {
                                          meta.host.pidns_ino, meta.host.pid);
             py::list segments;
             for (const RemoteSegment& s : meta.segments) {
-                segments.append(py::make_tuple(s.addr, s.nbytes, to_bytes(s.packed_rkey),
-                                               s.memfd, s.memfd_dev, s.memfd_ino));
+                segments.append(py::make_tuple(s.addr, s.nbytes, to_bytes(s.packed_rkey), s.memfd,
+                                               s.memfd_dev, s.memfd_ino));
             }
             out["segments"] = segments;
             out["num_layers"] = meta.num_layers;
@@ -126,8 +126,7 @@ void register_agent(py::module_& m) {
                      std::move(name), cache, shape,
                      AgentConfig{std::move(transports), peer_errors, peer_timeout,
                                  StreamConfig{cancel_timeout, ack_timeout}, std::move(faults),
-                                 std::move(net_devices), max_peers, map_same_host,
-                                 copy_threads});
+                                 std::move(net_devices), max_peers, map_same_host, copy_threads});
              }),
              py::arg("name"), py::arg("cache"), py::arg("shape"), py::arg("transports"),
              py::arg("peer_errors"), py::arg("peer_timeout"), py::arg("cancel_timeout"),
@@ -173,6 +172,35 @@ void register_agent(py::module_& m) {
             },
             py::arg("peer"), py::arg("request_id"), py::arg("local_ids"), py::arg("lease_seconds"),
             py::keep_alive<0, 1>(), release())
+        .def(
+            "offer",
+            [](Agent& a, const std::string& peer, const std::string& request_id, const Ids& local,
+               double lease_seconds) {
+                return a.offer(peer, request_id, local.values, lease_seconds);
+            },
+            py::arg("peer"), py::arg("request_id"), py::arg("local_ids"), py::arg("lease_seconds"),
+            py::keep_alive<0, 1>(), release())
+        .def("offer_nothing", &Agent::offer_nothing, py::arg("peer"), py::arg("request_id"),
+             release())
+        .def("offers", &Agent::offers, release())
+        .def("wait_offer", &Agent::wait_offer, py::arg("timeout"), release())
+        .def("decline", &Agent::decline, py::arg("offer"), py::arg("reason"), release())
+        .def(
+            "notify",
+            [](Agent& a, const std::string& peer, const py::bytes& payload) {
+                std::string data = payload;
+                py::gil_scoped_release nogil;
+                return a.notify(peer, data);
+            },
+            py::arg("peer"), py::arg("payload"))
+        .def(
+            "_send_raw_stream_message",
+            [](Agent& a, const std::string& peer, const py::bytes& message) {
+                std::string data = message;
+                py::gil_scoped_release nogil;
+                a.send_raw_stream_message(peer, std::move(data));
+            },
+            py::arg("peer"), py::arg("message"))
         .def("notifications",
              [](Agent& a) {
                  py::list out;

@@ -2,6 +2,7 @@
 
 #include "bindings.h"
 #include "stream/layer_stream.h"
+#include "stream/offer_box.h"
 #include "stream/stream_message.h"
 
 namespace py = pybind11;
@@ -20,7 +21,7 @@ py::list layer_times(const Stream& s) {
 }
 
 MessageKind kind_named(const std::string& name) {
-    for (uint8_t k = 1; k <= 8; ++k) {
+    for (uint8_t k = kFirstMessageKind; k <= kLastMessageKind; ++k) {
         if (name == message_kind_name(static_cast<MessageKind>(k))) {
             return static_cast<MessageKind>(k);
         }
@@ -35,16 +36,19 @@ void register_stream(py::module_& m) {
     // The stream messages' codec, for tests and fuzzing: peers' messages are untrusted input.
     m.def(
         "encode_stream_message",
-        [](const std::string& kind, const std::string& request_id, uint64_t epoch,
-           uint32_t layer, uint64_t ids_hash, std::vector<uint64_t> checksums,
-           const py::bytes& payload) {
-            StreamMessage message{kind_named(kind), request_id, layer, epoch, ids_hash,
-                                  std::move(checksums), std::string(payload)};
+        [](const std::string& kind, const std::string& request_id, uint64_t epoch, uint32_t layer,
+           uint64_t ids_hash, std::vector<uint64_t> checksums, const py::bytes& payload,
+           std::vector<BlockId> block_ids) {
+            StreamMessage message =
+                lease_message(kind_named(kind), request_id, epoch, ids_hash, payload);
+            message.layer = layer;
+            message.checksums = std::move(checksums);
+            message.block_ids = std::move(block_ids);
             return py::bytes(encode(message));
         },
         py::arg("kind"), py::arg("request_id"), py::arg("epoch"), py::arg("layer") = 0,
         py::arg("ids_hash") = 0, py::arg("checksums") = std::vector<uint64_t>{},
-        py::arg("payload") = py::bytes(),
+        py::arg("payload") = py::bytes(), py::arg("block_ids") = std::vector<BlockId>{},
         "A stream message's bytes (kind: 'Begin', 'Go', 'Layer'...), as a peer sends them.");
     m.def(
         "decode_stream_message",
@@ -59,11 +63,20 @@ void register_stream(py::module_& m) {
             out["ids_hash"] = message.ids_hash;
             out["checksums"] = message.checksums;
             out["payload"] = py::bytes(message.payload);
+            out["block_ids"] = message.block_ids;
             return out;
         },
         py::arg("data"),
         "Decodes a stream message as an agent does when it arrives; raises MetadataError "
         "naming what is wrong.");
+    m.def("hash_ids", &hash_ids, py::arg("ids"));
+    py::class_<Offer>(m, "Offer")
+        .def(py::init<std::string, std::string, uint64_t, std::vector<BlockId>>(), py::arg("peer"),
+             py::arg("request_id"), py::arg("epoch"), py::arg("block_ids"))
+        .def_readonly("peer", &Offer::peer)
+        .def_readonly("request_id", &Offer::request_id)
+        .def_readonly("epoch", &Offer::epoch)
+        .def_readonly("block_ids", &Offer::block_ids);
     py::enum_<StreamState>(m, "StreamState")
         .value("OPEN", StreamState::Open)
         .value("DONE", StreamState::Done)

@@ -9,7 +9,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['Agent', 'BlockFile', 'BlockOrder', 'BlockPool', 'BlockShape', 'DType', 'KVCache', 'LoadStream', 'Region', 'SaveStream', 'StreamState', 'StreamStats', 'Transfer', 'TransferState', 'TransferStats', 'block_hashes', 'check_timeout', 'convert_blocks', 'copy_blocks', 'cuda_status', 'decode_metadata', 'decode_stream_message', 'encode_stream_message', 'log_dropped', 'pack_blocks', 'parse_order', 'peer_error_settings', 'runs', 'set_log_level', 'take_log', 'ucx_version', 'unpack_blocks', 'xxh64']
+__all__: list[str] = ['Agent', 'BlockFile', 'BlockOrder', 'BlockPool', 'BlockShape', 'DType', 'KVCache', 'LoadStream', 'Offer', 'Region', 'SaveStream', 'StreamState', 'StreamStats', 'Transfer', 'TransferState', 'TransferStats', 'block_hashes', 'check_timeout', 'convert_blocks', 'copy_blocks', 'cuda_status', 'decode_metadata', 'decode_stream_message', 'encode_stream_message', 'hash_ids', 'log_dropped', 'pack_blocks', 'parse_order', 'peer_error_settings', 'runs', 'set_log_level', 'take_log', 'ucx_version', 'unpack_blocks', 'xxh64']
 class BlockPool:
     """
     Fixed pool of ``num_blocks`` equal blocks with ids ``0..num_blocks-1``: reference counts,
@@ -335,6 +335,21 @@ class BlockFile:
     @property
     def slot_nbytes(self) -> int:
         ...
+class Offer:
+    def __init__(self, peer: str, request_id: str, epoch: typing.SupportsInt | typing.SupportsIndex, block_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> None:
+        ...
+    @property
+    def block_ids(self) -> list[int]:
+        ...
+    @property
+    def epoch(self) -> int:
+        ...
+    @property
+    def peer(self) -> str:
+        ...
+    @property
+    def request_id(self) -> str:
+        ...
 class StreamState:
     """
     Members:
@@ -588,9 +603,13 @@ class StreamStats:
 class Agent:
     def __init__(self, name: str, cache: KVCache, shape: BlockShape, transports: str, peer_errors: bool, peer_timeout: typing.SupportsFloat | typing.SupportsIndex, cancel_timeout: typing.SupportsFloat | typing.SupportsIndex, ack_timeout: typing.SupportsFloat | typing.SupportsIndex, faults: str, net_devices: str, max_peers: typing.SupportsInt | typing.SupportsIndex, map_same_host: bool = True, copy_threads: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
         ...
+    def _send_raw_stream_message(self, peer: str, message: bytes) -> None:
+        ...
     def add_peer(self, metadata: str, rejoin: bool = False) -> str:
         ...
     def close(self) -> None:
+        ...
+    def decline(self, offer: Offer, reason: str) -> None:
         ...
     def expect(self, peer: str, request_id: str, local_ids: list[int], lease_seconds: typing.SupportsFloat | typing.SupportsIndex) -> LoadStream:
         ...
@@ -599,6 +618,14 @@ class Agent:
     def metadata(self) -> bytes:
         ...
     def notifications(self) -> list:
+        ...
+    def notify(self, peer: str, payload: bytes) -> Transfer:
+        ...
+    def offer(self, peer: str, request_id: str, local_ids: list[int], lease_seconds: typing.SupportsFloat | typing.SupportsIndex) -> LoadStream:
+        ...
+    def offer_nothing(self, peer: str, request_id: str) -> None:
+        ...
+    def offers(self) -> list[Offer]:
         ...
     def peer_path(self, name: str) -> str:
         """
@@ -617,6 +644,8 @@ class Agent:
     def stream_to(self, peer: str, local_ids: list[int], remote_ids: list[int], request_id: str, epoch: typing.SupportsInt | typing.SupportsIndex, checksums: bool) -> SaveStream:
         ...
     def wait_notification(self, timeout: typing.SupportsFloat | typing.SupportsIndex) -> tuple:
+        ...
+    def wait_offer(self, timeout: typing.SupportsFloat | typing.SupportsIndex) -> Offer:
         ...
     def write(self, peer: str, local_ids: list[int], remote_ids: list[int], layers: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None = None, notify: str | None = None) -> Transfer:
         """
@@ -671,10 +700,12 @@ def decode_stream_message(data: bytes) -> dict:
     """
     Decodes a stream message as an agent does when it arrives; raises MetadataError naming what is wrong.
     """
-def encode_stream_message(kind: str, request_id: str, epoch: typing.SupportsInt | typing.SupportsIndex, layer: typing.SupportsInt | typing.SupportsIndex = 0, ids_hash: typing.SupportsInt | typing.SupportsIndex = 0, checksums: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], payload: bytes = b'') -> bytes:
+def encode_stream_message(kind: str, request_id: str, epoch: typing.SupportsInt | typing.SupportsIndex, layer: typing.SupportsInt | typing.SupportsIndex = 0, ids_hash: typing.SupportsInt | typing.SupportsIndex = 0, checksums: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], payload: bytes = b'', block_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = []) -> bytes:
     """
     A stream message's bytes (kind: 'Begin', 'Go', 'Layer'...), as a peer sends them.
     """
+def hash_ids(ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> int:
+    ...
 def log_dropped() -> int:
     """
     Core log records dropped on a full queue.

@@ -18,21 +18,11 @@ from kvmove.auth import DeploymentKey, resolve_key
 from kvmove.bootstrap import MetadataServer, exchange, is_loopback, net_devices_for
 from kvmove.errors import ConfigError, PeerError
 from kvmove.kv_cache import KVCache, block_shape
-from kvmove.stream import LoadStream, SaveStream
+from kvmove.stream import LoadStream, Offer, SaveStream
+from kvmove.transfer import Transfer, TransferState, TransferStats
 from kvmove.validation import require_positive_finite, require_positive_int
 
 __all__ = ["Agent", "AgentStats", "Transfer", "TransferState", "TransferStats"]
-
-TransferState = _C.TransferState
-"""PENDING, then DONE or FAILED.
-
-Example:
-    >>> transfer = agent.write(peer, ids, remote_ids)
-    >>> transfer.state                    # TransferState.PENDING while ops are in flight
-    >>> transfer.wait(timeout=5.0)        # raises instead of ending FAILED
-    >>> transfer.state is kvmove.TransferState.DONE
-    True
-"""
 
 ERROR_MODES = ("peer", "none")
 SAME_HOST_PATHS = ("map", "ucx")
@@ -87,75 +77,6 @@ class AgentStats:
     acks_missed: int
     unknown_senders: int
     messages_dropped: int
-
-
-@dataclass(frozen=True, slots=True)
-class TransferStats:
-    """What a transfer moved and how long it took.
-
-    Attributes:
-        nbytes: bytes moved.
-        num_ops: RMA operations posted, after coalescing adjacent blocks.
-        post_seconds: time spent posting them.
-        complete_seconds: from the first post to completion (0 while pending).
-
-    Example:
-        >>> s = agent.write(peer, ids, remote_ids).stats   # after wait(): complete
-        >>> s.nbytes / s.complete_seconds / 1e9            # GB/s of this transfer
-        >>> s.num_ops      # 32 for Llama-3.1-8B's 250 contiguous blocks: one op per layer
-    """
-
-    nbytes: int
-    num_ops: int
-    post_seconds: float
-    complete_seconds: float
-
-
-class Transfer:
-    """One batch of block copies to or from a peer (made by ``Agent.write`` / ``read``).
-
-    Example:
-        >>> transfer = agent.read(peer, local_ids, remote_ids)   # remote blocks -> local ones
-        >>> transfer.wait(timeout=5.0)     # every byte is in place, or it raised
-        >>> transfer.stats.nbytes == len(local_ids) * cache.layout.bytes_per_block
-        True
-    """
-
-    __slots__ = ("_core",)
-
-    def __init__(self, core: _C.Transfer) -> None:
-        self._core = core
-
-    @property
-    def peer(self) -> str:
-        return self._core.peer
-
-    @property
-    def state(self) -> TransferState:
-        return self._core.state
-
-    @property
-    def stats(self) -> TransferStats:
-        s = self._core.stats
-        return TransferStats(s.nbytes, s.num_ops, s.post_seconds, s.complete_seconds)
-
-    @property
-    def error(self) -> str:
-        """Why it failed; empty unless FAILED."""
-        return self._core.error
-
-    def wait(self, timeout: float) -> None:
-        """Returns once every byte is in place (and the notification, if any, was sent).
-
-        Raises:
-            TimeoutError: still pending after ``timeout`` seconds (the transfer goes on).
-            TransferError: it failed.
-            PeerError: the peer died or was removed.
-        """
-        self._core.wait(timeout)
-
-    def __repr__(self) -> str:
-        return f"Transfer({self.peer!r}, {self.state.name}, {self.stats})"
 
 
 def _weak_add_peer(agent: Agent) -> Callable[[bytes], str]:
@@ -360,6 +281,17 @@ class Agent:
         ``write``, the other way)."""
         return Transfer(self._core.read(peer, local_ids, remote_ids, _layers(layers), notify))
 
+    def send(self, peer: str, payload: bytes) -> Transfer:
+        """Sends ``payload`` (up to 64 KiB) to ``peer`` as a notification alone (NIXL's
+        ``send_notif``): it arrives in the peer's ``notifications()`` after everything sent to
+        it before. The ``Transfer`` (of no bytes) is DONE once the message is out.
+
+        Raises:
+            ConfigError: ``payload`` over 64 KiB.
+            PeerError: unknown or dead peer.
+        """
+        return Transfer(self._core.notify(peer, bytes(payload)))
+
     def notifications(self) -> list[tuple[str, bytes]]:
         """Received ``(peer name, payload)`` pairs, oldest first; drains the queue."""
         return self._core.notifications()
@@ -469,6 +401,57 @@ class Agent:
         """
         require_positive_finite("timeout", timeout)
         return LoadStream(self._core.expect(peer, request_id, local_ids, float(timeout)), self)
+
+    def offer(self, peer: str, request_id: str, local_ids: Sequence[int], *,
+              timeout: float = 60.0) -> LoadStream | None:
+        """Leases ``local_ids`` to ``peer`` for ``request_id`` (as ``expect(...).start_load()``)
+        and offers the lease to it: ``peer`` gets an ``Offer`` with the epoch and the ids
+        (``offers()`` / ``wait_offer()`` there) and streams into it. This is the hand-off's
+        first message; no control plane needs to carry the epoch and ids.
+
+        With no ``local_ids``, tells ``peer`` that none of ``request_id``'s KV is needed here
+        (it lets the blocks it holds for it go) and returns None.
+
+        Returns:
+            The started ``LoadStream`` (it fails if the offer cannot be sent), or None.
+
+        Raises:
+            As ``expect``.
+        """
+        require_positive_finite("timeout", timeout)
+        if not local_ids:
+            self._core.offer_nothing(peer, request_id)
+            return None
+        return LoadStream(self._core.offer(peer, request_id, local_ids, float(timeout)), self)
+
+    def offers(self) -> list[Offer]:
+        """The offers peers made (``Agent.offer`` on their side) and nobody took yet, oldest
+        first; drains them. At most 1024 of one peer wait; more are dropped (and counted in
+        ``stats().messages_refused``)."""
+        return [Offer._from_core(o) for o in self._core.offers()]
+
+    def wait_offer(self, timeout: float) -> Offer:
+        """The oldest offer not taken yet, waiting up to ``timeout`` seconds for one.
+
+        Raises:
+            TimeoutError: none came in time (or the agent closed).
+        """
+        require_positive_finite("timeout", timeout)
+        return Offer._from_core(self._core.wait_offer(float(timeout)))
+
+    def decline(self, offer: Offer, reason: str) -> None:
+        """Tells the offer's peer that this agent will not write its lease: its ``LoadStream``
+        fails at once with ``TransferError`` naming ``reason``, and its blocks are free (nothing
+        was written). Only before ``stream_to`` into the lease (after it: abort the stream).
+
+        Raises:
+            ConfigError: an offer of no blocks, a reason over 64 KiB, or the lease is being
+                streamed into.
+            PeerError: the peer is no live peer.
+        """
+        if not isinstance(offer, Offer):
+            raise ConfigError(f"decline takes an Offer, got {type(offer).__name__}")
+        self._core.decline(offer._core(), str(reason))
 
     def close(self) -> None:
         """Stops listening and progress, fails pending transfers, releases UCX. Idempotent."""

@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import math
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 from kvmove import _C
 from kvmove.errors import ConfigError, PeerError, TransferError
 
-__all__ = ["LoadStream", "SaveStream", "StreamState"]
+__all__ = ["LoadStream", "Offer", "SaveStream", "StreamState"]
 
 StreamState = _C.StreamState
 """A layer stream's state: OPEN, then DONE, ABORTED (by its sender) or FAILED.
@@ -48,6 +49,43 @@ Example:
 """
 
 DEFAULT_TIMEOUT = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """A peer's lease, offered to this agent: "request ``request_id``'s KV goes into my
+    ``blocks`` under lease ``epoch``" (the decode side's ``Agent.offer``). Stream into it with
+    ``Agent.stream_to(offer.peer, src_ids, offer.blocks, offer.request_id,
+    epoch=offer.epoch)``, or decline it (``Agent.decline``).
+
+    An offer of no blocks (``epoch`` 0) says the peer needs none of that request's KV: let its
+    blocks go.
+
+    Attributes:
+        peer: the agent that leased the blocks (it sent the offer; attributed by its
+            connection, never by a name in the message).
+        request_id: the key both sides know the request by.
+        epoch: the lease (``LoadStream.epoch`` on the peer); 0 with no blocks.
+        blocks: the peer's leased block ids, in the order the KV goes into them.
+
+    Example:
+        >>> offer = agent.wait_offer(timeout=5.0)           # the prefill side
+        >>> if offer.blocks:
+        ...     stream = agent.stream_to(offer.peer, src_ids[-len(offer.blocks):],
+        ...                              offer.blocks, offer.request_id, epoch=offer.epoch)
+    """
+
+    peer: str
+    request_id: str
+    epoch: int
+    blocks: tuple[int, ...]
+
+    @classmethod
+    def _from_core(cls, core: Any) -> Offer:
+        return cls(core.peer, core.request_id, core.epoch, tuple(core.block_ids))
+
+    def _core(self) -> Any:
+        return _C.Offer(self.peer, self.request_id, self.epoch, list(self.blocks))
 _MAX_HANDLE = 2**64 - 1  # a cudaEvent_t is a pointer
 
 

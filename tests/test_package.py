@@ -48,7 +48,7 @@ def _reference_docstring(name: str) -> str:
     obj = getattr(kvmove, name)
     if not getattr(obj, "__module__", obj.__name__).startswith("kvmove._C"):
         return inspect.getdoc(obj) or ""
-    for module in ("agent", "stream"):
+    for module in ("agent", "stream", "transfer"):
         tree = ast.parse(Path(kvmove.__file__).with_name(f"{module}.py").read_text())
         for node, after in zip(tree.body, tree.body[1:]):
             if (isinstance(node, ast.Assign) and [t.id for t in node.targets] == [name]

@@ -526,19 +526,22 @@ def _other_interfaces() -> bool:
 
 # --- 13: the stream-message decoder could not be reached ---------------------------------------
 
-KINDS = ["Begin", "Go", "Refuse", "Layer", "Final", "Ack", "Abort", "Cancel"]
+KINDS = ["Begin", "Go", "Refuse", "Layer", "Final", "Ack", "Abort", "Cancel", "Offer",
+         "Decline"]
+VERSION = 3
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_finding_13_stream_messages_round_trip(kind):
-    layer_only = kind == "Layer"
-    payload = b"why" if kind in ("Final", "Refuse") else b""
+    checksums = [1, 2] if kind == "Layer" else []
+    block_ids = [5, 2**62] if kind == "Offer" else []
+    payload = b"why" if kind in ("Final", "Refuse", "Decline") else b""
     data = _C.encode_stream_message(kind, "req-1", 2**40 + 3, layer=7, ids_hash=99,
-                                    checksums=[1, 2] if layer_only else [], payload=payload)
+                                    checksums=checksums, payload=payload, block_ids=block_ids)
     decoded = _C.decode_stream_message(data)
     assert decoded == {"kind": kind, "request_id": "req-1", "epoch": 2**40 + 3, "layer": 7,
-                       "ids_hash": 99, "checksums": [1, 2] if layer_only else [],
-                       "payload": payload}
+                       "ids_hash": 99, "checksums": checksums, "payload": payload,
+                       "block_ids": block_ids}
     for cut in range(len(data)):  # every truncation is refused
         if cut < len(data) - len(payload) or not payload:
             with pytest.raises(MetadataError):
@@ -548,16 +551,21 @@ def test_finding_13_stream_messages_round_trip(kind):
 @pytest.mark.parametrize("data, message", [
     (b"", "shorter than its 28-byte header"),
     (bytes([9]) + bytes(27), "version 9"),
-    (bytes([2, 0]) + bytes(26), "unknown stream message kind 0"),
-    (bytes([2, 1, 0, 0]) + bytes(24), "request id of 0 bytes"),
-    (bytes([2, 1, 0xff, 0xff]) + bytes(24), "request id of 65535 bytes"),
-    (bytes([2, 1, 1, 0]) + bytes(20) + struct.pack("<I", 1) + b"r" + bytes(8),
-     "Begin message carries 1 checksums"),
-    (bytes([2, 4, 1, 0]) + bytes(20) + struct.pack("<I", 2**21) + b"r",
-     "2097152 checksums, limit 1048576"),
-    (bytes([2, 4, 1, 0]) + bytes(20) + struct.pack("<I", 3) + b"r" + bytes(8),
-     "too short for its 1-byte request id and 3 checksums"),
-    (bytes([2, 4, 1, 0]) + bytes(24) + b"r" + b"extra", "Layer message carries 5 payload"),
+    (bytes([2, 1]) + bytes(26), "version 2, this kvmove speaks 3"),
+    (bytes([3, 0]) + bytes(26), "unknown stream message kind 0"),
+    (bytes([3, 11]) + bytes(26), "unknown stream message kind 11"),
+    (bytes([3, 1, 0, 0]) + bytes(24), "request id of 0 bytes"),
+    (bytes([3, 1, 0xff, 0xff]) + bytes(24), "request id of 65535 bytes"),
+    (bytes([3, 1, 1, 0]) + bytes(20) + struct.pack("<I", 1) + b"r" + bytes(8),
+     "Begin message carries 1 values; only Layer and Offer may"),
+    (bytes([3, 4, 1, 0]) + bytes(20) + struct.pack("<I", 2**21) + b"r",
+     "2097152 values, limit 1048576"),
+    (bytes([3, 4, 1, 0]) + bytes(20) + struct.pack("<I", 3) + b"r" + bytes(8),
+     "too short for its 1-byte request id and 3 values"),
+    (bytes([3, 4, 1, 0]) + bytes(24) + b"r" + b"extra", "Layer message carries 5 payload"),
+    (bytes([3, 9, 1, 0]) + bytes(24) + b"r" + b"extra", "Offer message carries 5 payload"),
+    (bytes([3, 9, 1, 0]) + bytes(20) + struct.pack("<I", 1) + b"r" + struct.pack("<Q", 2**63),
+     "Offer of block id 9223372036854775808"),
 ])
 def test_finding_13_bad_stream_messages_name_what_is_wrong(data, message):
     with pytest.raises(MetadataError, match=message):
@@ -569,14 +577,15 @@ def test_finding_13_bad_stream_messages_name_what_is_wrong(data, message):
 def test_finding_13_arbitrary_stream_messages_decode_or_raise(data, keep_header):
     """Any bytes, optionally behind a valid version and kind: decoded, or a MetadataError."""
     if keep_header:
-        data = bytes([2, 1 + data[0] % 8]) + data[2:] if len(data) >= 2 else data
+        data = bytes([VERSION, 1 + data[0] % len(KINDS)]) + data[2:] if len(data) >= 2 else data
     try:
         decoded = _C.decode_stream_message(data)
     except MetadataError:
         return
     assert _C.encode_stream_message(decoded["kind"], decoded["request_id"], decoded["epoch"],
                                     decoded["layer"], decoded["ids_hash"],
-                                    decoded["checksums"], decoded["payload"]) == data
+                                    decoded["checksums"], decoded["payload"],
+                                    decoded["block_ids"]) == data
 
 
 def test_finding_13_the_metadata_decoder_is_reachable():

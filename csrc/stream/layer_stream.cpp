@@ -71,8 +71,8 @@ bool StreamCompletion::complete(StreamState state, ErrorKind kind, std::string e
 }
 
 SaveStream::SaveStream(StreamProtocol* protocol, std::string peer, std::vector<BlockId> local_ids,
-                       std::vector<BlockId> remote_ids, std::string request_id,
-                       int64_t num_layers, uint64_t epoch, bool checksums)
+                       std::vector<BlockId> remote_ids, std::string request_id, int64_t num_layers,
+                       uint64_t epoch, bool checksums)
     : StreamCompletion(num_layers),
       protocol_(protocol),
       peer_(std::move(peer)),
@@ -104,9 +104,9 @@ void SaveStream::save_layer(int64_t layer, uintptr_t cuda_event) {
         KVMOVE_CHECK(end_ == StreamEnd::None, Config,
                      "cannot save layer " << layer << " of " << describe() << " after "
                                           << (end_ == StreamEnd::Abort ? "abort()" : "finish()"));
-        KVMOVE_CHECK(layer >= 0 && layer < num_layers_, Config,
-                     "layer " << layer << " is out of range: layers are in [0, " << num_layers_
-                              << ")");
+        KVMOVE_CHECK(
+            layer >= 0 && layer < num_layers_, Config,
+            "layer " << layer << " is out of range: layers are in [0, " << num_layers_ << ")");
         KVMOVE_CHECK(!saved_[layer], Config,
                      "layer " << layer << " of " << describe()
                               << " was already saved: each layer is saved once");
@@ -127,9 +127,9 @@ void SaveStream::save_layer(int64_t layer, uintptr_t cuda_event) {
 
 void SaveStream::finish(const std::string& payload) {
     protocol_->check_open();
-    KVMOVE_CHECK(payload.size() <= kMaxPayloadBytes, Config,
-                 "payload of " << payload.size() << " bytes exceeds the limit of "
-                               << kMaxPayloadBytes);
+    KVMOVE_CHECK(
+        payload.size() <= kMaxPayloadBytes, Config,
+        "payload of " << payload.size() << " bytes exceeds the limit of " << kMaxPayloadBytes);
     bool due = false;
     {
         std::lock_guard<std::mutex> lock(mu_);
@@ -137,9 +137,9 @@ void SaveStream::finish(const std::string& payload) {
             raise_failure_locked();
         }
         KVMOVE_CHECK(!cancelled_, Transfer, describe() << " was cancelled by its receiver");
-        KVMOVE_CHECK(end_ == StreamEnd::None, Config,
-                     describe() << " was already "
-                                << (end_ == StreamEnd::Abort ? "aborted" : "finished"));
+        KVMOVE_CHECK(
+            end_ == StreamEnd::None, Config,
+            describe() << " was already " << (end_ == StreamEnd::Abort ? "aborted" : "finished"));
         if (num_saved_ < num_layers_) {
             std::ostringstream missing;
             int shown = 0;
@@ -207,9 +207,9 @@ void SaveStream::refused(const std::string& reason) {
         phase_ = Phase::Refused;
         held_.clear();
         close_sent_ = true;  // nothing was written: there is nothing to end
-        set_state_locked(StreamState::Failed, ErrorKind::Transfer,
-                         "'" + peer_ + "' refused " + describe() + ": " + reason +
-                             " (nothing was written)");
+        set_state_locked(
+            StreamState::Failed, ErrorKind::Transfer,
+            "'" + peer_ + "' refused " + describe() + ": " + reason + " (nothing was written)");
     }
     cv_.notify_all();
 }
@@ -409,10 +409,10 @@ bool LoadStream::final_arrived(const std::string& payload) {
         auto missing = std::find(landed_.begin(), landed_.end(), 0);
         if (missing != landed_.end()) {
             // A sender sends its Final after every Layer message, on the same connection.
-            ended = set_state_locked(
-                StreamState::Failed, ErrorKind::Transfer,
-                "sender '" + peer_ + "' ended request '" + request_id_ + "' before layer " +
-                    std::to_string(missing - landed_.begin()) + " landed");
+            ended = set_state_locked(StreamState::Failed, ErrorKind::Transfer,
+                                     "sender '" + peer_ + "' ended request '" + request_id_ +
+                                         "' before layer " +
+                                         std::to_string(missing - landed_.begin()) + " landed");
         } else {
             ended = finish_if_done_locked();
         }
@@ -453,8 +453,8 @@ std::vector<BlockId> LoadStream::bad_blocks() const {
 
 void LoadStream::raise_if_ended() const {
     if (state_ == StreamState::Aborted) {
-        KVMOVE_FAIL(Transfer, "request '" << request_id_ << "' was aborted by its sender '"
-                                          << peer_ << "'");
+        KVMOVE_FAIL(Transfer,
+                    "request '" << request_id_ << "' was aborted by its sender '" << peer_ << "'");
     }
     if (state_ == StreamState::Failed) {
         throw Error(error_kind_, error_);
@@ -473,8 +473,8 @@ void LoadStream::wait_for_layer(int64_t layer, double timeout_seconds) const {
     raise_if_ended();
     KVMOVE_CHECK(ready, Timeout,
                  "layer " << layer << " of request '" << request_id_ << "' from '" << peer_
-                          << "' not in after " << timeout_seconds << " s (" << num_ready_
-                          << " of " << num_layers_ << " layers are)");
+                          << "' not in after " << timeout_seconds << " s (" << num_ready_ << " of "
+                          << num_layers_ << " layers are)");
 }
 
 std::string LoadStream::wait_all(double timeout_seconds) const {

@@ -194,9 +194,9 @@ public:
     void set_released();
 
 private:
-    bool done_locked() const;       // every layer in and verified, and the Final
-    void raise_if_ended() const;    // with mu_ held
-    bool finish_if_done_locked();   // sets DONE (or FAILED on bad blocks); mu_ held
+    bool done_locked() const;      // every layer in and verified, and the Final
+    void raise_if_ended() const;   // with mu_ held
+    bool finish_if_done_locked();  // sets DONE (or FAILED on bad blocks); mu_ held
 
     StreamProtocol* const protocol_;
     const std::string peer_;

@@ -7,7 +7,8 @@
 //
 //   sender                                   receiver
 //     |                                        | expect(): lease E granted (deadline T)
-//     |  <----- E and the ids, by the control plane (router, kv_transfer_params) ---
+//     | <------------- Offer(E, ids) by offer(), or E and the ids by a control plane ---
+//     | offers(): taken (or decline(): Decline(E, why) -> the lease ends, nothing written)
 //     | stream_to(E): Begin(E, ids hash) ----> | E granted, ids match: engaged
 //     | <------------------------------ Go(E)  |   (or Refuse(E, why): nothing is written)
 //     | save_layer(i): puts, flush, Layer(E,i) | layer i ready (verified, with checksums)
@@ -49,6 +50,7 @@
 
 #include "common/cpu_mask.h"
 #include "stream/layer_stream.h"
+#include "stream/offer_box.h"
 #include "stream/stream_message.h"
 #include "stream/stream_port.h"
 
@@ -68,13 +70,14 @@ struct StreamStats {
     uint64_t leases_expired = 0;      // deadlines that passed
     uint64_t cancels_sent = 0;
     uint64_t senders_disconnected = 0;  // no answer to a Cancel in time
-    uint64_t messages_refused = 0;      // for no lease, another sender, or a state not allowing it
+    uint64_t messages_refused = 0;      // for no lease, another sender, or a state not allowing
+                                        // it; offers beyond a peer's queue
     uint64_t begins_refused = 0;        // of those, Begins answered with Refuse
     uint64_t checksum_mismatches = 0;   // blocks (per layer) whose bytes did not match
     uint64_t acks_missed = 0;           // sender: Finals not acknowledged in time
     // Filled by the transport (Agent): messages it dropped before the protocol saw them.
-    uint64_t unknown_senders = 0;        // from an endpoint that is no peer's
-    uint64_t messages_dropped = 0;       // rendezvous, oversize, or over a peer's queue cap
+    uint64_t unknown_senders = 0;   // from an endpoint that is no peer's
+    uint64_t messages_dropped = 0;  // rendezvous, oversize, or over a peer's queue cap
 };
 
 class StreamProtocol {
@@ -94,8 +97,20 @@ public:
                                           bool checksums);
     // lease_seconds: the lease's deadline from now.
     std::shared_ptr<LoadStream> expect(const std::string& peer, const std::string& request_id,
-                                       const std::vector<BlockId>& local_ids,
-                                       double lease_seconds);
+                                       const std::vector<BlockId>& local_ids, double lease_seconds);
+    // The hand-off (stream_message.h): expect() and start_load(), and the lease offered to
+    // peer in an Offer message. The load fails if the Offer cannot be sent.
+    std::shared_ptr<LoadStream> offer(const std::string& peer, const std::string& request_id,
+                                      const std::vector<BlockId>& local_ids, double lease_seconds);
+    // An Offer of no blocks: "none of request_id's KV is needed here".
+    void offer_nothing(const std::string& peer, const std::string& request_id);
+    // Sender: the offers peers made, oldest first (offer_box.h); wait_offer: the oldest,
+    // TimeoutError after timeout_seconds.
+    std::vector<Offer> offers();
+    Offer wait_offer(double timeout_seconds);
+    // Sender: tells the offer's peer that its lease will not be written (its load fails with
+    // reason, its blocks are free at once). Only before stream_to() into it.
+    void decline(const Offer& offer, const std::string& reason);
     StreamStats stats() const;
 
     // From the streams (no lock held).
@@ -110,9 +125,9 @@ public:
     // The peer's connection is gone (it died, or was removed or disconnected, its endpoint
     // closed): its streams fail, its leases are released.
     void peer_failed(const std::string& peer, ErrorKind kind, const std::string& reason);
-    void tick(double now);          // deadlines
-    double next_deadline() const;   // the earliest, on the steady clock (infinity: none)
-    void drain();                   // sends what callbacks made due
+    void tick(double now);         // deadlines
+    double next_deadline() const;  // the earliest, on the steady clock (infinity: none)
+    void drain();                  // sends what callbacks made due
     bool has_deferred() const { return !ending_.empty() || !outbox_.empty(); }
 
     // Shutdown: stop_threads() (no lock held) joins the post and verify threads; close()
@@ -164,7 +179,11 @@ private:
     void on_refuse(const std::string& sender, const StreamMessage& m);
     void on_ack(const std::string& sender, const StreamMessage& m);
     void on_cancel(const std::string& sender, const StreamMessage& m);
+    void on_offer(const std::string& sender, const StreamMessage& m);
     // receiver
+    std::shared_ptr<LoadStream> grant(const std::string& peer, const std::string& request_id,
+                                      const std::vector<BlockId>& local_ids, double lease_seconds);
+    void on_decline(Lease& lease, const StreamMessage& m);
     Lease* lease_of(const std::string& sender, const StreamMessage& m);
     void on_begin(const std::string& sender, const StreamMessage& m);
     void on_layer(Lease& lease, const StreamMessage& m);
@@ -192,6 +211,7 @@ private:
     std::vector<std::pair<std::string, StreamMessage>> outbox_;  // sent by drain()
     StreamStats stats_;
     std::atomic<uint64_t> checksum_mismatches_{0};  // counted by the verify thread
+    OfferBox offers_;  // its own mutex: waited on without the port's lock
 
     // save_layer() only queues: the post thread posts each layer (after its CUDA event, if
     // any). Over tcp and shared memory a put copies its bytes inside ucp_put_nbx, which would

@@ -314,6 +314,31 @@ std::shared_ptr<Transfer> Agent::read(const std::string& peer,
     return start(Direction::Get, peer, local_ids, remote_ids, layers, notify);
 }
 
+std::shared_ptr<Transfer> Agent::notify(const std::string& peer_name, const std::string& payload) {
+    KVMOVE_CHECK(payload.size() <= kMaxNotifyBytes, Config,
+                 "notification of " << payload.size() << " bytes exceeds the limit of "
+                                    << kMaxNotifyBytes);
+    WorkerLock lock(*this);
+    check_open();
+    check_mapped_peers();
+    Peer& peer = live_peer(peer_name);
+    auto transfer = std::make_shared<Transfer>(peer_name, 0, 0);
+    auto entry = std::make_unique<InFlight>(this, transfer, &peer, payload);
+    entry->flushed = true;  // nothing to flush, but it keeps its place behind earlier ones
+    track(std::move(entry));
+    transfer->posted(0);
+    release_notifications(peer);
+    ucp_worker_signal(worker_.get());
+    return transfer;
+}
+
+void Agent::send_raw_stream_message(const std::string& peer, std::string message) {
+    run_locked([&] {
+        live_peer(peer);
+        send(peer, std::move(message), [](const PortOutcome&) {});
+    });
+}
+
 std::shared_ptr<Transfer> Agent::start(Direction direction, const std::string& peer_name,
                                        const std::vector<BlockId>& local_ids,
                                        const std::vector<BlockId>& remote_ids,

@@ -101,6 +101,28 @@ public:
     std::shared_ptr<LoadStream> expect(const std::string& peer, const std::string& request_id,
                                        const std::vector<BlockId>& local_ids, double lease_seconds);
 
+    // The hand-off (stream/stream_message.h): the receiver offers a lease to its sender, the
+    // sender takes the offers and streams into them, or declines them.
+    std::shared_ptr<LoadStream> offer(const std::string& peer, const std::string& request_id,
+                                      const std::vector<BlockId>& local_ids,
+                                      double lease_seconds) {
+        return streams_.offer(peer, request_id, local_ids, lease_seconds);
+    }
+    void offer_nothing(const std::string& peer, const std::string& request_id) {
+        streams_.offer_nothing(peer, request_id);
+    }
+    std::vector<Offer> offers() { return streams_.offers(); }
+    Offer wait_offer(double timeout_seconds) { return streams_.wait_offer(timeout_seconds); }
+    void decline(const Offer& offer, const std::string& reason) {
+        streams_.decline(offer, reason);
+    }
+
+    // A notification alone (no data), after what was sent to the peer before.
+    std::shared_ptr<Transfer> notify(const std::string& peer, const std::string& payload);
+    // For tests: `message` sent to the peer as a stream message, unchecked (what a peer that
+    // does not follow the protocol could send).
+    void send_raw_stream_message(const std::string& peer, std::string message);
+
     StreamStats stream_stats() const;
     // What fault injection did so far (empty when it is off).
     std::map<std::string, uint64_t> fault_counts() const;
