@@ -25,8 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import kvmove
-from kvmove.errors import ChecksumError, KVMoveError
-from kvmove.integrations.vllm.handoff_json import Refusal, want_message
+from kvmove.errors import ChecksumError
 from kvmove.integrations.vllm.pd_specs import LoadSpec
 
 __all__ = ["Load", "PDDecodeWorker"]
@@ -49,7 +48,7 @@ class _Incoming:
     state: Load = Load.CONNECTING
     stream: kvmove.LoadStream | None = None
 
-    def offered(self, stream: kvmove.LoadStream | None) -> None:
+    def offered(self, stream: kvmove.LoadStream | None) -> None:  # None: offered nothing
         assert self.state is Load.CONNECTING, f"{self.spec.req_id}: {self.state}"
         self.stream, self.state = stream, Load.OFFERED
 
@@ -101,17 +100,6 @@ class PDDecodeWorker:
             errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def on_refused(self, refusal: Refusal) -> None:
-        """The prefill will not stream into the lease it was offered: the load fails now."""
-        with self._lock:
-            found = [i.stream for i in self._incoming.values()
-                     if i.state is Load.OFFERED and i.spec.key == refusal.request_id
-                     and i.stream is not None and i.stream.peer == refusal.peer]
-        for stream in found:
-            logger.warning("kvmove: %s refused %s: %s", refusal.peer, refusal.request_id,
-                           refusal.reason)
-            stream.cancel()
-
     # ---- one load, in a pool thread ---------------------------------------------------------
 
     def _load(self, incoming: _Incoming) -> None:
@@ -142,20 +130,12 @@ class PDDecodeWorker:
         self._end(incoming, errors)
 
     def _offer(self, incoming: _Incoming, peer: str) -> kvmove.LoadStream | None:
-        """The seam of the offer: leases the request's blocks to ``peer`` and offers the lease
-        for ``spec.key``; no blocks: offers nothing (the prefill lets its blocks go)."""
+        """Leases the request's blocks to ``peer`` and offers the lease for ``spec.key``
+        (``Agent.offer``); no blocks: offers nothing, and the prefill lets its blocks go."""
         spec = incoming.spec
-        stream = None
-        if spec.blocks:
-            stream = self.agent.expect(peer, spec.key, spec.blocks,
-                                       timeout=self.timeout).start_load()
+        stream = self.agent.offer(peer, spec.key, spec.blocks, timeout=self.timeout)
         with self._lock:
             incoming.offered(stream)
-        epoch = stream.epoch if stream is not None else 0
-        # The offer may take the load's whole deadline on a loaded host; its failure fails
-        # the load.
-        self.agent.write(peer, [], [], notify=want_message(spec.key, spec.blocks, epoch)
-                         ).wait(self.timeout)
         return stream
 
     def _loaded(self, spec: LoadSpec, started: float) -> None:

@@ -1,32 +1,15 @@
 """The prefill's part of ``PDWorker``: each request's KV held and streamed into the lease a
-decode offers for it.
+decode offers for it. A request's hand-off is an ``Outgoing`` (``pd_outgoing.py``: the states
+of its blocks and of its send); its blocks go back to vLLM exactly when vLLM handed them over
+and no stream reads them.
 
-A request's hand-off (``_Outgoing``) is two small state machines, because two parties drive
-it independently:
-
-- its **blocks** (``Blocks``), driven by vLLM::
-
-      COMPUTING --computed--> COMPUTED --hold--> HELD --give_back--> RETURNED
-          \\________________hold_______________/^
-
-  COMPUTING only for a push, while the forward pass that completes its prompt runs; a pull's
-  request is known from ``hold`` on (``request_finished``: vLLM hands the finished request's
-  blocks over until the lease deadline).
-- its **send** (``Send``), driven by the decode's offer and the stream::
-
-      WAITING --stream_opened--> STREAMING --closing--> ENDING --ended--> DONE
-          \\_______________________skipped___________________________/^
-
-  ``skipped``: nothing will be streamed (an empty offer, a refused one, a stream that could not
-  start, the lease over, the request aborted).
-
-The blocks go back to vLLM (``give_back``) exactly when they are HELD and the send is DONE:
-vLLM no longer needs them and no stream reads them. Folding the two into one enum would take
-their product (4 x 4 states); each transition method asserts the state it leaves.
-
-An offer that arrives before the prefill knows the request (push: both instances got it at
-once) waits as a ``_Reservation``, at most ``MAX_RESERVATIONS`` of them and ``lease_seconds``
-each, until the forward pass reaches it.
+The hand-off's messages are the stream protocol's (kvmove's lease protocol carries them,
+checked and bounded like its other messages): the decode's ``Agent.offer`` arrives here as a
+``kvmove.Offer`` (``Agent.wait_offer``, read by one thread of ours), and a lease that will not
+be streamed into is declined (``Agent.decline``: the decode's load fails at once and
+recomputes). An offer that arrives before the prefill knows the request (push: both instances
+got it at once) waits as a ``_Reservation``, at most ``MAX_RESERVATIONS`` of them and
+``lease_seconds`` each, until the forward pass reaches it.
 
 Threads: vLLM's model thread (steps, layers, holds, ``take_sent``), the thread that receives
 offers, and the pool threads that wait for streams to end. The ``PDWorker``'s one lock guards
@@ -36,102 +19,31 @@ everything here; nothing blocking runs under it.
 from __future__ import annotations
 
 import collections
-import enum
 import logging
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import kvmove
+from kvmove import Offer
 from kvmove.errors import KVMoveError
-from kvmove.integrations.vllm.handoff_json import Offer, refuse_message
+from kvmove.integrations.vllm.pd_outgoing import Blocks, Outgoing, Send
 from kvmove.integrations.vllm.pd_specs import PushSpec, SendSpec
 
 if TYPE_CHECKING:
     from kvmove.integrations.vllm.pd_scheduler import PDMetadata
 
-__all__ = ["Blocks", "PDPrefillWorker", "Send"]
+__all__ = ["PDPrefillWorker"]
 
 # Under "vllm.": vLLM's handlers print it beside its own lines.
 logger = logging.getLogger("vllm.kvmove.pd_prefill")
 
 MAX_RESERVATIONS = 4096        # offers waiting for a request the prefill has not seen yet
 REMEMBER_DONE = 65536          # keys of ended sends, so a late offer is declined at once
-MESSAGE_SECONDS = 5.0
-
-
-class Blocks(enum.Enum):
-    """Where a request's blocks are (see the module's docstring)."""
-
-    COMPUTING = "computing"    # the forward pass writes their last layers (push)
-    COMPUTED = "computed"      # every layer is in them; vLLM still runs the request
-    HELD = "held"              # vLLM handed them over until the lease deadline
-    RETURNED = "returned"      # given back to vLLM
-
-
-class Send(enum.Enum):
-    """How far a request's KV is on its way to the decode."""
-
-    WAITING = "waiting"        # no decode has offered a lease for it yet
-    STREAMING = "streaming"    # a stream into the lease is open; layers post as saved
-    ENDING = "ending"          # finish() or abort() went out; a pool thread awaits the end
-    DONE = "done"              # no stream reads the blocks (ended, failed, or none started)
-
-
-@dataclass(eq=False)
-class _Outgoing:
-    """One request's hand-off, from its forward pass (push) or ``hold`` (pull) until its
-    blocks go back to vLLM."""
-
-    req_id: str
-    key: str                       # what the decode offers for: transfer id or request id
-    blocks: list[int]
-    state: Blocks
-    send: Send = Send.WAITING
-    layers: set[int] = field(default_factory=set)  # in the blocks so far
-    posted: set[int] = field(default_factory=set)  # streamed to the decode
-    overlapped: int = 0            # layers posted before the forward pass ended
-    stream: kvmove.SaveStream | None = None
-    deadline: float = float("inf")  # of the lease, once HELD
-
-    def _leave(self, current: enum.Enum, *allowed: enum.Enum) -> None:
-        assert current in allowed, f"{self.key}: {current} is not one of {allowed}"
-
-    def computed(self, num_layers: int) -> None:
-        self._leave(self.state, Blocks.COMPUTING)
-        self.overlapped = len(self.posted)
-        self.layers.update(range(num_layers))
-        self.state = Blocks.COMPUTED
-
-    def hold(self, blocks: list[int], deadline: float, num_layers: int) -> None:
-        self._leave(self.state, Blocks.COMPUTING, Blocks.COMPUTED)
-        self.blocks, self.deadline = list(blocks), deadline
-        self.layers.update(range(num_layers))
-        self.state = Blocks.HELD
-
-    def give_back(self) -> None:
-        self._leave(self.state, Blocks.HELD)
-        self._leave(self.send, Send.DONE)
-        self.state = Blocks.RETURNED
-
-    def stream_opened(self, stream: kvmove.SaveStream) -> None:
-        self._leave(self.send, Send.WAITING)
-        self.stream, self.send = stream, Send.STREAMING
-
-    def closing(self) -> None:
-        self._leave(self.send, Send.STREAMING)
-        self.send = Send.ENDING
-
-    def ended(self) -> None:
-        self._leave(self.send, Send.ENDING)
-        self.send = Send.DONE
-
-    def skipped(self) -> None:
-        self._leave(self.send, Send.WAITING)
-        self.send = Send.DONE
+POLL_SECONDS = 0.05            # the offer thread's wait, between looks at shutdown
 
 
 @dataclass
@@ -151,18 +63,31 @@ class PDPrefillWorker:
         self.timeout = timeout
         self._lock = lock          # the PDWorker's: notified when blocks go back
         self._pool = pool
-        self._out: dict[str, _Outgoing] = {}            # by key
-        self._out_by_req: dict[str, _Outgoing] = {}
-        self._step: list[_Outgoing] = []                 # pushes in this forward pass
-        self._step_meta: PDMetadata | None = None        # whose pushes _step holds
+        self._out: dict[str, Outgoing] = {}           # by key (the offers' request id)
+        self._out_by_req: dict[str, Outgoing] = {}    # by vLLM's request id: all of them
+        self._step: list[Outgoing] = []               # pushes in this forward pass
+        self._step_meta: PDMetadata | None = None     # whose pushes _step holds
         self._reservations: dict[str, _Reservation] = {}
         self._done_keys: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._sent: set[str] = set()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Starts the thread that receives the decodes' offers."""
+        self._thread = threading.Thread(target=self._serve, name="kvmove-vllm-offers",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
 
     @property
     def pending(self) -> bool:
         """Some request's blocks have not gone back yet."""
-        return bool(self._out)
+        return bool(self._out_by_req)
 
     @property
     def has_sent(self) -> bool:
@@ -197,8 +122,9 @@ class PDPrefillWorker:
         reported: an attention backend that does not call it)."""
         with self._lock:
             for out in self._step:
-                out.computed(self.num_layers)
-                self._post_ready(out)
+                if out.state is Blocks.COMPUTING:  # else vLLM handed it over already
+                    out.computed(self.num_layers)
+                    self._post_ready(out)
             self._step = []
 
     def hold(self, send: SendSpec) -> None:
@@ -208,7 +134,7 @@ class PDPrefillWorker:
         with self._lock:
             out = self._out_by_req.get(send.req_id)
             if out is None:
-                out = self._track(_Outgoing(send.req_id, send.transfer_id or send.req_id,
+                out = self._track(Outgoing(send.req_id, send.transfer_id or send.req_id,
                                             list(send.blocks), Blocks.COMPUTED))
             out.hold(send.blocks, send.deadline, self.num_layers)
             if send.abort:
@@ -220,7 +146,7 @@ class PDPrefillWorker:
     def release_expired(self, now: float) -> None:
         """Leases no decode took up in time; reservations no request came for."""
         with self._lock:
-            for out in list(self._out.values()):
+            for out in list(self._out_by_req.values()):
                 if out.state is Blocks.HELD and out.send is Send.WAITING and now > out.deadline:
                     logger.info("kvmove: lease of %s ended before a decode asked for it; "
                                 "its %d blocks go back to vLLM", out.key, len(out.blocks))
@@ -250,35 +176,40 @@ class PDPrefillWorker:
                 self._reservations[offer.request_id] = _Reservation(offer, time.monotonic())
 
     def _decline(self, offer: Offer, reason: str) -> None:
-        """The seam of the refusal: tells the decode its offer will not be streamed into."""
-        self._pool.submit(self._notify, offer.peer,
-                          refuse_message(offer.request_id, reason))
-
-    def _notify(self, peer: str, message: bytes) -> None:
+        """Tells the decode its lease will not be streamed into (its load fails at once)."""
         try:
-            self.agent.write(peer, [], [], notify=message).wait(MESSAGE_SECONDS)
-        except KVMoveError as error:
-            logger.warning("kvmove: message to %s lost: %s", peer, error)
+            self.agent.decline(offer, reason)
+        except KVMoveError as error:   # it died meanwhile: its lease is gone with it
+            logger.warning("kvmove: cannot decline %s of %s: %s", offer.request_id,
+                           offer.peer, error)
+
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            try:
+                offer = self.agent.wait_offer(POLL_SECONDS)
+            except kvmove.errors.TimeoutError:
+                continue   # none yet, or the agent closed (then _closed is set too)
+            self.on_offer(offer)
 
     # ---- the hand-off -----------------------------------------------------------------------
 
-    def _track(self, out: _Outgoing) -> _Outgoing:
+    def _track(self, out: Outgoing) -> Outgoing:
         self._out[out.key] = out
         self._out_by_req[out.req_id] = out
         return out
 
-    def _begin_push(self, push: PushSpec) -> _Outgoing:
-        out = self._track(_Outgoing(push.req_id, push.transfer_id, list(push.blocks),
+    def _begin_push(self, push: PushSpec) -> Outgoing:
+        out = self._track(Outgoing(push.req_id, push.transfer_id, list(push.blocks),
                                     Blocks.COMPUTING))
         self._take_reservation(out)
         return out
 
-    def _take_reservation(self, out: _Outgoing) -> None:
+    def _take_reservation(self, out: Outgoing) -> None:
         reservation = self._reservations.pop(out.key, None)
         if reservation is not None:
             self._start_send(out, reservation.offer)
 
-    def _start_send(self, out: _Outgoing, offer: Offer) -> None:
+    def _start_send(self, out: Outgoing, offer: Offer) -> None:
         """Streams ``out`` into the offered lease: every layer in the blocks so far at once,
         the rest as ``save_kv_layer`` saves them."""
         if out.send is not Send.WAITING:
@@ -292,7 +223,7 @@ class PDPrefillWorker:
         out.stream_opened(stream)
         self._post_ready(out)
 
-    def _open_stream(self, out: _Outgoing, offer: Offer) -> kvmove.SaveStream | None:
+    def _open_stream(self, out: Outgoing, offer: Offer) -> kvmove.SaveStream | None:
         """None when nothing will be streamed: the decode needs nothing (a prefix it has),
         asks for more blocks than the prefill holds (declined), or the stream cannot start."""
         if not offer.blocks:
@@ -311,7 +242,7 @@ class PDPrefillWorker:
             logger.warning("kvmove: cannot stream %s to %s: %s", out.key, offer.peer, error)
             return None
 
-    def _post_ready(self, out: _Outgoing) -> None:
+    def _post_ready(self, out: Outgoing) -> None:
         """Streams the layers in the blocks not streamed yet; finishes once all are."""
         if out.send is not Send.STREAMING:
             return
@@ -324,7 +255,7 @@ class PDPrefillWorker:
             out.closing()
             self._pool.submit(self._await_send, out)
 
-    def _guard(self, out: _Outgoing, call: Callable[..., Any], *args: Any) -> None:
+    def _guard(self, out: Outgoing, call: Callable[..., Any], *args: Any) -> None:
         """A stream call; a stream that failed already (its decode died or gave up) is left
         for ``_await_send`` to end."""
         try:
@@ -332,7 +263,7 @@ class PDPrefillWorker:
         except KVMoveError as error:
             logger.debug("kvmove: stream %s: %s", out.key, error)
 
-    def _abort(self, out: _Outgoing) -> None:
+    def _abort(self, out: Outgoing) -> None:
         """The request did not finish normally: send nothing (more)."""
         if out.send is Send.WAITING:
             out.skipped()
@@ -343,7 +274,7 @@ class PDPrefillWorker:
                 out.closing()
                 self._pool.submit(self._await_send, out)
 
-    def _await_send(self, out: _Outgoing) -> None:
+    def _await_send(self, out: Outgoing) -> None:
         assert out.stream is not None
         started = time.monotonic()
         try:
@@ -362,15 +293,17 @@ class PDPrefillWorker:
             out.ended()
             self._give_back_if_done(out)
 
-    def _give_back_if_done(self, out: _Outgoing) -> None:
+    def _give_back_if_done(self, out: Outgoing) -> None:
         """vLLM gets the blocks back once it handed them to us and no stream reads them."""
         if out.state is not Blocks.HELD or out.send is not Send.DONE:
             return
         out.give_back()
         self._sent.add(out.req_id)
         self._lock.notify_all()
-        self._out.pop(out.key, None)
-        self._out_by_req.pop(out.req_id, None)
+        # Only this one: a client may have reused its transfer id for another meanwhile.
+        for table, name in ((self._out, out.key), (self._out_by_req, out.req_id)):
+            if table.get(name) is out:
+                del table[name]
         self._done_keys[out.key] = None
         while len(self._done_keys) > REMEMBER_DONE:
             self._done_keys.popitem(last=False)

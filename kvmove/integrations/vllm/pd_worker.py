@@ -12,13 +12,13 @@ the agent listens), because what a request asks for is in its ``kv_transfer_para
 the role: a step's metadata may carry loads, pushes and sends at once, and the two parts
 share nothing but the agent, the pool and one lock.
 
-The hand-off messages (the decode's offer of a lease, the prefill's refusal) go over
-``handoff_json.py``'s notifications, read here by one thread.
+The hand-off's messages are kvmove's stream protocol's: the decode offers its lease
+(``Agent.offer``), the prefill streams into it or declines it (``Agent.decline``).
 
 Threads: vLLM's model thread calls ``start_load_kv``/``save_kv_layer``/``wait_for_save``/
-``get_finished``; one thread of ours reads the hand-off messages; a small pool runs the
-decode's loads and waits for the prefill's sends. One lock (a re-entrant condition, notified
-when a transfer ends) guards both parts' state; nothing blocking runs under it.
+``get_finished``; one thread of ours receives the offers (the prefill part's); a small pool
+runs the decode's loads and waits for the prefill's sends. One lock (a re-entrant condition,
+notified when a transfer ends) guards both parts' state; nothing blocking runs under it.
 """
 
 from __future__ import annotations
@@ -31,9 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import kvmove
 from kvmove.auth import key_from_file
-from kvmove.errors import KVMoveError
 from kvmove.integrations.vllm.config import ConnectorConfig, KVRole, layout_of, wrap_kv_caches
-from kvmove.integrations.vllm.handoff_json import Offer, Refusal, parse
 from kvmove.integrations.vllm.pd_decode import PDDecodeWorker
 from kvmove.integrations.vllm.pd_prefill import PDPrefillWorker
 from kvmove.runtime import unpin, unpinned
@@ -45,7 +43,6 @@ __all__ = ["PDWorker"]
 
 logger = logging.getLogger("vllm.kvmove.pd_worker")  # vLLM's handlers print "vllm.*"
 
-POLL_SECONDS = 0.05
 # vLLM steps without pause while a request waits for its KV (or holds it for a decode), one
 # empty step after the other: an idle step's get_finished waits this long for a transfer to
 # end (it returns at once when one does), so the wait does not spin a core.
@@ -62,9 +59,7 @@ class PDWorker:
         self.layer_index: dict[str, int] = {}
         self._lock = threading.Condition()  # re-entrant; notified when a transfer ended
         self._idle = False
-        self._closed = threading.Event()
         self._pool = ThreadPoolExecutor(8, thread_name_prefix="kvmove-vllm", initializer=unpin)
-        self._thread: threading.Thread | None = None
         self._prefill: PDPrefillWorker | None = None
         self._decode: PDDecodeWorker | None = None
 
@@ -89,9 +84,7 @@ class PDWorker:
             self._prefill = PDPrefillWorker(self.agent, len(kv_caches), cfg.lease_seconds,
                                             cfg.load_timeout, self._lock, self._pool)
             self._decode = PDDecodeWorker(self.agent, cfg.load_timeout, self._lock, self._pool)
-            self._thread = threading.Thread(target=self._serve, name="kvmove-vllm-notify",
-                                            daemon=True)
-            self._thread.start()
+            self._prefill.start()
         listening = cfg.role is KVRole.PRODUCER
         logger.info("kvmove: %s agent %s over %d layers of %s (%s)%s", self._side,
                     self.agent.name, len(kv_caches), self.layout, cache.device,
@@ -112,9 +105,8 @@ class PDWorker:
         return agent
 
     def shutdown(self) -> None:
-        self._closed.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5.0)
+        if self._prefill is not None:
+            self._prefill.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.agent is not None:
             self.agent.close()
@@ -159,22 +151,3 @@ class PDWorker:
 
     def build_connector_worker_meta(self) -> None:
         return None   # the scheduler side needs no report from P/D workers
-
-    # ---- hand-off messages ------------------------------------------------------------------
-
-    def _serve(self) -> None:
-        assert self.agent is not None
-        while not self._closed.is_set():
-            try:
-                peer, data = self.agent.wait_notification(POLL_SECONDS)
-            except kvmove.errors.TimeoutError:
-                continue
-            except KVMoveError:
-                return   # the agent closed
-            message = parse(peer, data)
-            if isinstance(message, Offer):
-                self.prefill.on_offer(message)
-            elif isinstance(message, Refusal):
-                self.decode.on_refused(message)
-            else:
-                logger.warning("kvmove: unknown message from %s: %.200r", peer, data)
