@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,9 +32,10 @@ from helpers.checks import within
 from helpers.kv import make_cache, pattern, raw_view
 from helpers.serve import wait_until
 
-LAYOUT = dict(num_layers=4, num_kv_heads=2, head_dim=16, dtype="float16", block_size=4)
+LAYOUT: dict[str, Any] = dict(num_layers=4, num_kv_heads=2, head_dim=16, dtype="float16",
+                              block_size=4)
 L, NUM_BLOCKS = 4, 16
-TCP = {"transports": "tcp", "error_mode": "peer", "peer_timeout": 2.0}
+TCP: dict[str, Any] = {"transports": "tcp", "error_mode": "peer", "peer_timeout": 2.0}
 WAIT = 10.0            # every wait that should succeed
 TIMEOUT = 20.0         # the parts' load_timeout: a failure must come long before it
 LEASE = 30.0

@@ -33,8 +33,9 @@ def test_an_answer_reads_back_field_for_field() -> None:
 
 
 def test_none_and_non_dicts_are_empty_params() -> None:
+    raw: Any
     for raw in (None, {}, [], "push"):
-        params = KVTransferParams.from_request(raw)  # type: ignore[arg-type]
+        params = KVTransferParams.from_request(raw)
         assert params == KVTransferParams() and params.to_dict() == {}
         assert params.key is None and params.agent_address is None
 

@@ -8,6 +8,7 @@ every call to them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -123,8 +124,9 @@ class KVMoveConnector(KVConnectorBase_V1):
 
 
 # Both sides are imported only for the role that uses them: offload's need no agent, P/D's no
-# store, and a scheduler process never imports a worker's.
-def _scheduler_class(role: KVRole) -> type[ConnectorScheduler]:
+# store, and a scheduler process never imports a worker's. Each is built from
+# (vllm_config, config, kv_cache_config).
+def _scheduler_class(role: KVRole) -> Callable[..., ConnectorScheduler]:
     if role is KVRole.BOTH:
         from kvmove.integrations.vllm.offload import OffloadScheduler
         return OffloadScheduler
@@ -132,7 +134,7 @@ def _scheduler_class(role: KVRole) -> type[ConnectorScheduler]:
     return PDScheduler
 
 
-def _worker_class(role: KVRole) -> type[ConnectorWorker]:
+def _worker_class(role: KVRole) -> Callable[..., ConnectorWorker]:
     if role is KVRole.BOTH:
         from kvmove.integrations.vllm.offload import OffloadWorker
         return OffloadWorker
