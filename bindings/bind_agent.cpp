@@ -20,8 +20,8 @@ py::bytes to_bytes(const std::vector<uint8_t>& v) {
     return {reinterpret_cast<const char*>(v.data()), v.size()};
 }
 
-py::tuple to_notification(const std::pair<std::string, std::string>& n) {
-    return py::make_tuple(n.first, py::bytes(n.second));
+py::tuple to_notification(const Notification& n) {
+    return py::make_tuple(n.peer, py::bytes(n.payload));
 }
 
 using StartFn = std::shared_ptr<Transfer> (Agent::*)(const std::string&,
@@ -74,9 +74,7 @@ void register_agent(py::module_& m) {
             out["total_kv_heads"] = meta.shape.total_kv_heads;
             return out;
         },
-        py::arg("data"),
-        "Decodes unsigned agent metadata (the core's wire format); raises MetadataError "
-        "naming the field that is wrong.");
+        py::arg("data"));
     using release = py::call_guard<py::gil_scoped_release>;
     py::enum_<TransferState>(m, "TransferState")
         .value("PENDING", TransferState::Pending)
@@ -85,7 +83,7 @@ void register_agent(py::module_& m) {
 
     py::class_<TransferStats>(m, "TransferStats")
         .def_readonly("nbytes", &TransferStats::nbytes)
-        .def_readonly("num_ops", &TransferStats::num_ops, "RMA operations posted (coalesced).")
+        .def_readonly("num_ops", &TransferStats::num_ops)
         .def_readonly("post_seconds", &TransferStats::post_seconds)
         .def_readonly("complete_seconds", &TransferStats::complete_seconds)
         .def("__repr__", [](const TransferStats& s) {
@@ -148,14 +146,13 @@ void register_agent(py::module_& m) {
         .def("remove_peer", &Agent::remove_peer, py::arg("name"), release())
         .def_property_readonly("peers", &Agent::peers)
         .def("peer_transports", &Agent::peer_transports, py::arg("name"), release())
-        .def("peer_path", &Agent::peer_path, py::arg("name"), release(),
-             "How transfers with the peer move: 'mapped' (same host) or 'ucx'.")
+        .def("peer_path", &Agent::peer_path, py::arg("name"), release())
         .def("write", transfer_method(&Agent::write), py::arg("peer"), py::arg("local_ids"),
              py::arg("remote_ids"), py::arg("layers") = py::none(), py::arg("notify") = py::none(),
-             release(), "One-sided put of local_ids[i] -> remote_ids[i] (see docs/transfer.md).")
+             release())
         .def("read", transfer_method(&Agent::read), py::arg("peer"), py::arg("local_ids"),
              py::arg("remote_ids"), py::arg("layers") = py::none(), py::arg("notify") = py::none(),
-             release(), "One-sided get of remote_ids[i] -> local_ids[i] (see docs/transfer.md).")
+             release())
         .def(
             "stream_to",
             [](Agent& a, const std::string& peer, const Ids& local, const Ids& remote,
@@ -212,7 +209,7 @@ void register_agent(py::module_& m) {
         .def(
             "wait_notification",
             [](Agent& a, double timeout) {
-                std::pair<std::string, std::string> n;
+                Notification n;
                 {
                     py::gil_scoped_release nogil;
                     n = a.wait_notification(timeout);

@@ -8,10 +8,7 @@ namespace py = pybind11;
 namespace kvmove::bindings {
 
 void register_block_file(py::module_& m) {
-    py::class_<BlockFile>(m, "BlockFile", R"doc(
-KV blocks in fixed-size, 4 KiB-aligned slots of one file, each with an XXH64 checksum seeded by
-its content hash. The bytes of a disk storage tier; kvmove.store keeps the index.
-)doc")
+    py::class_<BlockFile>(m, "BlockFile")
         .def(py::init<const std::string&, uint64_t, int64_t, bool>(), py::arg("path"),
              py::arg("block_nbytes"), py::arg("num_slots"), py::arg("direct") = true,
              py::call_guard<py::gil_scoped_release>())
@@ -21,11 +18,9 @@ its content hash. The bytes of a disk storage tier; kvmove.store keeps the index
         .def_property_readonly("num_slots", &BlockFile::num_slots)
         .def_property_readonly("direct", &BlockFile::direct)
         .def("write", &BlockFile::write, py::arg("cache"), py::arg("block_ids"), py::arg("slots"),
-             py::arg("hashes"), py::call_guard<py::gil_scoped_release>(),
-             "Writes blocks into slots; returns their checksums. StoreError on an I/O error.")
+             py::arg("hashes"), py::call_guard<py::gil_scoped_release>())
         .def("read", &BlockFile::read, py::arg("cache"), py::arg("block_ids"), py::arg("slots"),
-             py::arg("hashes"), py::arg("checksums"), py::call_guard<py::gil_scoped_release>(),
-             "Reads slots into blocks up to the first bad checksum; 1 (read) or 0 per block.")
+             py::arg("hashes"), py::arg("checksums"), py::call_guard<py::gil_scoped_release>())
         .def("sync", &BlockFile::sync, py::call_guard<py::gil_scoped_release>())
         .def("close", &BlockFile::close, py::call_guard<py::gil_scoped_release>())
         .attr("SLOT_ALIGN") = BlockFile::kSlotAlign;

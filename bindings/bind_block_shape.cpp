@@ -13,7 +13,7 @@ void register_block_shape(py::module_& m) {
         .value("float16", DType::Float16)
         .value("bfloat16", DType::BFloat16)
         .value("float8", DType::Float8);
-    py::enum_<BlockOrder>(m, "BlockOrder", "The element order inside a block.")
+    py::enum_<BlockOrder>(m, "BlockOrder")
         .value("NHD", BlockOrder::NHD)
         .value("HND", BlockOrder::HND)
         .value("VLLM_CPU", BlockOrder::VllmCpu)
@@ -24,9 +24,8 @@ void register_block_shape(py::module_& m) {
             BlockOrder order;
             return parse_order(name, order) ? std::optional(order) : std::nullopt;
         },
-        py::arg("name"), "The BlockOrder named ``name`` (\"NHD\", \"vllm-cpu\"...), or None.");
-    py::class_<BlockShape>(m, "BlockShape",
-                           "What one block of one layer holds (common/block_shape.h).")
+        py::arg("name"));
+    py::class_<BlockShape>(m, "BlockShape")
         .def(py::init([](int32_t block_size, int32_t num_kv_heads, int32_t head_dim, DType dtype,
                          BlockOrder order, int32_t head_first,
                          std::optional<int32_t> total_kv_heads) {
@@ -40,9 +39,7 @@ void register_block_shape(py::module_& m) {
              }),
              py::arg("block_size"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("dtype"),
              py::arg("order") = BlockOrder::NHD, py::arg("head_first") = 0,
-             py::arg("total_kv_heads") = py::none(),
-             "total_kv_heads: the model's KV heads (default num_kv_heads: no tensor-parallel "
-             "split); the block holds [head_first, head_first + num_kv_heads) of them.")
+             py::arg("total_kv_heads") = py::none())
         .def_readonly("block_size", &BlockShape::block_size)
         .def_readonly("num_kv_heads", &BlockShape::num_kv_heads)
         .def_readonly("head_dim", &BlockShape::head_dim)
@@ -50,7 +47,7 @@ void register_block_shape(py::module_& m) {
         .def_readonly("order", &BlockShape::order)
         .def_readonly("head_first", &BlockShape::head_first)
         .def_readonly("total_kv_heads", &BlockShape::total_kv_heads)
-        .def_property_readonly("nbytes", &BlockShape::nbytes, "Bytes of one block of one layer.");
+        .def_property_readonly("nbytes", &BlockShape::nbytes);
 }
 
 }  // namespace kvmove::bindings

@@ -32,7 +32,7 @@ struct type_caster<kvmove::Descriptor> {
 namespace kvmove::bindings {
 
 void register_kv_cache(py::module_& m) {
-    py::class_<KVCache>(m, "KVCache", "Untyped core of kvmove.KVCache (layers x blocks x bytes).")
+    py::class_<KVCache>(m, "KVCache")
         .def(py::init<int64_t, int64_t, int64_t, bool, int, bool>(), py::arg("num_layers"),
              py::arg("num_blocks"), py::arg("block_nbytes"), py::arg("huge_pages") = false,
              py::arg("device") = -1, py::arg("pin") = false)
@@ -49,15 +49,12 @@ void register_kv_cache(py::module_& m) {
                          std::move(segments), device);
                  }),
              py::arg("num_layers"), py::arg("num_blocks"), py::arg("num_parts"), py::arg("planes"),
-             py::arg("segments"), py::arg("device"),
-             "Wraps memory owned elsewhere: planes (base, block_stride, block_nbytes, segment), "
-             "layer-major, inside segments (addr, nbytes). The caller keeps the memory alive.")
+             py::arg("segments"), py::arg("device"))
         .def_property_readonly("wrapped", &KVCache::wrapped)
-        .def_property_readonly("device", &KVCache::device, "CUDA device, or -1 for host memory.")
+        .def_property_readonly("device", &KVCache::device)
         .def_property_readonly("num_parts",
                                [](const KVCache& c) { return c.geometry().num_parts(); })
-        .def_property_readonly("segments", &KVCache::segments,
-                               "(addr, nbytes) of each span registered with a transport.")
+        .def_property_readonly("segments", &KVCache::segments)
         .def_property_readonly(
             "planes",
             [](const KVCache& c) {
@@ -66,26 +63,20 @@ void register_kv_cache(py::module_& m) {
                     out.emplace_back(p.base, p.block_stride, p.block_nbytes, p.segment);
                 }
                 return out;
-            },
-            "(base, block_stride, block_nbytes, segment) of each plane.")
+            })
         .def_property_readonly("pool", &KVCache::pool, py::return_value_policy::reference_internal)
         .def_property_readonly(
             "region", [](KVCache& c) { return c.wrapped() ? nullptr : &c.region(); },
-            py::return_value_policy::reference_internal, "The owned region; None when wrapped.")
+            py::return_value_policy::reference_internal)
         .def_property_readonly("num_layers", &KVCache::num_layers)
         .def_property_readonly("num_blocks", &KVCache::num_blocks)
-        .def_property_readonly("block_nbytes", &KVCache::block_nbytes,
-                               "Bytes of one block in one layer (K and V).")
-        .def("offset", &KVCache::offset, py::arg("layer"), py::arg("block"),
-             "Byte offset of (layer, block) from the region's start.")
+        .def_property_readonly("block_nbytes", &KVCache::block_nbytes)
+        .def("offset", &KVCache::offset, py::arg("layer"), py::arg("block"))
         .def("descriptors", &KVCache::descriptors, py::arg("block_ids"),
              py::arg("layers") = py::none(), py::call_guard<py::gil_scoped_release>());
     m.def("copy_blocks", &copy_blocks, py::arg("src"), py::arg("src_ids"), py::arg("dst"),
-          py::arg("dst_ids"), py::call_guard<py::gil_scoped_release>(),
-          "Copies blocks (every layer) between two caches of the same shape.");
-    m.def("runs", &runs, py::arg("ids"),
-          "Consecutive ascending ids as ``(first, count)`` runs, in order: "
-          "``[4, 5, 6, 9, 2, 3] -> [(4, 3), (9, 1), (2, 2)]``.");
+          py::arg("dst_ids"), py::call_guard<py::gil_scoped_release>());
+    m.def("runs", &runs, py::arg("ids"));
 }
 
 }  // namespace kvmove::bindings

@@ -10,16 +10,14 @@ namespace kvmove::bindings {
 void register_kv_convert(py::module_& m) {
     m.def("pack_blocks", &pack_blocks, py::arg("cache"), py::arg("block_ids"), py::arg("layers"),
           py::arg("staging_addr"), py::arg("staging_nbytes"),
-          py::call_guard<py::gil_scoped_release>(),
-          "Copies blocks of layers into a contiguous [layers, blocks, block_nbytes] buffer.");
+          py::call_guard<py::gil_scoped_release>());
     m.def("unpack_blocks", &unpack_blocks, py::arg("staging_addr"), py::arg("staging_nbytes"),
           py::arg("cache"), py::arg("block_ids"), py::arg("layers"),
-          py::call_guard<py::gil_scoped_release>(), "The reverse of pack_blocks.");
+          py::call_guard<py::gil_scoped_release>());
     m.def("convert_blocks", &convert_blocks, py::arg("src"), py::arg("src_shape"),
           py::arg("src_ids"), py::arg("dst"), py::arg("dst_shape"), py::arg("dst_ids"),
           py::arg("num_tokens"), py::arg("layers"), py::arg("scales_addr"),
-          py::arg("scales_nbytes"), py::call_guard<py::gil_scoped_release>(),
-          "Copies num_tokens tokens between caches of other block sizes, head orders, dtypes.");
+          py::arg("scales_nbytes"), py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace kvmove::bindings

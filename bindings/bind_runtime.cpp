@@ -11,20 +11,14 @@ namespace py = pybind11;
 namespace kvmove::bindings {
 
 void register_runtime(py::module_& m) {
-    m.def("ucx_version", &ucx_version, "Version of the libucp this process loaded.");
-    m.def("peer_error_settings", &peer_error_settings,
-          "(key without UCX_, value) pairs an agent adds to UCX's config in PEER error mode.");
-    m.def(
-        "cuda_status",
-        [] {
-            CudaStatus s = cuda_status();
-            return py::make_tuple(s.built, s.device_count, s.reason);
-        },
-        "(built with CUDA, device count, reason when 0).");
-    m.def("check_timeout", &check_timeout, py::arg("timeout"),
-          "Raises ConfigError unless timeout is in [0, 1e6] seconds (every wait's rule).");
-    m.def("set_log_level", &set_log_level, py::arg("level"),
-          "The core's records below this logging level are dropped where they are made.");
+    m.def("ucx_version", &ucx_version);
+    m.def("peer_error_settings", &peer_error_settings);
+    m.def("cuda_status", [] {
+        CudaStatus s = cuda_status();
+        return py::make_tuple(s.built, s.device_count, s.reason);
+    });
+    m.def("check_timeout", &check_timeout, py::arg("timeout"));
+    m.def("set_log_level", &set_log_level, py::arg("level"));
     // Never waits, and keeps the GIL: a daemon thread that waited in here with the GIL
     // released would be ended by Python's shutdown (pthread_exit) inside C++ frames, which
     // terminates the process.
@@ -38,8 +32,8 @@ void register_runtime(py::module_& m) {
             }
             return out;
         },
-        py::arg("max_records") = 1000, "(level, logger, message) records the core queued.");
-    m.def("log_dropped", &log_dropped, "Core log records dropped on a full queue.");
+        py::arg("max_records") = 1000);
+    m.def("log_dropped", &log_dropped);
 }
 
 }  // namespace kvmove::bindings

@@ -48,8 +48,7 @@ void register_stream(py::module_& m) {
         },
         py::arg("kind"), py::arg("request_id"), py::arg("epoch"), py::arg("layer") = 0,
         py::arg("ids_hash") = 0, py::arg("checksums") = std::vector<uint64_t>{},
-        py::arg("payload") = py::bytes(), py::arg("block_ids") = std::vector<BlockId>{},
-        "A stream message's bytes (kind: 'Begin', 'Go', 'Layer'...), as a peer sends them.");
+        py::arg("payload") = py::bytes(), py::arg("block_ids") = std::vector<BlockId>{});
     m.def(
         "decode_stream_message",
         [](const py::bytes& data) {
@@ -66,9 +65,7 @@ void register_stream(py::module_& m) {
             out["block_ids"] = message.block_ids;
             return out;
         },
-        py::arg("data"),
-        "Decodes a stream message as an agent does when it arrives; raises MetadataError "
-        "naming what is wrong.");
+        py::arg("data"));
     m.def("hash_ids", &hash_ids, py::arg("ids"));
     py::class_<Offer>(m, "Offer")
         .def(py::init<std::string, std::string, uint64_t, std::vector<BlockId>>(), py::arg("peer"),

@@ -18,7 +18,7 @@ PYBIND11_MODULE(_C, m) {
     kvmove::bindings::register_runtime(m);
     kvmove::bindings::register_stream(m);
     kvmove::bindings::register_agent(m);
-    // kvmove::Error -> the kvmove.errors class its kind names (kvmove/__init__ imports
+    // kvmove::Error -> the kvmove.errors class its kind names (kvmove/__init__.py imports
     // kvmove.errors before this module, so the import below is a dictionary lookup).
     py::register_exception_translator([](std::exception_ptr p) {
         try {

@@ -16,8 +16,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         return 0;
     }
     const std::string again = kvmove::encode(message);
-    if (again.size() != size || again.compare(0, size, reinterpret_cast<const char*>(data),
-                                              size) != 0) {
+    if (again.size() != size ||
+        again.compare(0, size, reinterpret_cast<const char*>(data), size) != 0) {
         std::abort();  // accepted, but not as it would be written
     }
     return 0;

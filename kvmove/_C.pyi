@@ -1,6 +1,7 @@
-# Type stubs of kvmove._C, the private compiled core. Regenerate after changing bindings/:
-#   pybind11-stubgen kvmove._C -o <dir>  (then copy <dir>/kvmove/_C.pyi here)
-# tests/test_package.py checks that they name exactly what the module has.
+# Type stubs of kvmove._C, the private compiled core, generated: after changing bindings/ run
+#   pybind11-stubgen kvmove._C -o <dir> && cp <dir>/kvmove/_C.pyi kvmove/_C.pyi  (keep this header)
+# Signatures only: the docstrings are the Python face's (kvmove/*.py). tests/test_package.py
+# checks that they name exactly what the module has.
 """
 kvmove's compiled core. Private: import kvmove instead.
 """
@@ -11,69 +12,31 @@ import numpy.typing
 import typing
 __all__: list[str] = ['Agent', 'BlockFile', 'BlockOrder', 'BlockPool', 'BlockShape', 'DType', 'KVCache', 'LoadStream', 'Offer', 'Region', 'SaveStream', 'StreamState', 'StreamStats', 'Transfer', 'TransferState', 'TransferStats', 'block_hashes', 'check_timeout', 'convert_blocks', 'copy_blocks', 'cuda_status', 'decode_metadata', 'decode_stream_message', 'encode_stream_message', 'hash_ids', 'log_dropped', 'pack_blocks', 'parse_order', 'peer_error_settings', 'runs', 'set_log_level', 'take_log', 'ucx_version', 'unpack_blocks', 'xxh64']
 class BlockPool:
-    """
-    Fixed pool of ``num_blocks`` equal blocks with ids ``0..num_blocks-1``: reference counts,
-    contiguity-aware allocation and a prefix cache keyed by block hashes. Owns no memory (see
-    ``KVCache``). Thread-safe: every call holds the pool's lock and releases the GIL.
-    
-    A block is *free* (ref 0), *cached* (ref 0, carries a hash: evictable, revived by ``match``)
-    or *used* (ref > 0). ``num_free`` counts free and cached blocks.
-    """
     def __init__(self, num_blocks: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...
     def allocate(self, n: typing.SupportsInt | typing.SupportsIndex) -> list[int] | None:
-        """
-        ``n`` blocks with reference count 1, in as few runs of consecutive ids as possible; ``None``
-        when fewer than ``n`` are free right now (back-pressure). All-or-nothing. Evicts least
-        recently used cached blocks when free ones are not enough.
-        
-        Raises:
-            ConfigError: ``n < 1`` or ``n > num_blocks``.
-        """
+        ...
     def block_hash(self, id: typing.SupportsInt | typing.SupportsIndex) -> int | None:
-        """
-        The hash committed to block ``id``, or None.
-        """
+        ...
     def commit(self, ids: list[int], hashes: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> None:
-        """
-        Tags used blocks with content hashes (``block_hashes``) so that, once freed, they stay cached
-        and ``match`` can find them. A hash already held by another block is left to that block.
-        
-        Raises:
-            ConfigError: ``len(ids) != len(hashes)``.
-            BlockError: an id out of range, not allocated, or already tagged with another hash.
-        """
+        ...
     def free(self, ids: list[int]) -> None:
-        """
-        Drops one reference per occurrence of each id. At zero a block with a hash becomes cached
-        (LRU, the list's last block evicted first), one without returns to the free runs.
-        
-        Raises:
-            BlockError: an id out of range, a free block, or more frees than references.
-        """
+        ...
     def match(self, hashes: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> list[int]:
-        """
-        Ids of the longest cached prefix of ``hashes``, each with one new reference (the caller frees them like allocated blocks).
-        """
+        ...
     def ref_count(self, id: typing.SupportsInt | typing.SupportsIndex) -> int:
         ...
     def share(self, ids: list[int]) -> None:
-        """
-        Adds one reference per occurrence of each id. Raises BlockError for a block that is not allocated.
-        """
+        ...
     @property
     def num_blocks(self) -> int:
         ...
     @property
     def num_cached(self) -> int:
-        """
-        Freed blocks that carry a hash, kept until evicted.
-        """
+        ...
     @property
     def num_free(self) -> int:
-        """
-        Free plus cached (evictable) blocks.
-        """
+        ...
     @property
     def num_used(self) -> int:
         ...
@@ -130,8 +93,6 @@ class DType:
         ...
 class BlockOrder:
     """
-    The element order inside a block.
-    
     Members:
     
       NHD
@@ -182,13 +143,8 @@ class BlockOrder:
     def value(self) -> int:
         ...
 class BlockShape:
-    """
-    What one block of one layer holds (common/block_shape.h).
-    """
     def __init__(self, block_size: typing.SupportsInt | typing.SupportsIndex, num_kv_heads: typing.SupportsInt | typing.SupportsIndex, head_dim: typing.SupportsInt | typing.SupportsIndex, dtype: DType, order: BlockOrder = ..., head_first: typing.SupportsInt | typing.SupportsIndex = 0, total_kv_heads: typing.SupportsInt | typing.SupportsIndex | None = None) -> None:
-        """
-        total_kv_heads: the model's KV heads (default num_kv_heads: no tensor-parallel split); the block holds [head_first, head_first + num_kv_heads) of them.
-        """
+        ...
     @property
     def block_size(self) -> int:
         ...
@@ -203,9 +159,7 @@ class BlockShape:
         ...
     @property
     def nbytes(self) -> int:
-        """
-        Bytes of one block of one layer.
-        """
+        ...
     @property
     def num_kv_heads(self) -> int:
         ...
@@ -216,11 +170,6 @@ class BlockShape:
     def total_kv_heads(self) -> int:
         ...
 class Region:
-    """
-    Host or device memory with one owner. A host region exposes its bytes zero-copy through the
-    buffer protocol (``numpy.frombuffer(region, numpy.uint8)`` is a writable view, not a copy); a
-    device cache through ``kvmove.KVCache.__cuda_array_interface__``.
-    """
     def __init__(self, nbytes: typing.SupportsInt | typing.SupportsIndex, huge_pages: bool = False, device: typing.SupportsInt | typing.SupportsIndex = -1, pin: bool = False) -> None:
         ...
     @property
@@ -228,9 +177,7 @@ class Region:
         ...
     @property
     def device(self) -> int:
-        """
-        CUDA device, or -1 for host memory.
-        """
+        ...
     @property
     def huge_pages(self) -> bool:
         ...
@@ -239,37 +186,24 @@ class Region:
         ...
     @property
     def pinned(self) -> bool:
-        """
-        Host memory page-locked for DMA (cudaHostRegister).
-        """
+        ...
 class KVCache:
-    """
-    Untyped core of kvmove.KVCache (layers x blocks x bytes).
-    """
     @typing.overload
     def __init__(self, num_layers: typing.SupportsInt | typing.SupportsIndex, num_blocks: typing.SupportsInt | typing.SupportsIndex, block_nbytes: typing.SupportsInt | typing.SupportsIndex, huge_pages: bool = False, device: typing.SupportsInt | typing.SupportsIndex = -1, pin: bool = False) -> None:
         ...
     @typing.overload
     def __init__(self, num_layers: typing.SupportsInt | typing.SupportsIndex, num_blocks: typing.SupportsInt | typing.SupportsIndex, num_parts: typing.SupportsInt | typing.SupportsIndex, planes: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]], segments: collections.abc.Sequence[tuple[int, int]], device: typing.SupportsInt | typing.SupportsIndex) -> None:
-        """
-        Wraps memory owned elsewhere: planes (base, block_stride, block_nbytes, segment), layer-major, inside segments (addr, nbytes). The caller keeps the memory alive.
-        """
+        ...
     def descriptors(self, block_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], layers: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None = None) -> list[tuple[int, int]]:
         ...
     def offset(self, layer: typing.SupportsInt | typing.SupportsIndex, block: typing.SupportsInt | typing.SupportsIndex) -> int:
-        """
-        Byte offset of (layer, block) from the region's start.
-        """
+        ...
     @property
     def block_nbytes(self) -> int:
-        """
-        Bytes of one block in one layer (K and V).
-        """
+        ...
     @property
     def device(self) -> int:
-        """
-        CUDA device, or -1 for host memory.
-        """
+        ...
     @property
     def num_blocks(self) -> int:
         ...
@@ -281,45 +215,31 @@ class KVCache:
         ...
     @property
     def planes(self) -> list[tuple[int, int, int, int]]:
-        """
-        (base, block_stride, block_nbytes, segment) of each plane.
-        """
+        ...
     @property
     def pool(self) -> BlockPool:
         ...
     @property
     def region(self) -> Region:
-        """
-        The owned region; None when wrapped.
-        """
+        ...
     @property
     def segments(self) -> list[tuple[int, int]]:
-        """
-        (addr, nbytes) of each span registered with a transport.
-        """
+        ...
     @property
     def wrapped(self) -> bool:
         ...
 class BlockFile:
-    """
-    KV blocks in fixed-size, 4 KiB-aligned slots of one file, each with an XXH64 checksum seeded by
-    its content hash. The bytes of a disk storage tier; kvmove.store keeps the index.
-    """
     SLOT_ALIGN: typing.ClassVar[int] = 4096
     def __init__(self, path: str, block_nbytes: typing.SupportsInt | typing.SupportsIndex, num_slots: typing.SupportsInt | typing.SupportsIndex, direct: bool = True) -> None:
         ...
     def close(self) -> None:
         ...
     def read(self, cache: KVCache, block_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], slots: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], hashes: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], checksums: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> list[int]:
-        """
-        Reads slots into blocks up to the first bad checksum; 1 (read) or 0 per block.
-        """
+        ...
     def sync(self) -> None:
         ...
     def write(self, cache: KVCache, block_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], slots: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], hashes: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> list[int]:
-        """
-        Writes blocks into slots; returns their checksums. StoreError on an I/O error.
-        """
+        ...
     @property
     def block_nbytes(self) -> int:
         ...
@@ -542,9 +462,7 @@ class TransferStats:
         ...
     @property
     def num_ops(self) -> int:
-        """
-        RMA operations posted (coalesced).
-        """
+        ...
     @property
     def post_seconds(self) -> float:
         ...
@@ -628,15 +546,11 @@ class Agent:
     def offers(self) -> list[Offer]:
         ...
     def peer_path(self, name: str) -> str:
-        """
-        How transfers with the peer move: 'mapped' (same host) or 'ucx'.
-        """
+        ...
     def peer_transports(self, name: str) -> list[tuple[str, str]]:
         ...
     def read(self, peer: str, local_ids: list[int], remote_ids: list[int], layers: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None = None, notify: str | None = None) -> Transfer:
-        """
-        One-sided get of remote_ids[i] -> local_ids[i] (see docs/transfer.md).
-        """
+        ...
     def remove_peer(self, name: str) -> None:
         ...
     def stream_stats(self) -> StreamStats:
@@ -648,9 +562,7 @@ class Agent:
     def wait_offer(self, timeout: typing.SupportsFloat | typing.SupportsIndex) -> Offer:
         ...
     def write(self, peer: str, local_ids: list[int], remote_ids: list[int], layers: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None = None, notify: str | None = None) -> Transfer:
-        """
-        One-sided put of local_ids[i] -> remote_ids[i] (see docs/transfer.md).
-        """
+        ...
     @property
     def closed(self) -> bool:
         ...
@@ -664,85 +576,40 @@ class Agent:
     def peers(self) -> list[str]:
         ...
 def block_hashes(token_ids: typing.Annotated[numpy.typing.ArrayLike, numpy.int64], block_size: typing.SupportsInt | typing.SupportsIndex, parent: typing.SupportsInt | typing.SupportsIndex | None = None, seed: typing.SupportsInt | typing.SupportsIndex = 0) -> list[int]:
-    """
-    Chained 64-bit content hashes of the full blocks of ``token_ids`` (a trailing partial block
-    gets none): block i's hash is XXH64 of its parent's hash and its tokens (as little-endian
-    int64), so equal hashes mean equal prefixes. ``parent`` continues a chain from an earlier
-    block's hash. Pass the result to ``BlockPool.commit`` / ``BlockPool.match``.
-    
-    Args:
-        token_ids: ``[num_tokens]`` integer ids (list or array; converted to int64).
-        block_size: tokens per block.
-        parent: hash of the block before ``token_ids[0]``, or None at the start of a sequence.
-        seed: XXH64's seed (0: the plain chain; a secret one for keyed hashes).
-    """
+    ...
 def check_timeout(timeout: typing.SupportsFloat | typing.SupportsIndex) -> None:
-    """
-    Raises ConfigError unless timeout is in [0, 1e6] seconds (every wait's rule).
-    """
+    ...
 def convert_blocks(src: KVCache, src_shape: BlockShape, src_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], dst: KVCache, dst_shape: BlockShape, dst_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], num_tokens: typing.SupportsInt | typing.SupportsIndex, layers: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], scales_addr: typing.SupportsInt | typing.SupportsIndex, scales_nbytes: typing.SupportsInt | typing.SupportsIndex) -> None:
-    """
-    Copies num_tokens tokens between caches of other block sizes, head orders, dtypes.
-    """
+    ...
 def copy_blocks(src: KVCache, src_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], dst: KVCache, dst_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> None:
-    """
-    Copies blocks (every layer) between two caches of the same shape.
-    """
+    ...
 def cuda_status() -> tuple[bool, int, str]:
-    """
-    (built with CUDA, device count, reason when 0).
-    """
+    ...
 def decode_metadata(data: bytes) -> dict:
-    """
-    Decodes unsigned agent metadata (the core's wire format); raises MetadataError naming the field that is wrong.
-    """
+    ...
 def decode_stream_message(data: bytes) -> dict:
-    """
-    Decodes a stream message as an agent does when it arrives; raises MetadataError naming what is wrong.
-    """
+    ...
 def encode_stream_message(kind: str, request_id: str, epoch: typing.SupportsInt | typing.SupportsIndex, layer: typing.SupportsInt | typing.SupportsIndex = 0, ids_hash: typing.SupportsInt | typing.SupportsIndex = 0, checksums: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], payload: bytes = b'', block_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = []) -> bytes:
-    """
-    A stream message's bytes (kind: 'Begin', 'Go', 'Layer'...), as a peer sends them.
-    """
+    ...
 def hash_ids(ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> int:
     ...
 def log_dropped() -> int:
-    """
-    Core log records dropped on a full queue.
-    """
+    ...
 def pack_blocks(cache: KVCache, block_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], layers: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], staging_addr: typing.SupportsInt | typing.SupportsIndex, staging_nbytes: typing.SupportsInt | typing.SupportsIndex) -> None:
-    """
-    Copies blocks of layers into a contiguous [layers, blocks, block_nbytes] buffer.
-    """
+    ...
 def parse_order(name: str) -> BlockOrder | None:
-    """
-    The BlockOrder named ``name`` ("NHD", "vllm-cpu"...), or None.
-    """
+    ...
 def peer_error_settings() -> list[tuple[str, str]]:
-    """
-    (key without UCX_, value) pairs an agent adds to UCX's config in PEER error mode.
-    """
+    ...
 def runs(ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> list[tuple[int, int]]:
-    """
-    Consecutive ascending ids as ``(first, count)`` runs, in order: ``[4, 5, 6, 9, 2, 3] -> [(4, 3), (9, 1), (2, 2)]``.
-    """
+    ...
 def set_log_level(level: typing.SupportsInt | typing.SupportsIndex) -> None:
-    """
-    The core's records below this logging level are dropped where they are made.
-    """
+    ...
 def take_log(max_records: typing.SupportsInt | typing.SupportsIndex = 1000) -> list:
-    """
-    (level, logger, message) records the core queued.
-    """
+    ...
 def ucx_version() -> str:
-    """
-    Version of the libucp this process loaded.
-    """
+    ...
 def unpack_blocks(staging_addr: typing.SupportsInt | typing.SupportsIndex, staging_nbytes: typing.SupportsInt | typing.SupportsIndex, cache: KVCache, block_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], layers: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> None:
-    """
-    The reverse of pack_blocks.
-    """
+    ...
 def xxh64(data: bytes, seed: typing.SupportsInt | typing.SupportsIndex = 0) -> int:
-    """
-    XXH64 of ``data`` (the hash block_hashes uses).
-    """
+    ...

@@ -1,4 +1,4 @@
-"""kvmove's exception hierarchy, mirrored by ``csrc/errors.h``.
+"""kvmove's exception hierarchy, mirrored by ``csrc/common/errors.h``.
 
 Every error names what failed, the offending value and the limit, e.g.
 ``ConfigError("cannot allocate 2000 blocks: the pool has 1024")``. Errors raised in C++ arrive

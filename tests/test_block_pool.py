@@ -1,4 +1,5 @@
-"""Tests of ``BlockPool``, ``runs`` and ``block_hashes`` (``csrc/block_pool.h``, ``block_hash.h``).
+"""Tests of ``BlockPool``, ``runs`` and ``block_hashes`` (``csrc/memory/block_pool.h``,
+``csrc/memory/block_hash.h``).
 
 Three references: hand-computed expectations for contiguity, the ``xxhash`` package for hashes,
 and ``PoolModel`` below, a pure-Python statement of the pool's contract that a hypothesis state

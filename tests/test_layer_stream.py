@@ -1,4 +1,4 @@
-"""Layer-wise streaming (``kvmove/stream.py``, ``csrc/layer_stream.h``): ``Agent.stream_to`` /
+"""Layer-wise streaming (``kvmove/stream.py``, ``csrc/stream/layer_stream.h``): ``Agent.stream_to`` /
 ``SaveStream`` on the prefill side, ``Agent.expect`` / ``LoadStream`` on the decode side.
 
 The one promise everything rests on: once ``wait_for_layer(i)`` returns (or ``layers_ready()``

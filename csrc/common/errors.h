@@ -21,7 +21,7 @@ enum class ErrorKind {
     Timeout,
     Ucx,
     Cuda,
-    Store,  // a storage tier's files are unusable (I/O error, full disk)
+    Store,     // a storage tier's files are unusable (I/O error, full disk)
     Checksum,  // received bytes do not match the sender's checksums
 };
 

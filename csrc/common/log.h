@@ -49,12 +49,12 @@ uint64_t log_dropped();
     } while (0)
 
 // KVMOVE_LOG_AT(level_value, ...): the same, with the level a runtime LogLevel.
-#define KVMOVE_LOG_AT(level_value, logger, stream_expr)                          \
-    do {                                                                         \
-        const ::kvmove::LogLevel kvmove_log_level_ = (level_value);              \
-        if (::kvmove::log_enabled(kvmove_log_level_)) {                          \
-            std::ostringstream kvmove_log_os_;                                   \
-            kvmove_log_os_ << stream_expr;                                       \
+#define KVMOVE_LOG_AT(level_value, logger, stream_expr)                             \
+    do {                                                                            \
+        const ::kvmove::LogLevel kvmove_log_level_ = (level_value);                 \
+        if (::kvmove::log_enabled(kvmove_log_level_)) {                             \
+            std::ostringstream kvmove_log_os_;                                      \
+            kvmove_log_os_ << stream_expr;                                          \
             ::kvmove::log_message(kvmove_log_level_, logger, kvmove_log_os_.str()); \
-        }                                                                        \
+        }                                                                           \
     } while (0)

@@ -2,7 +2,7 @@
 // convert (block size, head order, dtype with per-block float8 scales) between two caches.
 //
 // Each runs on the memory the caches live in: plain C++ on the host, CUDA kernels
-// (csrc/cuda/kv_kernels.cu) on a device. Both compute element by element with the same math
+// (csrc/convert/kv_kernels.cu) on a device. Both compute element by element with the same math
 // (kv_convert_math.h), so the results are bit-identical. Device calls are synchronous: they
 // start once every stream's earlier work on the device is done, and return once theirs is.
 //
@@ -63,7 +63,7 @@ void convert_blocks(const KVCache& src, const BlockShape& src_shape,
                     const std::vector<int64_t>& layers, uint64_t scales_addr,
                     uint64_t scales_nbytes);
 
-// The device halves (cuda/kv_kernels.cu; cuda/cuda_none.cpp in a CPU build).
+// The device halves (kv_kernels.cu; kv_kernels_none.cpp in a CPU build).
 void pack_blocks_cuda(const CacheView& cache, const std::vector<int64_t>& ids, char* staging,
                       bool unpack);
 void convert_blocks_cuda(const ConvertPlan& plan);

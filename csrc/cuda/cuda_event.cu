@@ -1,4 +1,4 @@
-// Polling CUDA events for the CUDA build (see csrc/cuda_event.h).
+// Polling CUDA events for the CUDA build (see cuda/cuda_event.h).
 #include <cuda_runtime_api.h>
 
 #include "common/errors.h"

@@ -1,4 +1,4 @@
-// Device and pinned memory for the CUDA build (see csrc/cuda_memory.h).
+// Device and pinned memory for the CUDA build (see cuda/cuda_memory.h).
 #include <cuda_runtime_api.h>
 
 #include "cuda/cuda_check.h"

@@ -1,6 +1,6 @@
 // Device and pinned memory as the core uses it: allocate, free, pin, copy, synchronize. One
 // place that knows the CUDA runtime; csrc/cuda/cuda_memory.cu implements it under
-// KVMOVE_CUDA=1 and csrc/cuda_none.cpp says "built without CUDA" otherwise.
+// KVMOVE_CUDA=1 and csrc/cuda/cuda_none.cpp says "built without CUDA" otherwise.
 //
 // Ordering: kvmove's device work runs on the legacy default stream, which does not order
 // against non-blocking streams (torch's side streams, CUDA graphs, UCX's own). So every call

@@ -1,8 +1,8 @@
-// The CPU-only build's answers; csrc/cuda/*.cu replace them under KVMOVE_CUDA=1.
+// The CPU-only build's answers; csrc/cuda/*.cu replace them under KVMOVE_CUDA=1 (the
+// kernels' own: convert/kv_kernels_none.cpp).
 #ifndef KVMOVE_WITH_CUDA
 
 #include "common/errors.h"
-#include "convert/kv_convert.h"
 #include "cuda/cuda_event.h"
 #include "cuda/cuda_memory.h"
 #include "cuda/cuda_status.h"
@@ -23,14 +23,10 @@ bool cuda_event_done(uintptr_t) {
                 "(rebuild with KVMOVE_CUDA=1)");
 }
 
-namespace {
-
-[[noreturn]] void no_cuda(const char* what) {
+void no_cuda(const char* what) {
     KVMOVE_FAIL(Cuda, "kvmove was built without CUDA: it cannot "
                           << what << " (rebuild with KVMOVE_CUDA=1)");
 }
-
-}  // namespace
 
 void* cuda_alloc(int device, uint64_t nbytes) {
     (void)device;
@@ -52,14 +48,6 @@ void cuda_copy(void*, const void*, uint64_t) {
 
 void cuda_synchronize(int) {
     no_cuda("synchronize a device");
-}
-
-void pack_blocks_cuda(const CacheView&, const std::vector<int64_t>&, char*, bool) {
-    no_cuda("pack device blocks");
-}
-
-void convert_blocks_cuda(const ConvertPlan&) {
-    no_cuda("convert device blocks");
 }
 
 }  // namespace kvmove

@@ -14,4 +14,9 @@ struct CudaStatus {
 // Never throws: a machine without a driver is a status, not an error.
 CudaStatus cuda_status();
 
+#ifndef KVMOVE_WITH_CUDA
+// A CPU-only build asked to `what` (e.g. "copy device memory"): throws CudaError saying so.
+[[noreturn]] void no_cuda(const char* what);
+#endif
+
 }  // namespace kvmove

@@ -20,16 +20,16 @@ constexpr size_t kHugePageBytes = size_t{2} << 20;
 // starts does not inherit it; a peer that wants it opens /proc/<pid>/fd/<fd> instead.
 int sealed_memfd(uint64_t nbytes) {
     int fd = memfd_create("kvmove-region", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-    KVMOVE_CHECK(fd >= 0, Allocation,
-                 "cannot create a memfd for a region of " << nbytes
-                                                          << " bytes: " << std::strerror(errno));
+    KVMOVE_CHECK(
+        fd >= 0, Allocation,
+        "cannot create a memfd for a region of " << nbytes << " bytes: " << std::strerror(errno));
     if (ftruncate(fd, static_cast<off_t>(nbytes)) != 0 ||
         fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
         const int error = errno;
         close(fd);
-        KVMOVE_FAIL(Allocation, "cannot size and seal a memfd of " << nbytes << " bytes for a "
-                                                                   << "region: "
-                                                                   << std::strerror(error));
+        KVMOVE_FAIL(Allocation, "cannot size and seal a memfd of "
+                                    << nbytes << " bytes for a "
+                                    << "region: " << std::strerror(error));
     }
     return fd;
 }
@@ -72,8 +72,8 @@ Region::Region(uint64_t nbytes, bool huge_pages, int device, bool pin)
     size_t mapped = huge_pages ? nbytes + kHugePageBytes : nbytes;
     KVMOVE_CHECK(mapped >= nbytes, Config, "region nbytes " << nbytes << " overflows");
     const int fd = sealed_memfd(nbytes);
-    void* p = huge_pages ? mmap(nullptr, mapped, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
-                         : nullptr;
+    void* p =
+        huge_pages ? mmap(nullptr, mapped, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0) : nullptr;
     if (huge_pages && p != MAP_FAILED) {
         auto start = reinterpret_cast<uintptr_t>(p);
         offset_ = ((start + kHugePageBytes - 1) & ~(kHugePageBytes - 1)) - start;

@@ -22,7 +22,7 @@
 // makes a slot that holds another block's (intact) data fail too. A torn, truncated or
 // overwritten slot is reported, never copied into the cache.
 //
-// Which slot holds which block is the caller's index (kvmove/store.py); this class only
+// Which slot holds which block is the caller's index (kvmove/store/index.py); this class only
 // moves bytes. Calls are serialized by an internal mutex (they share the staging buffers) and
 // are meant to run with the GIL released.
 #pragma once

@@ -34,40 +34,9 @@ double steady_seconds() {
 StreamCompletion::StreamCompletion(int64_t num_layers)
     : times_(static_cast<size_t>(num_layers), LayerTiming{kNever, kNever}) {}
 
-StreamState StreamCompletion::state() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return state_;
-}
-
-std::string StreamCompletion::error() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return error_;
-}
-
 std::vector<LayerTiming> StreamCompletion::layer_times() const {
     std::lock_guard<std::mutex> lock(mu_);
     return times_;
-}
-
-bool StreamCompletion::set_state_locked(StreamState state, ErrorKind kind, std::string error) {
-    if (state_ != StreamState::Open) {
-        return false;
-    }
-    state_ = state;
-    error_kind_ = kind;
-    error_ = std::move(error);
-    return true;
-}
-
-bool StreamCompletion::complete(StreamState state, ErrorKind kind, std::string error) {
-    {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (!set_state_locked(state, kind, std::move(error))) {
-            return false;
-        }
-    }
-    cv_.notify_all();
-    return true;
 }
 
 SaveStream::SaveStream(StreamProtocol* protocol, std::string peer, std::vector<BlockId> local_ids,

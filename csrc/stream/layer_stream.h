@@ -30,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/completion.h"
 #include "common/errors.h"
 #include "common/kv_geometry.h"
 
@@ -55,24 +56,13 @@ double steady_seconds();
 // lease, layer and place, so a block that holds another's (intact) bytes fails too.
 uint64_t checksum_seed(uint64_t epoch, int64_t layer, size_t index);
 
-// The state and waiting both stream kinds share: a terminal state set once, first one wins.
-class StreamCompletion {
+// The state and waiting both stream kinds share (common/completion.h), and the layers' times.
+class StreamCompletion : public Completion<StreamState, StreamState::Open> {
 public:
     explicit StreamCompletion(int64_t num_layers);
-    StreamState state() const;
-    std::string error() const;
     std::vector<LayerTiming> layer_times() const;
-    // Returns false when the state was already terminal.
-    bool complete(StreamState state, ErrorKind kind = ErrorKind::Transfer, std::string error = "");
 
 protected:
-    bool set_state_locked(StreamState state, ErrorKind kind, std::string error);  // mu_ held
-
-    mutable std::mutex mu_;
-    mutable std::condition_variable cv_;
-    StreamState state_ = StreamState::Open;
-    ErrorKind error_kind_ = ErrorKind::Transfer;
-    std::string error_;
     std::vector<LayerTiming> times_;
 };
 

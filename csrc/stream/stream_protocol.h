@@ -211,7 +211,7 @@ private:
     std::vector<std::pair<std::string, StreamMessage>> outbox_;  // sent by drain()
     StreamStats stats_;
     std::atomic<uint64_t> checksum_mismatches_{0};  // counted by the verify thread
-    OfferBox offers_;  // its own mutex: waited on without the port's lock
+    OfferBox offers_{kMaxQueuedOffers};  // its own mutex: waited on without the port's lock
 
     // save_layer() only queues: the post thread posts each layer (after its CUDA event, if
     // any). Over tcp and shared memory a put copies its bytes inside ucp_put_nbx, which would

@@ -1,18 +1,25 @@
 // Agent: one UCX worker serving one KVCache — peers, one-sided block transfers, notifications,
 // and the transport under layer streams (it is their StreamPort, stream/stream_port.h).
 //
+// How bytes reach a peer is its Path's business (transport/path.h: UCX puts and gets, or
+// copies into a same-host peer's mapped memory, either wrapped for fault injection). The
+// agent validates a transfer, pairs its ranges and posts them on the peer's path; it keeps
+// each peer's notifications in the order of their transfers and sends one only once its
+// bytes landed.
+//
 // Threads: a background progress thread drives the worker (over tcp a put is emulated with
 // messages, so the target must progress even while its user is idle); user threads post
 // transfers. One mutex serializes every worker call; UCX callbacks run inside
 // ucp_worker_progress with that mutex held and never take it themselves. When idle, the
 // progress thread sleeps on the worker's event fd (ucp_worker_arm), and posting threads wake
 // it with ucp_worker_signal.
+//
+// Files: agent.cpp (life cycle, transfers, notification order, progress), agent_peers.cpp
+// (peers and their paths), agent_stream_port.cpp (the StreamPort).
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -24,16 +31,19 @@
 #include <utility>
 #include <vector>
 
+#include "common/inbox.h"
 #include "memory/kv_cache.h"
 #include "stream/stream_protocol.h"
 #include "transport/copier.h"
 #include "transport/faults.h"
 #include "transport/metadata.h"
-#include "transport/peer_mapping.h"
+#include "transport/path.h"
 #include "transport/transfer.h"
 #include "transport/ucx.h"
 
 namespace kvmove {
+
+class UcxPath;
 
 struct AgentConfig {
     std::string transports;            // UCX_TLS syntax; "" lets UCX choose
@@ -43,7 +53,7 @@ struct AgentConfig {
     std::string faults;                // fault injection (transport/faults.h); "" for none
     std::string net_devices;           // UCX_NET_DEVICES syntax; "" lets UCX choose
     int64_t max_peers = 1024;
-    // Same-host peers map each other's memory and copy directly (transport/peer_mapping.h):
+    // Same-host peers map each other's memory and copy directly (transport/mapped_path.h):
     // this agent offers its memfd to peers and maps theirs. false keeps UCX for everything.
     bool map_same_host = true;
     int copy_threads = 0;  // threads copying to mapped peers; 0: chosen from the CPUs
@@ -55,6 +65,12 @@ constexpr size_t kMaxNotifyBytes = 64 * 1024;
 // from one peer (more are dropped and counted): a peer cannot fill this process's memory.
 constexpr size_t kMaxQueuedNotifications = 1024;
 constexpr size_t kMaxStreamMessageBytes = 64 * 1024 * 1024;
+
+// A received notification: who sent it (attributed by endpoint) and its payload.
+struct Notification {
+    std::string peer;
+    std::string payload;
+};
 
 class Agent : private StreamPort {
 public:
@@ -75,7 +91,7 @@ public:
     // The (transport, device) pairs UCX chose to reach a live peer (Endpoint::transports).
     std::vector<std::pair<std::string, std::string>> peer_transports(const std::string& name) const;
     // How transfers with the peer move: "mapped" (memcpy into its mapped memory, same host)
-    // or "ucx".
+    // or "ucx" (Path::kind).
     std::string peer_path(const std::string& name) const;
 
     // One-sided put (write) or get (read) of local_ids[i] <-> remote_ids[i] in the given
@@ -88,6 +104,8 @@ public:
                                    const std::vector<BlockId>& remote_ids,
                                    const std::optional<std::vector<int64_t>>& layers,
                                    const std::optional<std::string>& notify);
+    // A notification alone (no data), after what was sent to the peer before.
+    std::shared_ptr<Transfer> notify(const std::string& peer, const std::string& payload);
 
     // Layer streaming (stream/layer_stream.h, stream/stream_protocol.h). expect() leases
     // local_ids for request_id from peer, for lease_seconds; stream_to() sends local_ids[i] ->
@@ -100,12 +118,10 @@ public:
                                           bool checksums);
     std::shared_ptr<LoadStream> expect(const std::string& peer, const std::string& request_id,
                                        const std::vector<BlockId>& local_ids, double lease_seconds);
-
     // The hand-off (stream/stream_message.h): the receiver offers a lease to its sender, the
     // sender takes the offers and streams into them, or declines them.
     std::shared_ptr<LoadStream> offer(const std::string& peer, const std::string& request_id,
-                                      const std::vector<BlockId>& local_ids,
-                                      double lease_seconds) {
+                                      const std::vector<BlockId>& local_ids, double lease_seconds) {
         return streams_.offer(peer, request_id, local_ids, lease_seconds);
     }
     void offer_nothing(const std::string& peer, const std::string& request_id) {
@@ -113,12 +129,7 @@ public:
     }
     std::vector<Offer> offers() { return streams_.offers(); }
     Offer wait_offer(double timeout_seconds) { return streams_.wait_offer(timeout_seconds); }
-    void decline(const Offer& offer, const std::string& reason) {
-        streams_.decline(offer, reason);
-    }
-
-    // A notification alone (no data), after what was sent to the peer before.
-    std::shared_ptr<Transfer> notify(const std::string& peer, const std::string& payload);
+    void decline(const Offer& offer, const std::string& reason) { streams_.decline(offer, reason); }
     // For tests: `message` sent to the peer as a stream message, unchecked (what a peer that
     // does not follow the protocol could send).
     void send_raw_stream_message(const std::string& peer, std::string message);
@@ -127,9 +138,9 @@ public:
     // What fault injection did so far (empty when it is off).
     std::map<std::string, uint64_t> fault_counts() const;
 
-    // Received (peer name, payload) pairs, oldest first; drains the queue.
-    std::vector<std::pair<std::string, std::string>> notifications();
-    std::pair<std::string, std::string> wait_notification(double timeout_seconds);
+    // Received notifications, oldest first; drains the queue.
+    std::vector<Notification> notifications() { return received_.take_all(); }
+    Notification wait_notification(double timeout_seconds);
 
     // Stops progress, fails pending transfers, releases UCX objects. Idempotent.
     void close();
@@ -137,46 +148,52 @@ public:
 private:
     struct Peer;
     struct InFlight;
-    enum class Direction { Put, Get };
 
+    // agent.cpp: transfers and their notifications.
     std::shared_ptr<Transfer> start(Direction direction, const std::string& peer,
                                     const std::vector<BlockId>& local_ids,
                                     const std::vector<BlockId>& remote_ids,
                                     const std::optional<std::vector<int64_t>>& layers,
                                     const std::optional<std::string>& notify);
-    Peer& live_peer(const std::string& name) const;
     void validate(const Peer& peer, Direction direction, const std::vector<BlockId>& local_ids,
                   const std::vector<BlockId>& remote_ids, const std::vector<int64_t>& layers,
                   const std::optional<std::string>& notify) const;
-    void post_ranges(Direction direction, Peer& peer, const std::vector<RangePair>& ranges,
-                     Transfer& transfer);
     InFlight* track(std::unique_ptr<InFlight> entry);
-    // The mapped path (agent_copies.cpp): the ranges as one copy job into or out of the
-    // peer's mapping; the entry completes, in posting order, when its copies are done.
-    void post_copies(Direction direction, Peer& peer, const std::vector<RangePair>& ranges,
-                     std::unique_ptr<InFlight> entry);
-    void drain_copies();
-    void map_peer(Peer& peer);
-    void check_mapped_peers();
-    std::optional<std::pair<std::string, std::string>> poll_notification(double seconds);
-    void peer_failed(Peer& peer, const std::string& failure);
-    Copier& copier();
-    void post_flush(InFlight* entry);
-    void complete_flush(InFlight* entry, ucs_status_t status);
+    void post(Peer& peer, PathBatch batch, InFlight* entry);
+    void queue_message(Peer& peer, InFlight* entry);
+    void landed(InFlight* entry, const PortOutcome& outcome);
     void release_notifications(Peer& peer);
     void drain_deferred();
-    void send_delayed(bool all);
-    void send_notification(InFlight* entry);
-    void post_notification(InFlight* entry);
-    void finish(InFlight* entry, ucs_status_t status);
+    void poll_paths();
+    void finish(InFlight* entry, const PortOutcome& outcome);
+    std::optional<Notification> poll_notification(double seconds);
+    void progress_loop();
+    bool progress_once(double& last_tick, double& last_check);
+    void sleep_until_work();
+    void check_open() const;
+
+    // agent_peers.cpp: peers and their paths.
+    Peer& live_peer(const std::string& name) const;
+    std::shared_ptr<Path> make_path(const AgentMetadata& meta, Peer* peer);
+    std::unique_ptr<Path> mapped_path(const AgentMetadata& meta, std::unique_ptr<UcxPath> ucx);
+    Copier& copier();
+    void check_peers();
+    void peer_failed(Peer& peer, const std::string& failure);
     void drop_peer(std::map<std::string, std::unique_ptr<Peer>>::iterator it, bool force,
                    ErrorKind kind, const std::string& reason);
     void fail_peer_transfers(const Peer* peer, const std::string& reason);
     void detach_transfers(const Peer* peer);
-    void progress_loop();
-    void check_open() const;
+    static void on_peer_error(void* arg, ucp_ep_h ep, ucs_status_t status);
+    // The peer an active message came from (by its reply endpoint), or null: then it is
+    // dropped. Rendezvous and oversize messages are dropped too.
+    const Peer* sender_of(const ucp_am_recv_param_t* param, size_t nbytes, size_t limit);
+    static ucs_status_t on_notification(void* arg, const void* header, size_t header_nbytes,
+                                        void* data, size_t nbytes,
+                                        const ucp_am_recv_param_t* param);
+    static ucs_status_t on_stream_am(void* arg, const void* header, size_t header_nbytes,
+                                     void* data, size_t nbytes, const ucp_am_recv_param_t* param);
 
-    // StreamPort (stream/stream_port.h), for streams_.
+    // agent_stream_port.cpp: StreamPort (stream/stream_port.h), for streams_.
     const std::string& local_name() const override { return name_; }
     double post_delay_seconds() override;
     void run_locked(const std::function<void()>& fn) override;
@@ -190,18 +207,6 @@ private:
                        PortDone done) override;
     void send(const std::string& peer, std::string message, PortDone done) override;
     void disconnect(const std::string& peer, const std::string& reason) override;
-
-    static void on_flush(void* request, ucs_status_t status, void* user_data);
-    static void on_notify_sent(void* request, ucs_status_t status, void* user_data);
-    static ucs_status_t on_stream_am(void* arg, const void* header, size_t header_nbytes,
-                                     void* data, size_t nbytes, const ucp_am_recv_param_t* param);
-    static ucs_status_t on_notification(void* arg, const void* header, size_t header_nbytes,
-                                        void* data, size_t nbytes,
-                                        const ucp_am_recv_param_t* param);
-    static void on_peer_error(void* arg, ucp_ep_h ep, ucs_status_t status);
-    // The peer an active message came from (by its reply endpoint), or null: then it is
-    // dropped. Rendezvous and oversize messages are dropped too.
-    const Peer* sender_of(const ucp_am_recv_param_t* param, size_t nbytes, size_t limit);
 
     const std::string name_;
     KVCache& cache_;
@@ -219,7 +224,7 @@ private:
     std::vector<uint8_t> metadata_;
     int event_fd_ = -1;
 
-    mutable std::mutex worker_mu_;              // every worker call, peers_, in_flight_, deferred_
+    mutable std::mutex worker_mu_;              // every worker call, peers_, in_flight_...
     mutable std::atomic<int> lock_waiters_{0};  // threads in WorkerLock waiting for worker_mu_
 
     // worker_mu_ for any thread but the progress thread, which yields to it.
@@ -241,15 +246,13 @@ private:
     // Each peer by its endpoint: how an incoming message is attributed (never by a name in it).
     std::unordered_map<ucp_ep_h, Peer*> by_ep_;
     std::unordered_map<Transfer*, std::unique_ptr<InFlight>> in_flight_;
-    std::vector<InFlight*> flushed_;                    // flushes done, notification still to send
-    std::deque<InFlight*> copying_;                     // mapped transfers, in posting order
-    std::deque<std::pair<double, InFlight*>> delayed_;  // notifications held back by a fault
+    std::vector<InFlight*> flushed_;  // landed, notification still to send
+    // Paths with work only poll() completes (copies, held messages), a gone peer's included:
+    // each is kept until that work is done.
+    std::vector<std::shared_ptr<Path>> polling_;
     StreamProtocol streams_;  // layer streams over this agent (guarded by worker_mu_)
 
-    std::mutex notify_mu_;
-    std::condition_variable notify_cv_;
-    std::deque<std::pair<std::string, std::string>> received_;
-    std::map<std::string, size_t> queued_;  // received_ per peer
+    Inbox<Notification> received_{kMaxQueuedNotifications};
     std::atomic<uint64_t> unknown_senders_{0};
     std::atomic<uint64_t> messages_dropped_{0};
 

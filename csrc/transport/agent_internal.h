@@ -14,10 +14,6 @@ namespace kvmove {
 constexpr unsigned kNotifyAmId = 0x4B56;  // "KV": notifications of plain transfers
 constexpr unsigned kStreamAmId = 0x4B57;  // layer stream messages (stream/stream_message.h)
 
-inline std::string status_text(ucs_status_t status) {
-    return ucs_status_string(status);
-}
-
 struct Agent::Peer {
     Peer(Agent* a, AgentMetadata m) : agent(a), meta(std::move(m)), geometry(meta.geometry()) {}
 
@@ -26,34 +22,33 @@ struct Agent::Peer {
     KVGeometry geometry;  // of the peer's cache, in its address space
     std::string failure;  // why the peer is dead; empty while alive
     // Its notifying transfers in posting order: a notification leaves only after those
-    // before it (a flush may complete at once while an earlier one is still pending).
+    // before it (a batch may land at once while an earlier one is still pending).
     std::deque<InFlight*> notify_order;
-    // Its memory mapped here (same host): transfers are memcpys; null: UCX carries them. Each
-    // copy job holds it too, so a dropped peer is unmapped once its last copy stopped.
-    std::shared_ptr<PeerMapping> mapping;
-    // Declared last so they are destroyed first: the keys before their endpoint.
-    std::unique_ptr<Endpoint> endpoint;
-    std::vector<RkeyPtr> rkeys;  // one per segment of meta
+    // How its bytes and messages move (transport/path.h). Shared: a path with copies or held
+    // messages outlives the peer in Agent::polling_ until they are done.
+    std::shared_ptr<Path> path;
 };
 
-// A transfer between posting and completion; UCX callbacks get a pointer to it, so it lives
-// until UCX is done with it (finish(), or the worker's destruction), even if its peer goes
-// first: then peer is null.
+// A transfer between posting and completion; its path's callbacks point to it, so it lives
+// until finish() (or the agent's close), even if its peer goes first: then peer is null.
 struct Agent::InFlight {
-    InFlight(Agent* a, std::shared_ptr<Transfer> t, Peer* p, std::optional<std::string> n)
-        : agent(a), transfer(std::move(t)), peer(p), notify(std::move(n)) {}
+    InFlight(Agent* a, std::shared_ptr<Transfer> t, Peer* p, std::optional<std::string> n,
+             unsigned id = kNotifyAmId, PortDone d = nullptr)
+        : agent(a),
+          transfer(std::move(t)),
+          peer(p),
+          notify(std::move(n)),
+          am_id(id),
+          on_done(std::move(d)) {}
 
     Agent* agent;
     std::shared_ptr<Transfer> transfer;
     Peer* peer;
-    std::optional<std::string> notify;  // sent once the flush completes
-    bool flushed = false;               // its flush completed (notify_order may hold it)
-    ucs_status_t flush_status = UCS_OK;
-    unsigned am_id = kNotifyAmId;
-    PortDone on_done;                       // a stream's transfer: told how it ended
-    std::unique_ptr<uint8_t> corrupt_byte;  // fault injection: the flipped byte being put
-    std::shared_ptr<CopyJob> copy;          // the mapped path's copies; null over UCX
-    uint8_t* corrupt_at = nullptr;          // mapped path: where corrupt_byte lands, in copy's map
+    std::optional<std::string> notify;  // sent once its batch landed
+    unsigned am_id;                     // of the notification: plain, or a stream message
+    PortDone on_done;                   // a stream's transfer: told how it ended
+    bool landed = false;                // its batch landed (notify_order may hold it)
+    PortOutcome outcome;                // how the batch ended
 };
 
 }  // namespace kvmove

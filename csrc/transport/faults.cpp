@@ -17,18 +17,17 @@ double parse_number(const std::string& key, const std::string& value, double max
     } catch (const std::exception&) {
         used = 0;
     }
-    KVMOVE_CHECK(used == value.size() && !value.empty() && std::isfinite(v) && v >= 0 && v <= max,
-                 Config,
-                 "fault '" << key << "' needs a number in [0, " << max << "], got '" << value
-                           << "'");
+    KVMOVE_CHECK(
+        used == value.size() && !value.empty() && std::isfinite(v) && v >= 0 && v <= max, Config,
+        "fault '" << key << "' needs a number in [0, " << max << "], got '" << value << "'");
     return v;
 }
 
 }  // namespace
 
 bool FaultConfig::any() const {
-    return fail_post_every > 0 || delay_post_us > 0 || drop_message > 0 ||
-           delay_message_ms > 0 || corrupt_every > 0 || rndv_messages;
+    return fail_post_every > 0 || delay_post_us > 0 || drop_message > 0 || delay_message_ms > 0 ||
+           corrupt_every > 0 || rndv_messages;
 }
 
 FaultConfig parse_faults(const std::string& spec) {

@@ -48,12 +48,12 @@ public:
     explicit FaultInjector(FaultConfig config);
 
     const FaultConfig& config() const { return config_; }
-    bool fail_post();             // this post fails
-    double post_delay_seconds();  // wait this long before posting a layer
-    bool drop_message();          // this message is dropped
+    bool fail_post();                // this post fails
+    double post_delay_seconds();     // wait this long before posting a layer
+    bool drop_message();             // this message is dropped
     double message_delay_seconds();  // send this message this much later
-    bool corrupt_layer();         // flip a byte of this layer's put
-    bool rndv_message();          // send this message as a rendezvous
+    bool corrupt_layer();            // flip a byte of this layer's put
+    bool rndv_message();             // send this message as a rendezvous
     std::map<std::string, uint64_t> counts() const;
 
 private:

@@ -3,8 +3,8 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/mman.h>
-#include <sys/syscall.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -42,7 +42,8 @@ std::string same_host_difference(const HostIdentity& here, const HostIdentity& t
 
 // The peer's memfd of `segment`, opened read/write, or -1 with `why` set.
 int open_memfd(uint32_t pid, const RemoteSegment& segment, std::string& why) {
-    const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(segment.memfd);
+    const std::string path =
+        "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(segment.memfd);
     const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
     if (fd < 0) {
         why = "cannot open " + path + ": " + std::strerror(errno);
@@ -98,8 +99,8 @@ std::shared_ptr<PeerMapping> PeerMapping::open(const AgentMetadata& peer, std::s
             return nullptr;  // what was mapped so far is unmapped with `mapping`
         }
         // MAP_POPULATE: the page tables are filled now, not by faults in the first transfer.
-        void* p = mmap(nullptr, segment.nbytes, PROT_READ | PROT_WRITE,
-                       MAP_SHARED | MAP_POPULATE, fd, 0);
+        void* p =
+            mmap(nullptr, segment.nbytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
         const int error = errno;
         close(fd);  // the mapping keeps the file
         if (p == MAP_FAILED) {

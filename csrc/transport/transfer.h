@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "common/completion.h"
 #include "common/errors.h"
 
 namespace kvmove {
@@ -25,16 +26,15 @@ struct TransferStats {
     double complete_seconds = 0;  // from the first post to completion (0 while pending)
 };
 
-class Transfer {
+class Transfer : public Completion<TransferState, TransferState::Pending> {
 public:
     Transfer(std::string peer, uint64_t nbytes, uint64_t num_ops);
     Transfer(const Transfer&) = delete;
     Transfer& operator=(const Transfer&) = delete;
 
     const std::string& peer() const { return peer_; }
-    TransferState state() const;
     TransferStats stats() const;
-    std::string error() const;  // "transfer with 'peer' failed: reason", or empty
+    // error(): "transfer with 'peer' failed: reason", or empty.
     // Returns once DONE; throws the failure (TransferError/PeerError) once FAILED, or
     // TimeoutError when timeout_seconds pass first.
     void wait(double timeout_seconds) const;
@@ -45,15 +45,10 @@ public:
     void fail(ErrorKind kind, const std::string& reason);
 
 private:
-    void complete(TransferState state);
+    void on_end_locked() override;
 
     const std::string peer_;
     const std::chrono::steady_clock::time_point start_;
-    mutable std::mutex mu_;
-    mutable std::condition_variable done_;
-    TransferState state_ = TransferState::Pending;
-    ErrorKind error_kind_ = ErrorKind::Transfer;
-    std::string error_;
     TransferStats stats_;
 };
 

@@ -1,7 +1,5 @@
 #include "transport/ucx.h"
 
-#include "common/log.h"
-
 #include <ucs/debug/log_def.h>
 
 #include <algorithm>
@@ -12,6 +10,8 @@
 #include <cstring>
 #include <mutex>
 #include <sstream>
+
+#include "common/log.h"
 
 namespace kvmove {
 
@@ -25,9 +25,8 @@ struct ConfigDeleter {
 // This handler takes every message UCX's level lets through (UCX_LOG_LEVEL) into kvmove's log
 // (logger "kvmove.ucx"); a fatal one also goes to stderr at once, as the process is about to
 // end before anyone drains the log.
-ucs_log_func_rc_t log_to_kvmove(const char* file, unsigned line, const char*,
-                                ucs_log_level_t level, const ucs_log_component_config_t*,
-                                const char* format, va_list ap) {
+ucs_log_func_rc_t log_to_kvmove(const char* file, unsigned line, const char*, ucs_log_level_t level,
+                                const ucs_log_component_config_t*, const char* format, va_list ap) {
     char message[1024];
     std::vsnprintf(message, sizeof message, format, ap);
     const char* base = std::strrchr(file, '/');
@@ -36,7 +35,7 @@ ucs_log_func_rc_t log_to_kvmove(const char* file, unsigned line, const char*,
         std::fprintf(stderr, "[ucx %s] %s:%u %s\n", ucs_log_level_names[level], base, line,
                      message);
     }
-    const LogLevel kvmove_level = level <= UCS_LOG_LEVEL_ERROR ? LogLevel::Error
+    const LogLevel kvmove_level = level <= UCS_LOG_LEVEL_ERROR  ? LogLevel::Error
                                   : level <= UCS_LOG_LEVEL_WARN ? LogLevel::Warning
                                   : level <= UCS_LOG_LEVEL_DIAG ? LogLevel::Info
                                                                 : LogLevel::Debug;
@@ -217,8 +216,7 @@ std::vector<std::pair<std::string, std::string>> Endpoint::transports() const {
     attr.transports.entry_size = sizeof(ucp_transport_entry_t);
     KVMOVE_UCX_CHECK(ucp_ep_query(ep_, &attr), "cannot query a UCX endpoint's transports");
     for (unsigned i = 0; i < attr.transports.num_entries; ++i) {
-        std::pair<std::string, std::string> pair{entries[i].transport_name,
-                                                 entries[i].device_name};
+        std::pair<std::string, std::string> pair{entries[i].transport_name, entries[i].device_name};
         if (std::find(out.begin(), out.end(), pair) == out.end()) {
             out.push_back(std::move(pair));
         }

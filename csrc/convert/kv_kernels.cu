@@ -1,4 +1,4 @@
-// The device halves of pack/unpack and convert (see csrc/kv_convert.h). Element math is
+// The device halves of pack/unpack and convert (see kv_convert.h). Element math is
 // kv_convert_math.h's, shared with the host path, so both give the same bits.
 //
 // A call makes the cache's device current, waits for the device (so what torch or anyone wrote
