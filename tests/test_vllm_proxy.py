@@ -1,4 +1,4 @@
-"""``kvmove-serve --vllm-prefill ... --vllm-decode ...`` (``kvmove/serve/vllm_proxy.py``) as a
+"""``kvmove-serve --vllm-prefill ... --vllm-decode ...`` (``kvmove/serve/vllm/proxy.py``) as a
 real process in front of stand-in vLLM servers (``helpers/fake_vllm.py``), through the official
 OpenAI client: the P/D protocol each mode speaks, streaming, failures and metrics. No vLLM
 needed; the connector's end-to-end test runs real vLLM behind this proxy.
@@ -17,7 +17,7 @@ from helpers.fake_vllm import FakeFleet, FakeVLLM
 from helpers.serve import HTTP_SECONDS, Server, wait_until
 from kvmove.errors import ConfigError
 from kvmove.serve.cli import main
-from kvmove.serve.vllm_pools import Pool, ProxyConfig
+from kvmove.serve.vllm.pools import Pool, ProxyConfig
 
 PROMPT = "The capital of France is"
 # What vLLM's toy proxy sends a prefill instance: the protocol, written out (not imported)

@@ -32,7 +32,7 @@ from kvmove import _log
 from kvmove.errors import ConfigError, KVMoveError
 from kvmove.serve.config import MODES, ROUTINGS, Mode, ServeConfig
 from kvmove.serve.planner import Bounds, parse_bounds
-from kvmove.serve.vllm_pools import KV_MODES, ProxyConfig
+from kvmove.serve.vllm.pools import KV_MODES, ProxyConfig
 
 # Flags that configure kvmove's own engine workers: meaningless in front of vLLM.
 _ENGINE_ONLY = ("mode", "workers", "prefill", "decode", "chunk_size", "model", "num_blocks",
@@ -222,7 +222,7 @@ async def _serve(config: ServeConfig) -> int:
 
 
 async def _serve_proxy(config: ProxyConfig) -> int:
-    from kvmove.serve.vllm_proxy import Proxy, create_app
+    from kvmove.serve.vllm.proxy import Proxy, create_app
 
     if config.log_level != "debug":  # httpx logs every upstream request at info
         logging.getLogger("httpx").setLevel(logging.WARNING)

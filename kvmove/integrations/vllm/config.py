@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,7 +11,22 @@ from typing import Any
 import kvmove
 from kvmove.errors import ConfigError
 
-ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+class KVRole(enum.StrEnum):
+    """vLLM's ``kv_role``, the job the connector does (the values are vLLM's strings)."""
+
+    PRODUCER = "kv_producer"   # a prefill instance: hands its requests' KV to decodes
+    CONSUMER = "kv_consumer"   # a decode instance: receives a prompt's KV from a prefill
+    BOTH = "kv_both"           # offload: keeps KV blocks in a kvmove.KVStore
+
+
+class LoadRule(enum.StrEnum):
+    """Offload's ``load_rule``: which stored blocks a request loads instead of computing."""
+
+    MEASURED = "measured"      # those whose load beats recomputing them (measured)
+    ALWAYS = "always"          # whatever is stored
+    NEVER = "never"            # none: store, never load
+
 
 # kv_connector_extra_config keys, their types and defaults (docs/vllm.md explains each).
 EXTRA_KEYS: dict[str, tuple[type | tuple[type, ...], Any]] = {
@@ -24,26 +40,18 @@ EXTRA_KEYS: dict[str, tuple[type | tuple[type, ...], Any]] = {
     "store_host_gb": ((int, float), 1.0),
     "store_disk_dir": ((str, type(None)), None),
     "store_disk_gb": ((int, float), 16.0),
-    "load_rule": (str, "measured"),     # measured | always | never
+    "load_rule": (str, LoadRule.MEASURED.value),
 }
 
 
 @dataclass(frozen=True)
 class ConnectorConfig:
-    role: str
+    role: KVRole
     engine_id: str
     port: int
     tp_rank: int = 0
     tp_size: int = 1
     settings: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def offload(self) -> bool:
-        return self.role == "kv_both"
-
-    @property
-    def producer(self) -> bool:
-        return self.role == "kv_producer"
 
     def __getattr__(self, name: str) -> Any:
         settings = self.__dict__.get("settings", {})
@@ -54,14 +62,28 @@ class ConnectorConfig:
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
         kv = vllm_config.kv_transfer_config
-        if kv.kv_role not in ROLES:
-            raise ConfigError(f"kv_role must be one of {ROLES}, got {kv.kv_role!r}")
+        roles = [r.value for r in KVRole]
+        if kv.kv_role not in roles:
+            raise ConfigError(f"kv_role must be one of {roles}, got {kv.kv_role!r}")
         parallel = vllm_config.parallel_config
-        return cls(role=kv.kv_role, engine_id=str(kv.engine_id), port=int(kv.kv_port),
+        config = cls(role=KVRole(kv.kv_role), engine_id=str(kv.engine_id), port=int(kv.kv_port),
                    tp_rank=int(getattr(parallel, "rank", 0) or 0) % max(
                        1, int(parallel.tensor_parallel_size)),
                    tp_size=int(parallel.tensor_parallel_size),
                    settings=parse_extra(kv.kv_connector_extra_config or {}))
+        if config.role is KVRole.PRODUCER:
+            config.check_listen_address()
+        return config
+
+    def check_listen_address(self) -> None:
+        """A prefill's agent listens on ``host:kv_port + tp_rank`` and tells decodes so in
+        every answer: refused here, at start, rather than in the first answer."""
+        if not self.settings["host"]:
+            raise ConfigError("kv_connector_extra_config['host'] must be an address, got ''")
+        last = self.port + self.tp_size - 1
+        if not (0 < self.port and last < 65536):
+            raise ConfigError(f"kv_port must leave a port in [1, 65535] for each of the "
+                              f"{self.tp_size} tensor-parallel ranks, got {self.port}")
 
 
 def parse_extra(extra: dict[str, Any]) -> dict[str, Any]:
@@ -80,9 +102,11 @@ def parse_extra(extra: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a positive "
                               f"number, got {value!r}")
         settings[key] = value
-    if settings["load_rule"] not in ("measured", "always", "never"):
-        raise ConfigError("kv_connector_extra_config['load_rule'] must be 'measured', "
-                          f"'always' or 'never', got {settings['load_rule']!r}")
+    rules = [r.value for r in LoadRule]
+    if settings["load_rule"] not in rules:
+        raise ConfigError(f"kv_connector_extra_config['load_rule'] must be one of {rules}, "
+                          f"got {settings['load_rule']!r}")
+    settings["load_rule"] = LoadRule(settings["load_rule"])
     return settings
 
 

@@ -3,7 +3,7 @@ disk), so a repeated prefix is loaded instead of prefilled again, when loading i
 
 Who does what (vLLM runs the two sides in different processes)::
 
-    engine core: Scheduler                       worker: Worker (beside the KV tensors)
+    engine core: OffloadScheduler                worker: OffloadWorker (beside the KV tensors)
       index: store key -> tier (a mirror)          KVStore (owns the tiers' memory and files)
       get_num_new_matched_tokens: index +  --meta-->  start_load_kv: store.get, deadline;
         decide_load (measured rule)                    blocks not arriving -> load errors
@@ -49,15 +49,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 import kvmove
 from kvmove.errors import ConfigError, TimeoutError
-from kvmove.integrations.vllm.config import layout_of, wrap_kv_caches
+from kvmove.integrations.vllm.config import ConnectorConfig, LoadRule, layout_of, wrap_kv_caches
 from kvmove.runtime import unpinned
 from kvmove.store import decide_load
 
-__all__ = ["OffloadMeta", "OffloadWorkerMeta", "Scheduler", "Worker", "store_key"]
+__all__ = ["OffloadMeta", "OffloadScheduler", "OffloadWorker", "OffloadWorkerMeta", "store_key"]
 
 logger = logging.getLogger(__name__)
 
 _GB = 1 << 30
+
+
 def store_key(block_hash: bytes) -> int:
     """A store key (64 bits) for one of vLLM's block hashes. BLAKE2b rather than the first
     8 bytes: some of vLLM's hash functions give fewer than 8 well-mixed leading bytes."""
@@ -112,10 +114,11 @@ class _Tracked:
     saved: int   # leading blocks stored already (or asked to be)
 
 
-class Scheduler:
+class OffloadScheduler:
     """The engine core's side: decides what to load and what to save."""
 
-    def __init__(self, vllm_config: Any, config: Any, kv_cache_config: Any) -> None:
+    def __init__(self, vllm_config: Any, config: ConnectorConfig,
+                 kv_cache_config: Any) -> None:
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or [None]
         if len(groups) != 1:
             raise ConfigError(f"kvmove offload supports models with one KV cache group, got "
@@ -135,7 +138,7 @@ class Scheduler:
                                    num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens to load: the stored blocks after the computed ones that the measured rule
         says to load. Never the whole prompt: vLLM computes at least its last token."""
-        if self.load_rule == "never" or not self._index:
+        if self.load_rule is LoadRule.NEVER or not self._index:
             return 0, False
         start = num_computed_tokens // self.block_size
         limit = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
@@ -148,7 +151,7 @@ class Scheduler:
             tiers.append(tier)
         if not keys:
             return 0, False
-        policy = "always" if self.load_rule == "always" else "auto"
+        policy = "always" if self.load_rule is LoadRule.ALWAYS else "auto"
         found = decide_load(tiers, self._read_gbps, self._prefill_tps, self.layout, policy)
         logger.info("kvmove offload: request %s: %d stored blocks after %d computed tokens "
                     "(%s), load %d: est. load %s s, recompute %s s", request.request_id,
@@ -240,10 +243,11 @@ class Scheduler:
         self._tracked.clear()
 
 
-class Worker:
+class OffloadWorker:
     """The worker's side: owns the store, moves blocks between it and vLLM's KV tensors."""
 
-    def __init__(self, vllm_config: Any, config: Any, kv_cache_config: Any) -> None:
+    def __init__(self, vllm_config: Any, config: ConnectorConfig,
+                 kv_cache_config: Any) -> None:
         _log_to_vllm()
         self.config = config
         self.layout = layout_of(vllm_config)
@@ -274,10 +278,10 @@ class Worker:
                                         order="vllm-cpu")
         logger.info("kvmove offload: %r over %d vLLM blocks", self.store, self.cache.num_blocks)
 
-    def start_load_kv(self, metadata: Any) -> None:
+    def start_load_kv(self, meta: Any) -> None:
         """Brings this step's stored blocks into vLLM's; the first block missing or corrupt
         and those after it in its request become load errors (vLLM recomputes them)."""
-        self._meta = metadata if isinstance(metadata, OffloadMeta) else None
+        self._meta = meta if isinstance(meta, OffloadMeta) else None
         if self._meta is None or not self._meta.loads or self.store is None:
             return
         start = time.perf_counter()

@@ -1,4 +1,4 @@
-"""One upstream call of the vLLM proxy (``vllm_proxy.py``): sent to an instance, counted in
+"""One upstream call of the vLLM proxy (``proxy.py``): sent to an instance, counted in
 flight and timed in ``ProxyMetrics``, its failures turned into the client's 502 or 504 naming
 the instance, its answer read whole or relayed chunk by chunk.
 
@@ -21,7 +21,7 @@ import httpx
 from fastapi.responses import StreamingResponse
 
 from kvmove.serve.api import APIError, error_body
-from kvmove.serve.vllm_pools import Instance, ProxyMetrics
+from kvmove.serve.vllm.pools import Instance, ProxyMetrics
 
 __all__ = ["Call", "Relay", "UpstreamError"]
 

@@ -5,7 +5,8 @@ The protocol is the one vLLM's NixlConnector toy proxy speaks, so this proxy and
 interchangeable in front of the same servers:
 
 * **pull** (vLLM's flow): the client's body goes to a prefill instance with ``max_tokens`` 1,
-  ``stream`` false and ``kv_transfer_params`` asking for a remote decode (``PULL_PARAMS``);
+  ``stream`` false and ``kv_transfer_params`` asking for a remote decode
+  (``KVTransferParams.pull_request``);
   the ``kv_transfer_params`` it answers with go, unchanged, into the client's body to a decode
   instance, which pulls the KV; the decode's answer is the client's.
 * **push** (kvmove's layer-wise flow): the decode instance reserves blocks first and the prefill
@@ -18,11 +19,16 @@ Both upstream requests carry the client's ``X-Request-Id`` (or a new one). Upstr
 reach the client as OpenAI's error body naming the instance: 502 (unreachable, broken answer)
 or 504 (no answer within ``--request-timeout``); an upstream's own refusal (a 400 for a prompt
 too long) is passed through as it is.
+
+Every ``kv_transfer_params`` the proxy writes or reads is a ``KVTransferParams``
+(``kvmove.integrations.vllm.params``, shared with the connector), except the prefill's answer
+in pull, which goes to the decode unchanged: it may be another connector's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import uuid
@@ -35,21 +41,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvmove.integrations.vllm.params import KVTransferParams, TransferMode
 from kvmove.serve.admission import Admission
 from kvmove.serve.api import APIError, install_error_handlers
-from kvmove.serve.vllm_pools import Instance, Pool, ProxyConfig, ProxyMetrics
-from kvmove.serve.vllm_upstream import Call, Relay, UpstreamError
+from kvmove.serve.vllm.pools import Instance, Pool, ProxyConfig, ProxyMetrics
+from kvmove.serve.vllm.upstream import Call, Relay, UpstreamError
 
-__all__ = ["PULL_PARAMS", "Proxy", "create_app"]
+__all__ = ["Proxy", "create_app"]
 
 log = logging.getLogger(__name__)
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
-# What a prefill request carries in pull mode: exactly what vLLM's toy proxy sends.
-PULL_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-    "remote_block_ids": None, "remote_host": None, "remote_port": None}
 HEALTH_SECONDS = 5.0  # one instance's /health (at most --request-timeout)
 
 
@@ -114,18 +117,18 @@ class Proxy:
         prefill = self.prefills.pick()
         log.debug("%s %s: prefill %s (kvmove address %s)", rid, path, prefill.url,
                   prefill.address)
-        if self.config.kv_mode == "push" and prefill.address is not None:
-            self.metrics.handoffs.labels("push").inc()
+        if self.config.kv_mode is TransferMode.PUSH and prefill.address is not None:
+            self.metrics.handoffs.labels(TransferMode.PUSH.value).inc()
             return await self._push(path, body, headers, prefill)
-        mode = "pull" if self.config.kv_mode == "pull" else "pull-fallback"
-        self.metrics.handoffs.labels(mode).inc()
+        pull = self.config.kv_mode is TransferMode.PULL
+        self.metrics.handoffs.labels(TransferMode.PULL.value if pull else "pull-fallback").inc()
         return await self._pull(path, body, headers, prefill)
 
     async def _pull(self, path: str, body: dict, headers: dict[str, str],
                     prefill: Instance) -> Response:
         call = self._call(prefill)
-        upstream = await call.open("POST", path, _prefill_body(body, path, PULL_PARAMS),
-                                   headers)
+        upstream = await call.open("POST", path, _prefill_body(
+            body, path, KVTransferParams.pull_request()), headers)
         content = await call.read(upstream)
         if not upstream.is_success:  # its refusal (prompt too long...) is the client's answer
             return _passed(upstream, content, headers["X-Request-Id"])
@@ -164,12 +167,14 @@ class Proxy:
         """The decode request first (its body on the wire, not its answer: the decode's
         connector reserves the blocks the prefill's layers land in), then the prefill's."""
         assert prefill.address is not None
-        transfer_id = uuid.uuid4().hex
-        push = {"transfer_mode": "push", "kvmove_transfer_id": transfer_id}
-        decode_body = {**body, "kv_transfer_params": {
-            "do_remote_prefill": True, "do_remote_decode": False, **push, **prefill.address}}
-        prefill_body = _prefill_body(body, path, {
-            "do_remote_decode": True, "do_remote_prefill": False, **push})
+        tid = uuid.uuid4().hex
+        to_decode = dataclasses.replace(prefill.address, do_remote_prefill=True,
+                                        do_remote_decode=False, transfer_mode=TransferMode.PUSH,
+                                        kvmove_transfer_id=tid)
+        to_prefill = KVTransferParams(do_remote_decode=True, do_remote_prefill=False,
+                                      transfer_mode=TransferMode.PUSH, kvmove_transfer_id=tid)
+        decode_body = {**body, "kv_transfer_params": to_decode.to_dict()}
+        prefill_body = _prefill_body(body, path, to_prefill.to_dict())
         decode = self._call(self.decodes.pick())
         sent = asyncio.Event()
         opening = asyncio.create_task(decode.open("POST", path, decode_body, headers, sent))
@@ -233,7 +238,8 @@ class Proxy:
         report: dict[str, Any] = {
             "status": "unhealthy" if failing else "ok",
             "instances": {i.url: {"pool": i.pool, "in_flight": i.in_flight,
-                                  "kvmove_address": i.address} for i in instances}}
+                                  "kvmove_address": i.address and i.address.to_dict()}
+                          for i in instances}}
         if failing:
             report["failing"] = failing
         return JSONResponse(report, status_code=503 if failing else 200)

@@ -1,6 +1,6 @@
 """The vLLM instances ``kvmove-serve --vllm-prefill ... --vllm-decode ...`` fronts: its
-configuration, the two pools and their Prometheus metrics (``vllm_proxy.py`` speaks the
-protocol over them).
+configuration, the two pools and their Prometheus metrics (``proxy.py`` speaks the protocol
+over them).
 
 A pool picks the instance with the fewest requests in flight, ties in turn (round robin): a
 proxy sees every request it sends, so its own count is exact for instances it alone feeds and
@@ -17,13 +17,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvmove.errors import ConfigError
+from kvmove.integrations.vllm.params import KVTransferParams, TransferMode
 from kvmove.serve.config import LOOPBACK_HOSTS
 
-__all__ = ["ADDRESS_FIELDS", "KV_MODES", "Instance", "Pool", "ProxyConfig", "ProxyMetrics"]
+__all__ = ["KV_MODES", "Instance", "Pool", "ProxyConfig", "ProxyMetrics"]
 
-KV_MODES = ("push", "pull")
-# The fields of a prefill's kv_transfer_params that say where its kvmove agent listens.
-ADDRESS_FIELDS = ("remote_engine_id", "remote_host", "remote_port")
+KV_MODES = tuple(mode.value for mode in TransferMode)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                     120.0)
 
@@ -34,7 +33,7 @@ class ProxyConfig:
 
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
-    kv_mode: str = "push"
+    kv_mode: TransferMode = TransferMode.PUSH
     host: str = "127.0.0.1"
     port: int = 8000
     request_timeout: float = 120.0  # seconds: any upstream call, and a stream's gap
@@ -56,6 +55,7 @@ class ProxyConfig:
         if self.kv_mode not in KV_MODES:
             raise ConfigError(f"--kv-mode must be one of {', '.join(KV_MODES)}, got "
                               f"{self.kv_mode!r}")
+        object.__setattr__(self, "kv_mode", TransferMode(self.kv_mode))
         if not self.request_timeout > 0:
             raise ConfigError(f"--request-timeout must be positive, got {self.request_timeout}")
         for name in ("max_pending", "max_body_bytes"):
@@ -78,14 +78,15 @@ class Instance:
     url: str
     pool: str
     in_flight: int = 0
-    address: dict[str, Any] | None = None
+    address: KVTransferParams | None = None  # its engine id, host and port alone
     warned: bool = False  # said once that it returns no kv_transfer_params
 
     def learn_address(self, params: Any) -> None:
         """Remembers the kvmove address in a prefill's ``kv_transfer_params``, if it has one
         (a vLLM without the kvmove connector returns none, or null)."""
-        if isinstance(params, dict) and all(params.get(f) is not None for f in ADDRESS_FIELDS):
-            self.address = {f: params[f] for f in ADDRESS_FIELDS}
+        address = KVTransferParams.from_request(params).prefill_address()
+        if address is not None:
+            self.address = address
 
 
 @dataclass(eq=False)
@@ -149,5 +150,5 @@ class ProxyMetrics:
             for i in pool.instances:
                 self.requests.labels(pool.name, i.url)
                 self.in_flight.labels(pool.name, i.url)
-        for mode in ("push", "pull", "pull-fallback"):
+        for mode in (*KV_MODES, "pull-fallback"):
             self.handoffs.labels(mode)

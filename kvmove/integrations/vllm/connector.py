@@ -1,0 +1,142 @@
+"""``KVMoveConnector``: kvmove as a vLLM KV connector (vLLM's ``KVConnectorBase_V1``).
+
+vLLM builds one connector per role: the scheduler's (in the engine core) decides and tells the
+workers what to do in each step's metadata; the worker's (beside the model) moves the bytes.
+This class only picks the two sides for ``kv_role`` (``sides.py``: P/D or offload) and hands
+every call to them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from kvmove.integrations.vllm.config import ConnectorConfig, KVRole
+from kvmove.integrations.vllm.sides import ConnectorScheduler, ConnectorWorker
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KVMoveConnector"]
+
+
+class KVMoveConnector(KVConnectorBase_V1):
+    """vLLM's view of kvmove: one class, two sides (scheduler and worker), two jobs (P/D by
+    ``kv_producer``/``kv_consumer``, offload by ``kv_both``)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = ConnectorConfig.from_vllm(vllm_config)
+        self.config = config
+        self._scheduler: ConnectorScheduler | None = None
+        self._worker: ConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = _scheduler_class(config.role)(vllm_config, config,
+                                                            kv_cache_config)
+        else:
+            self._worker = _worker_class(config.role)(vllm_config, config, kv_cache_config)
+
+    @property
+    def scheduler(self) -> ConnectorScheduler:
+        assert self._scheduler is not None, "a worker's connector has no scheduler side"
+        return self._scheduler
+
+    @property
+    def worker(self) -> ConnectorWorker:
+        assert self._worker is not None, "the scheduler's connector has no worker side"
+        return self._worker
+
+    # ---- scheduler side -------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return self.scheduler.get_loaded_kv_cache_group_ids(request)
+
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler.has_pending_work()
+
+    # ---- worker side ----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self.worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        # The bound metadata: vLLM may call start_load_kv only after the forward pass.
+        self.worker.save_kv_layer(layer_name, kv_layer, self._get_connector_metadata())
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        # Offload reports its store's changes to the scheduler's index; P/D reports nothing.
+        return self.worker.build_connector_worker_meta()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+
+# Both sides are imported only for the role that uses them: offload's need no agent, P/D's no
+# store, and a scheduler process never imports a worker's. Each is built from
+# (vllm_config, config, kv_cache_config).
+def _scheduler_class(role: KVRole) -> Callable[..., ConnectorScheduler]:
+    if role is KVRole.BOTH:
+        from kvmove.integrations.vllm.offload import OffloadScheduler
+        return OffloadScheduler
+    from kvmove.integrations.vllm.pd_scheduler import PDScheduler
+    return PDScheduler
+
+
+def _worker_class(role: KVRole) -> Callable[..., ConnectorWorker]:
+    if role is KVRole.BOTH:
+        from kvmove.integrations.vllm.offload import OffloadWorker
+        return OffloadWorker
+    from kvmove.integrations.vllm.pd_worker import PDWorker
+    return PDWorker

@@ -1,0 +1,309 @@
+"""The prefill's part of ``PDWorker``: each request's KV held and streamed into the lease a
+decode offers for it. A request's hand-off is an ``Outgoing`` (``pd_outgoing.py``: the states
+of its blocks and of its send); its blocks go back to vLLM exactly when vLLM handed them over
+and no stream reads them.
+
+The hand-off's messages are the stream protocol's (kvmove's lease protocol carries them,
+checked and bounded like its other messages): the decode's ``Agent.offer`` arrives here as a
+``kvmove.Offer`` (``Agent.wait_offer``, read by one thread of ours), and a lease that will not
+be streamed into is declined (``Agent.decline``: the decode's load fails at once and
+recomputes). An offer that arrives before the prefill knows the request (push: both instances
+got it at once) waits as a ``_Reservation``, at most ``MAX_RESERVATIONS`` of them and
+``lease_seconds`` each, until the forward pass reaches it.
+
+Threads: vLLM's model thread (steps, layers, holds, ``take_sent``), the thread that receives
+offers, and the pool threads that wait for streams to end. The ``PDWorker``'s one lock guards
+everything here; nothing blocking runs under it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import kvmove
+from kvmove import Offer
+from kvmove.errors import KVMoveError
+from kvmove.integrations.vllm.pd_outgoing import Blocks, Outgoing, Send
+from kvmove.integrations.vllm.pd_specs import PushSpec, SendSpec
+
+if TYPE_CHECKING:
+    from kvmove.integrations.vllm.pd_scheduler import PDMetadata
+
+__all__ = ["PDPrefillWorker"]
+
+# Under "vllm.": vLLM's handlers print it beside its own lines.
+logger = logging.getLogger("vllm.kvmove.pd_prefill")
+
+MAX_RESERVATIONS = 4096        # offers waiting for a request the prefill has not seen yet
+REMEMBER_DONE = 65536          # keys of ended sends, so a late offer is declined at once
+POLL_SECONDS = 0.05            # the offer thread's wait, between looks at shutdown
+
+
+@dataclass
+class _Reservation:
+    offer: Offer
+    since: float
+
+
+class PDPrefillWorker:
+    """Holds requests' KV for their decodes and streams it into the leases they offer."""
+
+    def __init__(self, agent: kvmove.Agent, num_layers: int, lease_seconds: float,
+                 timeout: float, lock: threading.Condition, pool: ThreadPoolExecutor) -> None:
+        self.agent = agent
+        self.num_layers = num_layers
+        self.lease_seconds = lease_seconds
+        self.timeout = timeout
+        self._lock = lock          # the PDWorker's: notified when blocks go back
+        self._pool = pool
+        self._out: dict[str, Outgoing] = {}           # by key (the offers' request id)
+        self._out_by_req: dict[str, Outgoing] = {}    # by vLLM's request id: all of them
+        self._step: list[Outgoing] = []               # pushes in this forward pass
+        self._step_meta: PDMetadata | None = None     # whose pushes _step holds
+        self._reservations: dict[str, _Reservation] = {}
+        self._done_keys: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._sent: set[str] = set()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Starts the thread that receives the decodes' offers."""
+        self._thread = threading.Thread(target=self._serve, name="kvmove-vllm-offers",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+
+    @property
+    def pending(self) -> bool:
+        """Some request's blocks have not gone back yet."""
+        return bool(self._out_by_req)
+
+    @property
+    def has_sent(self) -> bool:
+        return bool(self._sent)
+
+    def take_sent(self) -> set[str]:
+        """Requests whose blocks go back to vLLM (its ``finished_sending``)."""
+        with self._lock:
+            sent, self._sent = self._sent, set()
+        return sent
+
+    # ---- vLLM's model thread ----------------------------------------------------------------
+
+    def begin_step(self, meta: PDMetadata) -> None:
+        """The pushes of this step's forward pass (once per step: vLLM 0.32 may call
+        start_load_kv after the forward pass, whose first save_kv_layer began them)."""
+        with self._lock:
+            if meta is not self._step_meta:
+                self._step_meta = meta
+                self._step = [self._begin_push(p) for p in meta.pushes]
+
+    def save_layer(self, meta: PDMetadata, layer: int) -> None:
+        """Layer ``layer`` is in the blocks: post it to every decode already streaming."""
+        with self._lock:
+            self.begin_step(meta)
+            for out in self._step:
+                out.layers.add(layer)
+                self._post_ready(out)
+
+    def end_forward(self) -> None:
+        """Every layer of this step's pushes is in the blocks (also those no save_kv_layer
+        reported: an attention backend that does not call it)."""
+        with self._lock:
+            for out in self._step:
+                if out.state is Blocks.COMPUTING:  # else vLLM handed it over already
+                    out.computed(self.num_layers)
+                    self._post_ready(out)
+            self._step = []
+
+    def hold(self, send: SendSpec) -> None:
+        """vLLM finished the request and hands its blocks over until ``send.deadline``."""
+        logger.debug("kvmove: holding %s (%d blocks)%s", send.req_id, len(send.blocks),
+                     " to abort" if send.abort else "")
+        with self._lock:
+            out = self._out_by_req.get(send.req_id)
+            if out is None:
+                out = self._track(Outgoing(send.req_id, send.transfer_id or send.req_id,
+                                            list(send.blocks), Blocks.COMPUTED))
+            out.hold(send.blocks, send.deadline, self.num_layers)
+            if send.abort:
+                self._abort(out)
+            else:
+                self._take_reservation(out)
+            self._give_back_if_done(out)
+
+    def release_expired(self, now: float) -> None:
+        """Leases no decode took up in time; reservations no request came for."""
+        with self._lock:
+            for out in list(self._out_by_req.values()):
+                if out.state is Blocks.HELD and out.send is Send.WAITING and now > out.deadline:
+                    logger.info("kvmove: lease of %s ended before a decode asked for it; "
+                                "its %d blocks go back to vLLM", out.key, len(out.blocks))
+                    out.skipped()
+                    self._give_back_if_done(out)
+            horizon = now - self.lease_seconds
+            for key, reservation in list(self._reservations.items()):
+                if reservation.since < horizon:
+                    del self._reservations[key]
+
+    # ---- offers -----------------------------------------------------------------------------
+
+    def on_offer(self, offer: Offer) -> None:
+        """A decode's lease for ``offer.request_id``: streamed into at once if the request is
+        known, declined if it is over, else kept as a reservation."""
+        logger.debug("kvmove: %s offers %d blocks for %s", offer.peer, len(offer.blocks),
+                     offer.request_id)
+        with self._lock:
+            out = self._out.get(offer.request_id)
+            if out is not None:
+                self._start_send(out, offer)
+            elif offer.request_id in self._done_keys:
+                self._decline(offer, "its lease ended or it was sent already")
+            elif len(self._reservations) >= MAX_RESERVATIONS:
+                self._decline(offer, f"{MAX_RESERVATIONS} reservations are waiting")
+            else:
+                self._reservations[offer.request_id] = _Reservation(offer, time.monotonic())
+
+    def _decline(self, offer: Offer, reason: str) -> None:
+        """Tells the decode its lease will not be streamed into (its load fails at once)."""
+        try:
+            self.agent.decline(offer, reason)
+        except KVMoveError as error:   # it died meanwhile: its lease is gone with it
+            logger.warning("kvmove: cannot decline %s of %s: %s", offer.request_id,
+                           offer.peer, error)
+
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            try:
+                offer = self.agent.wait_offer(POLL_SECONDS)
+            except kvmove.errors.TimeoutError:
+                continue   # none yet, or the agent closed (then _closed is set too)
+            self.on_offer(offer)
+
+    # ---- the hand-off -----------------------------------------------------------------------
+
+    def _track(self, out: Outgoing) -> Outgoing:
+        self._out[out.key] = out
+        self._out_by_req[out.req_id] = out
+        return out
+
+    def _begin_push(self, push: PushSpec) -> Outgoing:
+        out = self._track(Outgoing(push.req_id, push.transfer_id, list(push.blocks),
+                                    Blocks.COMPUTING))
+        self._take_reservation(out)
+        return out
+
+    def _take_reservation(self, out: Outgoing) -> None:
+        reservation = self._reservations.pop(out.key, None)
+        if reservation is not None:
+            self._start_send(out, reservation.offer)
+
+    def _start_send(self, out: Outgoing, offer: Offer) -> None:
+        """Streams ``out`` into the offered lease: every layer in the blocks so far at once,
+        the rest as ``save_kv_layer`` saves them."""
+        if out.send is not Send.WAITING:
+            self._decline(offer, "already sent or aborted")
+            return
+        stream = self._open_stream(out, offer)
+        if stream is None:
+            out.skipped()
+            self._give_back_if_done(out)
+            return
+        out.stream_opened(stream)
+        self._post_ready(out)
+
+    def _open_stream(self, out: Outgoing, offer: Offer) -> kvmove.SaveStream | None:
+        """None when nothing will be streamed: the decode needs nothing (a prefix it has),
+        asks for more blocks than the prefill holds (declined), or the stream cannot start."""
+        if not offer.blocks:
+            return None
+        if len(offer.blocks) > len(out.blocks):
+            self._decline(offer, f"asked for {len(offer.blocks)} blocks, the prefill holds "
+                                 f"{len(out.blocks)}")
+            return None
+        logger.debug("kvmove: streaming %s to %s (%s, layers so far %s)", out.key, offer.peer,
+                     out.state.value, sorted(out.layers))
+        src = out.blocks[len(out.blocks) - len(offer.blocks):]
+        try:
+            return self.agent.stream_to(offer.peer, src, offer.blocks, out.key,
+                                        epoch=offer.epoch)
+        except KVMoveError as error:
+            logger.warning("kvmove: cannot stream %s to %s: %s", out.key, offer.peer, error)
+            return None
+
+    def _post_ready(self, out: Outgoing) -> None:
+        """Streams the layers in the blocks not streamed yet; finishes once all are."""
+        if out.send is not Send.STREAMING:
+            return
+        assert out.stream is not None
+        for layer in sorted(out.layers - out.posted):
+            self._guard(out, out.stream.save_layer, layer)
+            out.posted.add(layer)
+        if out.state is not Blocks.COMPUTING and len(out.posted) == self.num_layers:
+            self._guard(out, out.stream.finish)
+            out.closing()
+            self._pool.submit(self._await_send, out)
+
+    def _guard(self, out: Outgoing, call: Callable[..., Any], *args: Any) -> None:
+        """A stream call; a stream that failed already (its decode died or gave up) is left
+        for ``_await_send`` to end."""
+        try:
+            call(*args)
+        except KVMoveError as error:
+            logger.debug("kvmove: stream %s: %s", out.key, error)
+
+    def _abort(self, out: Outgoing) -> None:
+        """The request did not finish normally: send nothing (more)."""
+        if out.send is Send.WAITING:
+            out.skipped()
+        elif out.send is not Send.DONE:
+            assert out.stream is not None
+            out.stream.abort(wait=False)
+            if out.send is Send.STREAMING:
+                out.closing()
+                self._pool.submit(self._await_send, out)
+
+    def _await_send(self, out: Outgoing) -> None:
+        assert out.stream is not None
+        started = time.monotonic()
+        try:
+            out.stream.wait_for_save(timeout=self.timeout)
+            logger.info("kvmove: sent %s (%d blocks, %d of %d layers during the forward "
+                        "pass), acknowledged %.1f ms after the last", out.key, len(out.blocks),
+                        out.overlapped, self.num_layers, 1e3 * (time.monotonic() - started))
+        except KVMoveError as error:
+            logger.warning("kvmove: sending %s to %s failed: %s", out.key, out.stream.peer,
+                           error)
+            try:
+                out.stream.abort(timeout=self.timeout)
+            except KVMoveError:
+                pass
+        with self._lock:
+            out.ended()
+            self._give_back_if_done(out)
+
+    def _give_back_if_done(self, out: Outgoing) -> None:
+        """vLLM gets the blocks back once it handed them to us and no stream reads them."""
+        if out.state is not Blocks.HELD or out.send is not Send.DONE:
+            return
+        out.give_back()
+        self._sent.add(out.req_id)
+        self._lock.notify_all()
+        # Only this one: a client may have reused its transfer id for another meanwhile.
+        for table, name in ((self._out, out.key), (self._out_by_req, out.req_id)):
+            if table.get(name) is out:
+                del table[name]
+        self._done_keys[out.key] = None
+        while len(self._done_keys) > REMEMBER_DONE:
+            self._done_keys.popitem(last=False)

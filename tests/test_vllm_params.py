@@ -1,0 +1,178 @@
+"""vLLM's P/D protocol as kvmove reads and writes it (``kvmove/integrations/vllm/params.py``)
+and the connector's settings (``config.py``): no vLLM needed, as the proxy runs without it.
+
+The wire is written out here (not imported): it is vLLM's, and must not drift.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvmove.errors import ConfigError
+from kvmove.integrations.vllm.config import ConnectorConfig, KVRole, LoadRule
+from kvmove.integrations.vllm.params import KVTransferParams, TransferMode, mark_handed_off
+
+# A kvmove prefill's answer (request_finished), as a decode receives it.
+ANSWER = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [4, 5],
+          "remote_engine_id": "engine-0", "remote_request_id": "cmpl-1",
+          "remote_host": "10.0.0.7", "remote_port": 5600, "tp_size": 1,
+          "remote_num_tokens": 40, "transfer_mode": "pull"}
+
+
+def test_an_answer_reads_back_field_for_field() -> None:
+    params = KVTransferParams.from_request(ANSWER)
+    assert params.to_dict() == ANSWER
+    assert params.remote_block_ids == (4, 5) and params.transfer_mode is TransferMode.PULL
+    assert (params.key, params.mode) == ("cmpl-1", TransferMode.PULL)
+    assert params.agent_address == ("10.0.0.7", 5600)
+
+
+def test_none_and_non_dicts_are_empty_params() -> None:
+    raw: Any
+    for raw in (None, {}, [], "push"):
+        params = KVTransferParams.from_request(raw)
+        assert params == KVTransferParams() and params.to_dict() == {}
+        assert params.key is None and params.agent_address is None
+
+
+def test_unknown_keys_are_ignored() -> None:
+    params = KVTransferParams.from_request({**ANSWER, "remote_notify_port": 7})
+    assert params.to_dict() == ANSWER
+
+
+def test_the_flags_count_by_truthiness_as_in_vllms_connectors() -> None:
+    params = KVTransferParams.from_request({"do_remote_prefill": 1, "do_remote_decode": ""})
+    assert params.do_remote_prefill is True and params.do_remote_decode is False
+
+
+@pytest.mark.parametrize("field, value", [
+    ("remote_port", 0), ("remote_port", 65536), ("remote_port", True), ("remote_port", "5600"),
+    ("remote_host", ""), ("remote_host", 7), ("remote_engine_id", None),
+    ("remote_request_id", ""), ("remote_block_ids", [1, -1]), ("remote_block_ids", "1,2"),
+    ("tp_size", 0), ("remote_num_tokens", -1), ("transfer_mode", "PUSH"),
+    ("kvmove_transfer_id", "x" * 129), ("kvmove_transfer_id", ""),
+])
+def test_a_bad_field_is_dropped_and_the_others_kept(field: str, value: Any) -> None:
+    """Client JSON must not fail vLLM's engine core: the connector computes instead."""
+    params = KVTransferParams.from_request({**ANSWER, field: value})
+    assert getattr(params, field) is None
+    assert params.to_dict() == {k: v for k, v in ANSWER.items() if k != field}
+
+
+@pytest.mark.parametrize("field, value, limit", [
+    ("remote_port", 70000, "an int in [1, 65536)"),
+    ("remote_host", "", "a non-empty string"),
+    ("kvmove_transfer_id", "x" * 129, "a string of 1 to 128 characters"),
+    ("transfer_mode", "both", "one of ['push', 'pull']"),
+    ("do_remote_decode", 1, "true or false"),
+    ("remote_block_ids", [0, -2], "a list of block ids"),
+])
+def test_the_constructor_refuses_a_bad_value_naming_it(field: str, value: Any,
+                                                       limit: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        KVTransferParams(**{field: value})
+    assert f"kv_transfer_params[{field!r}]" in str(excinfo.value)
+    assert limit in str(excinfo.value) and repr(value)[:20] in str(excinfo.value)
+
+
+def test_push_is_keyed_by_its_transfer_id_and_needs_one() -> None:
+    push = {"do_remote_prefill": True, "transfer_mode": "push", "kvmove_transfer_id": "t1",
+            "remote_request_id": "cmpl-1"}
+    params = KVTransferParams.from_request(push)
+    assert (params.transfer_id, params.key, params.mode) == ("t1", "t1", TransferMode.PUSH)
+    # no (valid) transfer id: the pull way, by the prefill's request id
+    params = KVTransferParams.from_request({**push, "kvmove_transfer_id": 5})
+    assert (params.transfer_id, params.key, params.mode) == (None, "cmpl-1", TransferMode.PULL)
+    # a transfer id without push asked
+    params = KVTransferParams.from_request({**push, "transfer_mode": "pull"})
+    assert params.transfer_id is None and params.key == "cmpl-1"
+
+
+def test_a_pull_prefill_request_is_exactly_vllms_toy_proxys() -> None:
+    assert KVTransferParams.pull_request() == {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def test_the_prefill_address_needs_engine_host_and_port() -> None:
+    address = KVTransferParams.from_request(ANSWER).prefill_address()
+    assert address is not None and address.to_dict() == {
+        "remote_engine_id": "engine-0", "remote_host": "10.0.0.7", "remote_port": 5600}
+    for field in ("remote_engine_id", "remote_host", "remote_port"):
+        partial = {k: v for k, v in ANSWER.items() if k != field}
+        assert KVTransferParams.from_request(partial).prefill_address() is None
+    # the connector needs only host and port
+    no_engine = {k: v for k, v in ANSWER.items() if k != "remote_engine_id"}
+    assert KVTransferParams.from_request(no_engine).agent_address == ("10.0.0.7", 5600)
+
+
+def test_handed_off_in_the_requests_own_dict() -> None:
+    raw = dict(ANSWER)
+    mark_handed_off(raw)
+    assert raw == {**ANSWER, "do_remote_prefill": False}
+    assert not KVTransferParams.from_request(raw).do_remote_prefill
+
+
+def test_the_mode_is_the_wire_string() -> None:
+    assert [m.value for m in TransferMode] == ["push", "pull"]
+    assert f"{TransferMode.PUSH}" == "push" and TransferMode("pull") is TransferMode.PULL
+
+
+def test_params_and_the_proxy_import_without_vllm() -> None:
+    """The proxy runs where vLLM is not installed: neither it, the params nor the connector's
+    package import vLLM (the connector class itself does, once vLLM asks for it)."""
+    code = ("import sys; import kvmove.integrations.vllm, kvmove.integrations.vllm.params, "
+            "kvmove.serve.vllm.proxy; print('vllm' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
+# ---- the connector's settings -----------------------------------------------------------------
+
+def _vllm_config(role: str, port: int = 5600, tp: int = 1, **extra: Any) -> Any:
+    """The parts of vLLM's ``VllmConfig`` that ``ConnectorConfig.from_vllm`` reads."""
+    kv = SimpleNamespace(kv_role=role, engine_id="e0", kv_port=port,
+                         kv_connector_extra_config=extra)
+    return SimpleNamespace(kv_transfer_config=kv,
+                           parallel_config=SimpleNamespace(rank=0, tensor_parallel_size=tp))
+
+
+def test_kv_role_is_an_enum_of_vllms_strings() -> None:
+    for role in KVRole:
+        config = ConnectorConfig.from_vllm(_vllm_config(role.value))
+        assert config.role is role and config.role == role.value
+
+
+def test_an_unknown_kv_role_is_refused_naming_the_roles() -> None:
+    with pytest.raises(ConfigError, match=r"kv_role must be one of \['kv_producer', "
+                                          r"'kv_consumer', 'kv_both'\], got 'kv_prefill'"):
+        ConnectorConfig.from_vllm(_vllm_config("kv_prefill"))
+
+
+@pytest.mark.parametrize("port, tp", [(0, 1), (65535, 2), (70000, 1)])
+def test_a_prefill_needs_a_port_for_every_rank(port: int, tp: int) -> None:
+    with pytest.raises(ConfigError, match=f"for each of the {tp} tensor-parallel ranks, "
+                                          f"got {port}"):
+        ConnectorConfig.from_vllm(_vllm_config("kv_producer", port=port, tp=tp))
+    ConnectorConfig.from_vllm(_vllm_config("kv_consumer", port=port, tp=tp))  # unused there
+
+
+def test_a_prefill_needs_a_host() -> None:
+    with pytest.raises(ConfigError, match="'host'. must be an address, got ''"):
+        ConnectorConfig.from_vllm(_vllm_config("kv_producer", host=""))
+
+
+def test_load_rule_is_an_enum() -> None:
+    config = ConnectorConfig.from_vllm(_vllm_config("kv_both", load_rule="never"))
+    assert config.load_rule is LoadRule.NEVER
+    assert ConnectorConfig.from_vllm(_vllm_config("kv_both")).load_rule is LoadRule.MEASURED
+    with pytest.raises(ConfigError, match=r"'load_rule'\] must be one of \['measured', "
+                                          r"'always', 'never'\], got 'sometimes'"):
+        ConnectorConfig.from_vllm(_vllm_config("kv_both", load_rule="sometimes"))
