@@ -29,12 +29,12 @@ class Pair:
     """Agent "a" (16 blocks of random bytes) sends to agent "b" (12 zero blocks), both here;
     ``a_ref`` / ``b_ref`` are what their caches must hold."""
 
-    def __init__(self) -> None:
+    def __init__(self, a_kwargs: dict | None = None, b_kwargs: dict | None = None) -> None:
         self.a_cache, self.b_cache = make_cache(LAYOUT, A_BLOCKS), make_cache(LAYOUT, B_BLOCKS)
         self.a_raw, self.b_raw = raw_view(self.a_cache), raw_view(self.b_cache)
         self.a_raw[...] = pattern(99, PL, A_BLOCKS, self.a_raw.shape[2])
-        self.a = kvmove.Agent("a", self.a_cache, **TCP)
-        self.b = kvmove.Agent("b", self.b_cache, **TCP)
+        self.a = kvmove.Agent("a", self.a_cache, **{**TCP, **(a_kwargs or {})})
+        self.b = kvmove.Agent("b", self.b_cache, **{**TCP, **(b_kwargs or {})})
         assert self.a.add_peer(self.b.metadata()) == "b"
         assert self.b.add_peer(self.a.metadata()) == "a"
         self.a_ref, self.b_ref = self.a_raw.copy(), self.b_raw.copy()
