@@ -1,13 +1,14 @@
 """Fixtures for the code blocks of docs/*.md, which pytest-markdown-docs runs as tests
 (`pytest` from the repository root; pyproject.toml's [tool.pytest.ini_options]).
 
-A block asks for one with the fence option ``fixture:NAME`` (```{.python fixture:NAME}``) and
-finds its value as the global ``NAME``. They stand in for what a block cannot make itself on a
-CPU-only machine without a network: an engine's own KV objects (SGLang's pool), a running
-``kvmove-serve``, and the GPU that ``docs/gpu.md`` needs (its blocks skip without one, as the
-tests marked ``gpu`` do). README.md's blocks need none of them: they run from the repository
-root, where no conftest.py may live (pytest would put the root on sys.path and import the
-checkout's kvmove/, which has no compiled core in a non-editable install).
+A block asks for one with the fence option ``fixture:NAME`` (a fence opening with
+``{.python fixture:NAME}``) and finds its value as the global ``NAME``. They stand in for
+what a block cannot make itself on a CPU-only machine without a network: an engine's own KV
+objects (SGLang's pool), a running ``kvmove-serve``, and the GPU that ``docs/gpu.md`` needs
+(its blocks skip without one, as the tests marked ``gpu`` do). README.md's blocks need none
+of them: they run from the repository root, where no conftest.py may live (pytest would put
+the root on sys.path and import the checkout's kvmove/, which has no compiled core in a
+non-editable install).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from typing import IO
 from types import SimpleNamespace
 
 import pytest
@@ -80,7 +82,7 @@ def base_url() -> Iterator[str]:
             _stop(server)
 
 
-def _wait_ready(server: subprocess.Popen, stderr) -> str:
+def _wait_ready(server: subprocess.Popen, stderr: IO[str]) -> str:
     """The server's URL from its ready line; fails with its stderr if it exits or is late."""
     lines: list[str] = []
 
