@@ -13,7 +13,9 @@ non-editable install).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -21,8 +23,8 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from typing import IO
 from types import SimpleNamespace
+from typing import IO
 
 import pytest
 
@@ -84,19 +86,21 @@ def base_url() -> Iterator[str]:
 
 def _wait_ready(server: subprocess.Popen, stderr: IO[str]) -> str:
     """The server's URL from its ready line; fails with its stderr if it exits or is late."""
-    lines: list[str] = []
+    lines: queue.Queue[str] = queue.Queue()
 
     def read() -> None:  # to the end: a full pipe would block the server
         for line in server.stdout:
-            lines.append(line)
+            lines.put(line)
 
     threading.Thread(target=read, daemon=True).start()
     deadline = time.monotonic() + SERVE_START_SECONDS
-    while time.monotonic() < deadline and server.poll() is None:
-        ready = [line for line in lines if line.startswith(READY_PREFIX)]
-        if ready:
-            return ready[0][len(READY_PREFIX):].split()[0]
-        time.sleep(0.05)
+    while (left := deadline - time.monotonic()) > 0 and server.poll() is None:
+        try:
+            line = lines.get(timeout=min(left, 0.5))
+        except queue.Empty:
+            continue
+        if line.startswith(READY_PREFIX):
+            return line[len(READY_PREFIX):].split()[0]
     stderr.seek(0)
     pytest.fail(f"kvmove-serve not ready (exit code {server.poll()}):\n{stderr.read()[-4000:]}")
 
@@ -104,12 +108,9 @@ def _wait_ready(server: subprocess.Popen, stderr: IO[str]) -> str:
 def _stop(server: subprocess.Popen) -> None:
     """SIGTERM (the server stops its workers), then SIGKILL for its whole session."""
     server.send_signal(signal.SIGTERM)
-    try:
+    # tests/test_serve.py holds the shutdown to account; here it only must not linger.
+    with contextlib.suppress(subprocess.TimeoutExpired):
         server.wait(SERVE_STOP_SECONDS)
-    except subprocess.TimeoutExpired:
-        pass  # tests/test_serve.py holds shutdown to account; here it only must not linger
-    try:
+    with contextlib.suppress(ProcessLookupError):  # none left of its session: all is well
         os.killpg(server.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     server.wait()
