@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 import kvmove
+
 from helpers.far import FarPeer
 from helpers.kv import fill, raw_view
 

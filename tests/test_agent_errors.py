@@ -35,7 +35,6 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import kvmove
-from kvmove import _C
 from kvmove.errors import (
     BlockError,
     ConfigError,

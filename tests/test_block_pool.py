@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvmove
-from kvmove import BlockPool, _C, block_hashes
+from kvmove import _C, BlockPool, block_hashes
 from kvmove.errors import BlockError, ConfigError
 
 Snapshot = tuple[int, int, int, list[int], list[int | None]]

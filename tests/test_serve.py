@@ -44,8 +44,16 @@ from kvmove.engine.tokenizer import ByteTokenizer
 from kvmove.engine.worker import EngineWorker
 
 from helpers.serve import (
-    GONE_SECONDS, START_SECONDS, TAG_VARIABLE, WORKDIR, Server, ServerPool, process_alive,
-    tagged_pids, wait_until)
+    GONE_SECONDS,
+    START_SECONDS,
+    TAG_VARIABLE,
+    WORKDIR,
+    Server,
+    ServerPool,
+    process_alive,
+    tagged_pids,
+    wait_until,
+)
 from helpers.threads import cpus_of_threads
 
 MODEL = "tiny"

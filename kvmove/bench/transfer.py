@@ -52,15 +52,24 @@ from typing import Any
 import numpy as np
 
 from kvmove.bench import against, perftest
+from kvmove.bench.against_report import AGAINST
+from kvmove.bench.engine_caches import WRAP_FORMATS
 from kvmove.bench.options import add_agent_args, add_output_args, add_prompt_args, check_plot
 from kvmove.bench.peer import FAR, Peer, Side, connect_pair, ping, stop_echo
 from kvmove.bench.progress import Progress, bar
-from kvmove.bench.against_report import AGAINST
-from kvmove.bench.engine_caches import WRAP_FORMATS
-from kvmove.bench.transfer_report import (NATIVE, PERFTEST_TEST, ROUND_TRIP_WARMUP,
-                                          SWEEP_BLOCK_SIZES, BenchConfig, BenchReport,
-                                          Registration, RoundTrip, TransferRow, format_transfer,
-                                          plot_transfer)
+from kvmove.bench.transfer_report import (
+    NATIVE,
+    PERFTEST_TEST,
+    ROUND_TRIP_WARMUP,
+    SWEEP_BLOCK_SIZES,
+    BenchConfig,
+    BenchReport,
+    Registration,
+    RoundTrip,
+    TransferRow,
+    format_transfer,
+    plot_transfer,
+)
 from kvmove.layout import KVLayout
 
 __all__ = ["add_parser", "count_steps", "memcpy_gbytes_per_s", "run", "run_command"]

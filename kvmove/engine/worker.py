@@ -40,7 +40,7 @@ from kvmove.engine.prefix_store import PrefixStore
 from kvmove.engine.request import FinishReason, Request, RequestState
 from kvmove.engine.role import ROLES, Role
 from kvmove.engine.sampling import sample, skip_draw
-from kvmove.engine.scheduler import BatchScheduler, Scheduled, SchedulerConfig
+from kvmove.engine.scheduler import BatchScheduler, SchedulerConfig
 from kvmove.engine.tokenizer import load_tokenizer
 from kvmove.errors import ConfigError, KVMoveError
 from kvmove.kv_cache import KVCache

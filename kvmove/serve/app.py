@@ -31,8 +31,7 @@ from kvmove.engine.detokenizer import Detokenizer
 from kvmove.engine.request import SamplingParams
 from kvmove.engine.tokenizer import ByteTokenizer
 from kvmove.serve.admission import Admission
-from kvmove.serve.api import (
-    APIError, ChatBody, CompletionBody, error_body, install_error_handlers)
+from kvmove.serve.api import APIError, ChatBody, CompletionBody, error_body, install_error_handlers
 from kvmove.serve.chat_template import ChatTemplate, TemplateError, load_chat_template
 from kvmove.serve.handle import Handle
 from kvmove.serve.router import Router
@@ -124,7 +123,7 @@ class _Completion:
         while True:
             try:
                 event = await asyncio.wait_for(self.handle.events.get(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.router.abort(self.handle, f"no token for {timeout:g} s")
                 event = await self.handle.events.get()
             yield event

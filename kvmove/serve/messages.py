@@ -15,7 +15,7 @@ so the two sides cannot drift apart.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -84,7 +84,7 @@ class Shutdown(_Message):
     op: Literal["shutdown"] = "shutdown"
 
 
-Command = Annotated[Union[Add, Reserve, Abort, Connect, Shutdown], Field(discriminator="op")]
+Command = Annotated[Add | Reserve | Abort | Connect | Shutdown, Field(discriminator="op")]
 
 
 # --- events: worker -> router -----------------------------------------------------------------
@@ -176,7 +176,7 @@ class Failed(_Message):
     error: str
 
 
-Event = Annotated[Union[Ready, Stats, Connected, Reserved, Tokens, Ended, KVEvents, Failed],
+Event = Annotated[Ready | Stats | Connected | Reserved | Tokens | Ended | KVEvents | Failed,
                   Field(discriminator="ev")]
 
 _COMMANDS: TypeAdapter[Command] = TypeAdapter(Command)

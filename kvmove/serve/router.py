@@ -36,8 +36,19 @@ from kvmove.serve.control import ControlEndpoint
 from kvmove.serve.handle import Handle
 from kvmove.serve.kv_index import Decision
 from kvmove.serve.messages import (
-    Abort, Add, Connected, Ended, Event, Failed, KVEvents, Ready, Reserve, Reserved, Stats,
-    Tokens)
+    Abort,
+    Add,
+    Connected,
+    Ended,
+    Event,
+    Failed,
+    KVEvents,
+    Ready,
+    Reserve,
+    Reserved,
+    Stats,
+    Tokens,
+)
 from kvmove.serve.planner import Planner
 from kvmove.serve.pool import WorkerPool
 from kvmove.serve.routing import Routing

@@ -44,8 +44,22 @@ from kvmove.runtime import unpinned
 from kvmove.serve.control import IDENTITY_VARIABLE, worker_socket
 from kvmove.serve.kv_events import KVEventSource
 from kvmove.serve.messages import (
-    Abort, Add, Command, Connect, Connected, Ended, Failed, Ready, Reserve, Reserved, Shutdown,
-    Stats, Tokens, encode, parse_command)
+    Abort,
+    Add,
+    Command,
+    Connect,
+    Connected,
+    Ended,
+    Failed,
+    Ready,
+    Reserve,
+    Reserved,
+    Shutdown,
+    Stats,
+    Tokens,
+    encode,
+    parse_command,
+)
 from kvmove.serve.workers import LINE_FORMAT
 from kvmove.store import DiskTier, HostTier, KVStore
 

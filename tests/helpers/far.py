@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 
 import kvmove
-from helpers.kv import fill, raw_view
 from kvmove.bench.harness import Child
+
+from helpers.kv import fill, raw_view
 
 
 class FarAgent:

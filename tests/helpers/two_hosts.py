@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 import kvmove
+
 from helpers.checks import listening_addresses
 from helpers.kv import fill, sha256
 
