@@ -29,7 +29,8 @@ def _missing_core() -> ImportError:
 
 
 try:
-    from kvmove import _C  # noqa: E402
+    # Unused here: imported first so that a missing core fails with _missing_core's advice.
+    from kvmove import _C  # noqa: E402, F401
 except ImportError as error:
     import importlib.util
 
@@ -37,7 +38,7 @@ except ImportError as error:
         raise _missing_core() from error
     raise
 from kvmove import _log  # noqa: E402
-from kvmove._version import __version__  # noqa: E402
+from kvmove._version import __version__ as __version__  # noqa: E402 (re-exported)
 from kvmove.agent import Agent, AgentStats  # noqa: E402
 from kvmove.block_pool import BlockPool, block_hashes, runs  # noqa: E402
 from kvmove.kv_cache import KVCache  # noqa: E402

@@ -114,7 +114,7 @@ class PrefillHandoffs:
         side holds it beyond the scheduler (sending or late), else None."""
         self._collect(time.monotonic())  # its offer may have come meanwhile: declined too
         self._expected.pop(request_id, None)
-        for (peer, rid), (offer, _) in list(self._offers.items()):
+        for peer, rid in list(self._offers):
             if rid == request_id:
                 self._decline(self._offers.pop((peer, rid))[0], "the request was aborted")
         if request_id in self.sending:

@@ -10,8 +10,9 @@
 * ``decode``: ``reserve`` blocks for an incoming request (None when full: back-pressure),
   ``start_load`` leases them to the prefill worker and offers it the lease (``Agent.offer``:
   the epoch and the ids go by kvmove, not by the router), and once the KV is in, decode it in
-  the batch until EOS, ``max_tokens`` or a stop string. A load that fails, times out or is aborted gives its blocks back only once
-  its lease is released: no late write from the prefill can reach a block reused meanwhile.
+  the batch until EOS, ``max_tokens`` or a stop string. A load that fails, times out or is
+  aborted gives its blocks back only once its lease is released: no late write from the
+  prefill can reach a block reused meanwhile.
 
 Colocated and prefill workers may keep a ``KVStore`` (host and disk tiers): the prefixes it
 holds are loaded instead of prefilled, and finished requests' blocks are offered to it

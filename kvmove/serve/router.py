@@ -142,7 +142,7 @@ class Router:
                 self._assign(handle, worker)
                 self.channel.send(worker, Add(rid=handle.rid, prompt=handle.prompt,
                                               params=handle.params))
-        except Exception as error:  # no worker left, or the control plane failed
+        except Exception as error:  # noqa: BLE001 - no worker left, or the control plane failed
             self._end(handle, "abort", "", f"{type(error).__name__}: {error}")
         finally:
             self.routing.release(handle)

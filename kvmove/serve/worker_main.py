@@ -239,7 +239,7 @@ class WorkerServer:
         logger.debug("command %s", command.op)
         try:
             self.handle(command)
-        except Exception as error:  # the router reports it to the request's client
+        except Exception as error:  # noqa: BLE001 - the router reports it to the client
             rid = getattr(command, "rid", None)
             logger.warning("%s command failed: %s: %s", command.op, type(error).__name__,
                            error)

@@ -444,7 +444,7 @@ class KVStore:
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 - a finalizer must not raise (interpreter exit)
             pass
 
     def __repr__(self) -> str:

@@ -3,9 +3,9 @@ configs users pass to ``KVStore``) and how it keeps blocks (``OpenTier``, one pe
 
 A tier holds whole blocks (every layer) in numbered slots, and an index hash -> slot kept in
 least-recently-used order. The host tier's slots are the blocks of a ``KVCache`` of its own;
-the disk tier's are slots of a ``BlockFile`` (``csrc/storage/block_file.h``) with an ``IndexJournal``.
-Bytes move in C++ with the GIL released; the index lives here, changed only by the store's
-I/O thread (``kvmove/store/store.py``), read by lookups under the store's lock.
+the disk tier's are slots of a ``BlockFile`` (``csrc/storage/block_file.h``) with an
+``IndexJournal``. Bytes move in C++ with the GIL released; the index lives here, changed only
+by the store's I/O thread (``kvmove/store/store.py``), read by lookups under the store's lock.
 """
 
 from __future__ import annotations

@@ -286,7 +286,7 @@ class OffloadWorker:
             return
         start = time.perf_counter()
         handles = [(job, self.store.get(job[1], self.cache, job[2])) for job in self._meta.loads]
-        for (req_id, keys, ids), handle in handles:
+        for (req_id, _keys, ids), handle in handles:
             arrived = self._wait(handle, f"loading {len(ids)} blocks of request {req_id}")
             if arrived < len(ids):
                 self._load_errors.update(ids[arrived:])
