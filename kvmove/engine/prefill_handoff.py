@@ -194,8 +194,8 @@ class PrefillHandoffs:
 
     def _ended(self, request: Request, stream: SaveStream, now: float) -> bool:
         """Whether the stream ended (the request then finished, handed off or aborted)."""
-        state = stream.state
-        if state == StreamState.OPEN and now - request.timings.kv_start > self.timeout:
+        state, started = stream.state, request.timings.kv_start  # set as it opened (_stream)
+        if state == StreamState.OPEN and started is not None and now - started > self.timeout:
             logger.warning("request %r: its KV hand-off passed transfer_timeout (%g s); "
                            "aborting it", request.id, self.timeout)
             stream.abort(wait=False)
