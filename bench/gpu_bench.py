@@ -23,6 +23,7 @@ import hashlib
 import json
 import statistics
 import time
+from functools import partial
 
 import torch
 
@@ -145,10 +146,10 @@ def _layer_compute(size: int, repeats: int) -> torch.Tensor:
 def _calibrate(per_layer: float) -> tuple[int, int, float]:
     """(matrix size, repeats, seconds) of GPU matmuls taking about ``per_layer`` seconds."""
     for size in (2048, 1024, 512, 256):
-        one = timed(lambda: _layer_compute(size, 20), 3) / 20
+        one = timed(partial(_layer_compute, size, 20), 3) / 20
         if one <= per_layer or size == 256:
             repeats = max(1, round(per_layer / one))
-            return size, repeats, timed(lambda: _layer_compute(size, repeats), 3)
+            return size, repeats, timed(partial(_layer_compute, size, repeats), 3)
     raise AssertionError("unreachable")
 
 

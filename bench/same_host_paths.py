@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 import kvmove
+
 from helpers.far import FarPeer
 from helpers.kv import fill, raw_view
 
@@ -37,8 +38,8 @@ def measure(near: kvmove.Agent, peers: dict[str, str], nbytes: int) -> dict[str,
 
     for _ in range(ROUNDS):
         for path, name in peers.items():
-            timed(f"{path} write", lambda: near.write(name, ids, ids).wait(WAIT))
-            timed(f"{path} read", lambda: near.read(name, ids, ids).wait(WAIT))
+            timed(f"{path} write", lambda name=name: near.write(name, ids, ids).wait(WAIT))
+            timed(f"{path} read", lambda name=name: near.read(name, ids, ids).wait(WAIT))
         timed("memcpy", lambda: np.copyto(dst, src))
     return best
 

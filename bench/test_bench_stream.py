@@ -28,7 +28,6 @@ from typing import Any
 
 import pytest
 
-from kvmove.bench.peer import FAR
 from kvmove.bench.stream import StreamPair
 from kvmove.bench.stream_report import StreamConfig
 

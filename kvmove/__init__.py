@@ -29,7 +29,8 @@ def _missing_core() -> ImportError:
 
 
 try:
-    from kvmove import _C  # noqa: E402
+    # Unused here: imported first so that a missing core fails with _missing_core's advice.
+    from kvmove import _C  # noqa: E402, F401
 except ImportError as error:
     import importlib.util
 
@@ -37,17 +38,17 @@ except ImportError as error:
         raise _missing_core() from error
     raise
 from kvmove import _log  # noqa: E402
+from kvmove._version import __version__ as __version__  # noqa: E402 (re-exported)
 from kvmove.agent import Agent, AgentStats  # noqa: E402
 from kvmove.block_pool import BlockPool, block_hashes, runs  # noqa: E402
 from kvmove.kv_cache import KVCache  # noqa: E402
 from kvmove.layout import KVLayout  # noqa: E402
 from kvmove.region import Region  # noqa: E402
+from kvmove.runtime import CudaStatus, cuda_available, cuda_status, ucx_version  # noqa: E402
 from kvmove.staging import StagedLoad, StagedWrite, StagingArea  # noqa: E402
 from kvmove.store import DiskTier, HostTier, KVStore, Lookup, StoreHandle  # noqa: E402
 from kvmove.stream import LoadStream, Offer, SaveStream, StreamState  # noqa: E402
 from kvmove.transfer import Transfer, TransferState, TransferStats  # noqa: E402
-from kvmove.runtime import CudaStatus, cuda_available, cuda_status, ucx_version  # noqa: E402
-from kvmove._version import __version__  # noqa: E402
 
 _log.start()  # the core's log records reach Python's logging (KVMOVE_LOG_LEVEL)
 

@@ -85,7 +85,7 @@ class BlockPool:
             BlockError: an id out of range, a free block, or more frees than references
                 (nothing is freed then).
         """
-        self._core.free(ids)
+        self._core.free(ids)  # type: ignore[arg-type]  # _C.pyi: any sequence, named list
 
     def share(self, ids: Sequence[int]) -> None:
         """Adds one reference per occurrence of each id (prefix sharing between requests).
@@ -93,7 +93,7 @@ class BlockPool:
         Raises:
             BlockError: an id that is not allocated.
         """
-        self._core.share(ids)
+        self._core.share(ids)  # type: ignore[arg-type]  # _C.pyi: any sequence, named list
 
     def commit(self, ids: Sequence[int], hashes: Sequence[int]) -> None:
         """Tags used blocks with content hashes (``block_hashes``) so that, once freed, they
@@ -104,7 +104,7 @@ class BlockPool:
             ConfigError: ``len(ids) != len(hashes)``.
             BlockError: an id out of range, not allocated, or tagged with another hash.
         """
-        self._core.commit(ids, list(hashes))
+        self._core.commit(ids, list(hashes))  # type: ignore[arg-type]  # as in free()
 
     def match(self, hashes: Sequence[int]) -> list[int]:
         """Ids of the longest cached prefix of ``hashes``, each with one new reference (the

@@ -66,8 +66,10 @@ def block_shape(layout: KVLayout, order: str = "NHD",
     if order not in ORDERS:
         raise ConfigError(f"order must be one of {ORDERS}, got {order!r}")
     first, total = check_kv_heads(layout, kv_heads)
+    parsed = _C.parse_order(order)
+    assert parsed is not None  # one of ORDERS, each of which the core knows
     return _C.BlockShape(layout.block_size, layout.num_kv_heads, layout.head_dim,
-                         getattr(_C.DType, layout.dtype), _C.parse_order(order), first, total)
+                         getattr(_C.DType, layout.dtype), parsed, first, total)
 
 
 def check_kv_heads(layout: KVLayout, kv_heads: tuple[int, int] | None) -> tuple[int, int]:

@@ -104,7 +104,12 @@ def _event_handle(event: Any) -> int:
 
 
 def _timings(core: Any) -> list[tuple[float | None, float | None]]:
-    return [tuple(None if math.isnan(t) else t for t in pair) for pair in core.layer_times()]
+    return [(_moment(start), _moment(end)) for start, end in core.layer_times()]
+
+
+def _moment(t: float) -> float | None:
+    """The core's NaN (not happened) as None."""
+    return None if math.isnan(t) else t
 
 
 def _abort_if_open(core: Any) -> None:

@@ -35,7 +35,6 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import kvmove
-from kvmove import _C
 from kvmove.errors import (
     BlockError,
     ConfigError,
@@ -613,7 +612,7 @@ def test_read_with_duplicate_sources_is_allowed(pair):
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("layers", [[NUM_LAYERS], [-1], [0, 1, 99]], ids=["4", "-1", "99"])
 def test_reject_layer_out_of_range(pair, op, layers):
-    bad = next(l for l in layers if not 0 <= l < NUM_LAYERS)
+    bad = next(layer for layer in layers if not 0 <= layer < NUM_LAYERS)
     with pytest.raises(ConfigError, match="layer") as excinfo:
         getattr(pair.a, op)("b", [0], [0], layers=layers)
     names(excinfo, f"layer {bad}", f"[0, {NUM_LAYERS})")

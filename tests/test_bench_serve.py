@@ -25,8 +25,15 @@ from kvmove.bench import serve, serve_load
 from kvmove.bench.report import BenchError
 from kvmove.bench.serve_config import ServeBenchConfig
 from kvmove.bench.serve_load import parse_metrics
-from kvmove.bench.serve_report import (ModeResult, QueueSample, RequestResult, ServeReport,
-                                       format_serve, percentile, plot_serve)
+from kvmove.bench.serve_report import (
+    ModeResult,
+    QueueSample,
+    RequestResult,
+    ServeReport,
+    format_serve,
+    percentile,
+    plot_serve,
+)
 from kvmove.bench.serve_server import ServerProcess
 from kvmove.bench.serve_trace import make_trace
 from kvmove.errors import ConfigError
@@ -383,8 +390,9 @@ def test_plot_serve_writes_two_pngs(tmp_path: object) -> None:
 
 def _serve_available() -> bool:
     try:
-        import kvmove.serve.cli  # noqa: F401
         import openai  # noqa: F401
+
+        import kvmove.serve.cli  # noqa: F401
     except ImportError:
         return False
     return True

@@ -31,8 +31,13 @@ from kvmove.bench.against_report import NixlRoundTrip, NixlRow, NixlRun
 from kvmove.bench.peer import Peer, Side
 from kvmove.bench.report import BenchError
 from kvmove.bench.store import StoreBenchConfig, StoreReport, TtftRow, format_store
-from kvmove.bench.transfer_report import (BenchConfig, BenchReport, RoundTrip, TransferRow,
-                                          format_transfer)
+from kvmove.bench.transfer_report import (
+    BenchConfig,
+    BenchReport,
+    RoundTrip,
+    TransferRow,
+    format_transfer,
+)
 from kvmove.errors import ConfigError
 from kvmove.layout import KVLayout
 

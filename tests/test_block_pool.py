@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvmove
-from kvmove import BlockPool, _C, block_hashes
+from kvmove import _C, BlockPool, block_hashes
 from kvmove.errors import BlockError, ConfigError
 
 Snapshot = tuple[int, int, int, list[int], list[int | None]]
@@ -253,8 +253,8 @@ def assert_placement(free: set[int], ids: list[int]) -> None:
 
     Best fit: the first ids of a shortest run that holds the rest; else a longest run whole,
     repeated. Which of several equally short (or long) runs is left open: the tie rule has its
-    own test (``test_allocate_best_fit_breaks_ties_by_most_recently_freed``), so a change to it fails
-    that test alone rather than every model-based check.
+    own test (``test_allocate_best_fit_breaks_ties_by_most_recently_freed``), so a change to it
+    fails that test alone rather than every model-based check.
     """
     available, remaining = free_runs(free), len(ids)
     context = f"{ids} from free runs {available}"

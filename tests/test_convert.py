@@ -10,12 +10,23 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.convert import (CASES, DIM, HEADS, LAYERS, NUM_BLOCKS, case_id, expected_pack,
-                             layout, random_cache, run_convert, scattered)
 from kvmove import KVCache, KVLayout
 from kvmove.convert import convert, pack, pack_nbytes, unpack
 from kvmove.errors import BlockError, ConfigError
 
+from helpers.convert import (
+    CASES,
+    DIM,
+    HEADS,
+    LAYERS,
+    NUM_BLOCKS,
+    case_id,
+    expected_pack,
+    layout,
+    random_cache,
+    run_convert,
+    scattered,
+)
 
 # --- pack / unpack -----------------------------------------------------------------------------
 

@@ -18,9 +18,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TOP = ("csrc", "kvmove", "tests", "bench", "bindings", "fuzz", "docs", ".ci")
-PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w.*/-]*[\w*])" % "|".join(re.escape(t) for t in TOP))
+PATH = re.compile(rf"(?<![\w./-])((?:{'|'.join(re.escape(t) for t in TOP)})/[\w.*/-]*[\w*])")
 CSRC_DIRS = sorted(p.name for p in (ROOT / "csrc").iterdir() if p.is_dir())
-CSRC_PATH = re.compile(r"(?<![\w./-])((?:%s)/\w+\.(?:h|cpp|cu))\b" % "|".join(CSRC_DIRS))
+CSRC_PATH = re.compile(rf"(?<![\w./-])((?:{'|'.join(CSRC_DIRS)})/\w+\.(?:h|cpp|cu))\b")
 SOURCES = ("*.py", "*.h", "*.cpp", "*.cu", "*.md", "*.sh", "run", "hardening", "vllm")
 # Where a path is not a path of this repository: another project's (vLLM's own tree), or a
 # folder a command creates.

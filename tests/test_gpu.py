@@ -63,7 +63,7 @@ def test_a_device_cache_has_no_numpy_view_and_no_buffer():
     with pytest.raises(ConfigError, match="no numpy view"):
         cache.numpy()
     with pytest.raises(AttributeError, match="no __array_interface__"):
-        cache.region.__array_interface__
+        _ = cache.region.__array_interface__
 
 
 def test_host_memory_is_pinned_when_asked_and_for_store_tiers(tmp_path):

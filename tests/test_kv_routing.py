@@ -10,8 +10,7 @@ from kvmove.block_pool import BlockPool
 from kvmove.engine.scheduler import prefix_hashes
 from kvmove.errors import PeerError
 from kvmove.serve.kv_events import MIN_SECONDS, KVEventSource, batches
-from kvmove.serve.kv_index import (
-    LOAD_TOKENS, Candidate, KVIndex, choose, cost, least_loaded)
+from kvmove.serve.kv_index import LOAD_TOKENS, Candidate, KVIndex, choose, cost, least_loaded
 from kvmove.serve.messages import MAX_KV_HASHES, KVEvents, encode, parse_event
 
 BLOCK = 16

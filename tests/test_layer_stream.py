@@ -1,5 +1,6 @@
-"""Layer-wise streaming (``kvmove/stream.py``, ``csrc/stream/layer_stream.h``): ``Agent.stream_to`` /
-``SaveStream`` on the prefill side, ``Agent.expect`` / ``LoadStream`` on the decode side.
+"""Layer-wise streaming (``kvmove/stream.py``, ``csrc/stream/layer_stream.h``):
+``Agent.stream_to`` / ``SaveStream`` on the prefill side, ``Agent.expect`` / ``LoadStream`` on
+the decode side.
 
 The one promise everything rests on: once ``wait_for_layer(i)`` returns (or ``layers_ready()``
 says layer ``i`` is in), layer ``i``'s bytes are *exactly* in the load's blocks. The tests

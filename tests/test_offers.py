@@ -9,7 +9,7 @@ exception, that the message names the value, and that the pair still works.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 
@@ -31,7 +31,7 @@ def pair() -> Iterator[Pair]:
         p.close()
 
 
-def offer(pair: Pair, rid: str = "r", dst: list[int] = [4, 5, 6]
+def offer(pair: Pair, rid: str = "r", dst: Sequence[int] = (4, 5, 6)
           ) -> tuple[kvmove.LoadStream, kvmove.Offer]:
     """b leases ``dst`` for ``rid`` and offers it; a takes the offer."""
     load = pair.b.offer("a", rid, dst, timeout=WAIT)

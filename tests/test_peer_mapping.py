@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 
 import kvmove
+from kvmove import _C
+from kvmove.errors import PeerError
+
 from helpers import wire
 from helpers.far import FarPeer
 from helpers.kv import fill, make_cache, raw_view
-from kvmove import _C
-from kvmove.errors import PeerError
 
 # 64 KiB per block and layer: a transfer of many blocks goes to the copy threads (above the
 # 256 KiB copied inline by the posting thread); a single block is copied inline.

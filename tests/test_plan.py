@@ -20,8 +20,6 @@ from pathlib import Path
 import pytest
 
 from kvmove.bench.cli import main
-from kvmove.errors import ConfigError
-from kvmove.layout import KVLayout
 from kvmove.bench.plan import (
     CHEAP_SHARE_PCT,
     DEFAULT_LINKS,
@@ -34,6 +32,8 @@ from kvmove.bench.plan import (
     plan,
     verdict_for,
 )
+from kvmove.errors import ConfigError
+from kvmove.layout import KVLayout
 
 from helpers.checks import WORKDIR
 from helpers.plan import write_llama_8b_config

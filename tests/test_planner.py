@@ -11,8 +11,16 @@ from kvmove.engine.role import Role
 from kvmove.errors import ConfigError
 from kvmove.serve.config import ServeConfig
 from kvmove.serve.planner import (
-    COOLDOWN_SAMPLES, GROW_SAMPLES, SHRINK_SAMPLES, Action, Bounds, Planner, PoolSample, decide,
-    parse_bounds)
+    COOLDOWN_SAMPLES,
+    GROW_SAMPLES,
+    SHRINK_SAMPLES,
+    Action,
+    Bounds,
+    Planner,
+    PoolSample,
+    decide,
+    parse_bounds,
+)
 
 BOUNDS = {"prefill": Bounds(1, 3), "decode": Bounds(1, 3)}
 

@@ -23,9 +23,17 @@ from pathlib import Path
 import pytest
 
 from kvmove.bench.model_shapes import PRESET_SHAPES
-from kvmove.bench.prefill import (ACCELERATORS, DEFAULT_UTILIZATION, Accelerator,
-                                  from_engine_report, given, matmul_params, on_accelerator,
-                                  parse_accelerator, prefill_flops)
+from kvmove.bench.prefill import (
+    ACCELERATORS,
+    DEFAULT_UTILIZATION,
+    Accelerator,
+    from_engine_report,
+    given,
+    matmul_params,
+    on_accelerator,
+    parse_accelerator,
+    prefill_flops,
+)
 from kvmove.engine.config import MODEL_PRESETS, ModelConfig
 from kvmove.errors import ConfigError
 

@@ -28,7 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvmove
-from kvmove import StreamState, _C
+from kvmove import _C, StreamState
 from kvmove.auth import DeploymentKey, resolve_key
 from kvmove.bootstrap import MAX_EXCHANGES_PER_SECOND, MAX_MESSAGE_BYTES, MetadataServer
 from kvmove.errors import ConfigError, MetadataError, PeerError

@@ -44,8 +44,16 @@ from kvmove.engine.tokenizer import ByteTokenizer
 from kvmove.engine.worker import EngineWorker
 
 from helpers.serve import (
-    GONE_SECONDS, START_SECONDS, TAG_VARIABLE, WORKDIR, Server, ServerPool, process_alive,
-    tagged_pids, wait_until)
+    GONE_SECONDS,
+    START_SECONDS,
+    TAG_VARIABLE,
+    WORKDIR,
+    Server,
+    ServerPool,
+    process_alive,
+    tagged_pids,
+    wait_until,
+)
 from helpers.threads import cpus_of_threads
 
 MODEL = "tiny"
@@ -562,6 +570,7 @@ def test_a_restarted_server_loads_a_repeated_prompt_from_its_disk_store(
     prompt = PROMPTS[-1]
     usable = (num_tokens(prompt) - 1) // BLOCK  # the last token is always computed
     args = ("--mode", "disagg", "--chunk-size", str(CHUNK), "--store-dir", str(tmp_path))
+    served = "kvmove_store_served_blocks_total"
     texts = []
     for run in range(2):
         server = Server(*args)
@@ -569,11 +578,11 @@ def test_a_restarted_server_loads_a_repeated_prompt_from_its_disk_store(
             result = server.client().completions.create(model=MODEL, prompt=prompt,
                                                         max_tokens=MAX_TOKENS, **GREEDY)
             texts.append(result.choices[0].text)
-            wait_until(lambda: _store_sample(server, "kvmove_store_blocks", "disk") >= usable,
+            # s=server binds this run's server to the predicate (wait_until calls it at once).
+            wait_until(lambda s=server: _store_sample(s, "kvmove_store_blocks", "disk") >= usable,
                        5.0, "prefill-0's disk tier holds the prompt's blocks")
             if run == 1:
-                served = "kvmove_store_served_blocks_total"
-                wait_until(lambda: _store_sample(server, served, "disk") > 0,
+                wait_until(lambda s=server: _store_sample(s, served, "disk") > 0,
                            5.0, "prefill-0 loaded blocks from its disk tier")
                 assert _store_sample(server, served, "disk") == usable
                 assert _store_sample(server, "kvmove_store_corrupt_blocks_total", "disk") == 0
@@ -826,7 +835,7 @@ def test_sigterm_with_streams_in_flight_stops_within_a_deadline(
         try:
             for _ in chunks:
                 pass
-        except Exception:  # an error event, or the connection closed: it ended either way
+        except Exception:  # noqa: BLE001 - an error event or a closed connection: it ended
             pass
         finally:
             done.set()

@@ -3,11 +3,11 @@
 Each case runs prompts through a fresh colocated worker (an empty live cache) over a store an
 earlier worker filled, so every reused block comes from the store. Stores load whatever they
 hold (``load_policy="always"``) except where the decision itself is tested: with the tiny
-model, whether a 2 KiB block loads faster than it computes depends on the machine. The promises: the tokens
-are those of the engine with no store; the stored prefix is loaded (``num_stored`` counts the
-tokens whose KV came from the store: every full block but the one holding the last prompt
-token, which is always computed); a corrupt block is recomputed, never served; the store's
-"recompute" decision is followed; every block comes back. Timing is left to
+model, whether a 2 KiB block loads faster than it computes depends on the machine. The
+promises: the tokens are those of the engine with no store; the stored prefix is loaded
+(``num_stored`` counts the tokens whose KV came from the store: every full block but the one
+holding the last prompt token, which is always computed); a corrupt block is recomputed, never
+served; the store's "recompute" decision is followed; every block comes back. Timing is left to
 ``kvmove-bench store`` (TTFT recompute vs host hit vs disk hit).
 """
 
@@ -84,7 +84,8 @@ def test_stored_prefixes_are_loaded_and_change_no_token(model, reference, store,
     assert [r.output for r in second] == reference
     assert [r.num_stored for r in second] == [usable_tokens(p) for p in prompts()]
     stats = store.stats()
-    assert sum(t.served for t in stats.tiers.values()) == sum(map(usable_tokens, prompts())) // BLOCK
+    served = sum(t.served for t in stats.tiers.values())
+    assert served == sum(map(usable_tokens, prompts())) // BLOCK
     assert all(t.corrupt == 0 for t in stats.tiers.values())
 
 

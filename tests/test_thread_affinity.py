@@ -20,11 +20,12 @@ from collections.abc import Iterator
 import pytest
 
 import kvmove
+from kvmove.runtime import unpinned
+
 from helpers.far import FarPeer
 from helpers.kv import fill, make_cache
 from helpers.serve import wait_until
 from helpers.threads import cpus_of_threads
-from kvmove.runtime import unpinned
 
 LAYOUT = dict(num_layers=4, num_kv_heads=8, head_dim=128, dtype="float16", block_size=16)
 NUM_BLOCKS = 64  # 64 KiB a block and layer: a write of many goes to the copy threads

@@ -243,7 +243,7 @@ def test_many_transfers_in_flight(link):
     for i in range(32):
         local = rng.choice(NUM_BLOCKS, size=2, replace=False).tolist()
         batches.append((local, remote_all[2 * i: 2 * i + 2], f"in-flight-{i}".encode()))
-    posted = [link.near.write(link.far_name, l, r, notify=n) for l, r, n in batches]
+    posted = [link.near.write(link.far_name, loc, rem, notify=n) for loc, rem, n in batches]
     for t in posted:
         wait_done(t)
     for local, remote, _ in batches:

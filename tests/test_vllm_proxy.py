@@ -13,11 +13,12 @@ import httpx
 import openai
 import pytest
 
-from helpers.fake_vllm import FakeFleet, FakeVLLM
-from helpers.serve import HTTP_SECONDS, Server, wait_until
 from kvmove.errors import ConfigError
 from kvmove.serve.cli import main
 from kvmove.serve.vllm.pools import Pool, ProxyConfig
+
+from helpers.fake_vllm import FakeFleet, FakeVLLM
+from helpers.serve import HTTP_SECONDS, Server, wait_until
 
 PROMPT = "The capital of France is"
 # What vLLM's toy proxy sends a prefill instance: the protocol, written out (not imported)

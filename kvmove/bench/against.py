@@ -72,6 +72,7 @@ def run(config: BenchConfig, progress: Progress) -> NixlRun:
             for block_size in config.block_sizes:
                 more, trip = _measure(near, far, config, block_size, progress, trip)
                 rows += more
+            assert trip is not None  # BenchConfig holds at least one block size
             return NixlRun(near.call("version"), tuple(rows), trip)
         finally:
             far.stop()

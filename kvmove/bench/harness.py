@@ -91,7 +91,9 @@ class Child:
 
     @property
     def pid(self) -> int:
-        return self.process.pid
+        pid = self.process.pid
+        assert pid is not None  # started in __init__
+        return pid
 
     def call(self, command: str, *args: Any, timeout: float | None = None) -> Any:
         """``obj.command(*args)`` in the child; its return value."""
@@ -198,7 +200,7 @@ def _child_main(conn: Any, cls: type, args: tuple, idle_exit: float) -> None:
     parent goes away or ``idle_exit`` passes without a command; then closes the object."""
     try:
         obj = cls(*args)
-    except BaseException as error:  # reported to the parent, which raises it
+    except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("err", type(error).__name__, str(error)))
         conn.close()
         return
@@ -224,7 +226,7 @@ def _serve(conn: Any, obj: Any, idle_exit: float) -> None:
                 return
             _answer(conn, obj, *message)
             busy = work is not None  # the command may have given it work
-        elif busy:
+        elif busy and work is not None:  # (busy implies work: for the type checker)
             events = work()
             busy = events is not None
             for event in events or ():
@@ -236,12 +238,13 @@ def _serve(conn: Any, obj: Any, idle_exit: float) -> None:
 def _answer(conn: Any, obj: Any, command: str, args: tuple) -> None:
     """Runs one command and sends its reply; what it raises, or a result that cannot be
     pickled, goes back as an error and the child keeps serving."""
+    reply: tuple[Any, ...]  # ("ok", value) or ("err", type name, message)
     try:
         method = None if command.startswith("_") else getattr(obj, command, None)
         if not callable(method):
             raise AttributeError(f"{type(obj).__name__} has no command {command!r}")
         reply = ("ok", method(*args))
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 - any command's failure goes to the parent
         reply = ("err", type(error).__name__, str(error))
     try:
         conn.send(reply)

@@ -99,6 +99,7 @@ class NixlSide(PatternCache):
         self.agent = api.nixl_agent(name, config)
         self.agent.create_backend("UCX", {"ucx_error_handling_mode": error_mode})
         region = self.cache.region
+        assert region is not None  # a cache kvmove allocates has one
         self._registered = self.agent.register_memory(
             [(region.addr, region.nbytes, 0, "")], _MEM)
         self.remote = ""
@@ -109,6 +110,7 @@ class NixlSide(PatternCache):
         """``[num_layers * num_blocks, 3]`` uint64 ``(addr, nbytes, device)``: one per
         (layer, block), layer-major, so index ``layer * num_blocks + block``."""
         cache = self.cache
+        assert cache.region is not None  # as in __init__
         addr = cache.region.addr
         return np.array([(addr + cache.offset(layer, block), cache.block_nbytes, 0)
                          for layer in range(cache.num_layers)

@@ -88,12 +88,17 @@ class PatternCache:
     def place(self, num_blocks: int, placement: str, seed: int) -> list[int]:
         """Owns ``num_blocks`` blocks placed as ``placement`` (releasing the previous ones)."""
         pool = self.cache.pool
+        assert pool is not None  # allocated, or wrapped with a pool (``_cache``)
         if self._held:
             pool.free(self._held)
+        # Every block is free here (the previous ones just went back): allocate cannot refuse.
         if placement == "allocator":
-            self._held = pool.allocate(num_blocks)
+            held = pool.allocate(num_blocks)
+            assert held is not None
+            self._held = held
         else:
             every = pool.allocate(self.cache.num_blocks)
+            assert every is not None
             order = np.random.default_rng(seed).permutation(len(every))
             self._held = [every[i] for i in order[:num_blocks]]
             pool.free([every[i] for i in order[num_blocks:]])

@@ -150,10 +150,10 @@ def connect_pair(peer: Peer, layout: KVLayout, num_blocks: int, agent_kwargs: di
     """A fresh ``Side`` named ``FAR`` in the peer process and one named ``NEAR`` here, each
     with ``num_blocks`` blocks (of engine ``wrap``'s tensors, if given), connected through
     the peer's metadata listener."""
-    address = peer.call("setup", FAR, layout, num_blocks, agent_kwargs, wrap)
+    host, port = peer.call("setup", FAR, layout, num_blocks, agent_kwargs, wrap)
     near = Side(NEAR, layout, num_blocks, agent_kwargs, wrap)
     try:
-        near.agent.connect(*address, timeout=timeout)
+        near.agent.connect(host, port, timeout=timeout)
     except BaseException:
         near.close()
         raise

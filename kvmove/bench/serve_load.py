@@ -74,7 +74,7 @@ async def _send(client: Any, model: str, request: TraceRequest, start: float,
     error = None
     try:
         await asyncio.wait_for(_stream(client, model, request, times), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         error = f"no response within {timeout:g} s ({len(times)} tokens)"
     except Exception as exc:  # noqa: BLE001 - a failed request is a result, not a crash
         error = f"{type(exc).__name__}: {exc}"
@@ -107,7 +107,7 @@ async def _sample(http: Any, stop: asyncio.Event, interval: float, start: float,
         try:
             await asyncio.wait_for(stop.wait(), interval)
             return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 

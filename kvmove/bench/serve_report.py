@@ -311,10 +311,11 @@ def _throughput_table(report: ServeReport) -> list[str]:
 def _kv_cell(result: ModeResult) -> str:
     """The hand-off's share of TTFT, then (exposed of whole transfer ms, MB); a measured
     hand-off's mean ms first, when the server measures it."""
-    share = result.kv_share
+    share, mean_handoff = result.kv_share, result.kv_handoff
     if share is None:
         return "-"
-    handoff = f"{ms(result.kv_handoff * 1e3)} ms hand-off; " if result.kv_handoffs else ""
+    handoff = (f"{ms(mean_handoff * 1e3)} ms hand-off; "
+               if result.kv_handoffs and mean_handoff is not None else "")
     if not result.kv_transfers:
         return f"{share * 100:.2f}% ({handoff.removesuffix('; ')})"
     mean_ms = result.kv_transfer_seconds / result.kv_transfers * 1e3

@@ -272,7 +272,7 @@ def _dd(operands: str, nbytes: int) -> None:
 
 def _file_write(path: str, data: np.ndarray) -> None:
     with open(path, "wb") as f:
-        f.write(data)
+        f.write(data.data)  # the array's memoryview (numpy types ndarray a Buffer from 3.12)
         f.flush()
         os.fsync(f.fileno())
 
@@ -281,7 +281,7 @@ def _file_read(path: str, out: np.ndarray) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages leave the cache
-        view, done = memoryview(out), 0
+        view, done = out.data, 0  # memoryview(out), as typeshed sees it on 3.11
         while done < out.size:
             n = os.readv(fd, [view[done:]])
             if n == 0:
@@ -297,6 +297,7 @@ def _measure_ttft(config: StoreBenchConfig, root: str) -> list[TtftRow]:
     from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
     from kvmove.engine.worker import EngineWorker
 
+    assert config.engine_model is not None  # run() skips the TTFT part without a model
     model_config = MODEL_PRESETS[config.engine_model]
     model = LlamaForCausalLM.random(model_config, seed=0)
     layout = model_config.kv_layout(config.block_size)
@@ -316,7 +317,9 @@ def _measure_ttft(config: StoreBenchConfig, root: str) -> list[TtftRow]:
         worker.add_request(request)
         worker.run()
         worker.close()  # waits for its offer to the store
-        return request.timings.ttft, request.num_stored
+        ttft = request.timings.ttft
+        assert ttft is not None  # run() returned: its one token came
+        return ttft, request.num_stored
 
     rows = [TtftRow("recompute", tuple(ttft(None)[0] for _ in range(config.iters)), 0)]
     host = HostTier(num_blocks * layout.bytes_per_block)
@@ -328,6 +331,7 @@ def _measure_ttft(config: StoreBenchConfig, root: str) -> list[TtftRow]:
             ttft(store)  # fills the store, and reports the prefill's throughput to it
             if case == "disk hit":  # reopened: the hit comes from the disk, the index persisted
                 prefill_tps = store.stats().prefill_tokens_per_second
+                assert prefill_tps is not None  # the first ttft(store) reported it
                 store.close()
                 store = KVStore(layout, tiers)
                 store.observe_prefill(config.prompt_tokens, config.prompt_tokens / prefill_tps)

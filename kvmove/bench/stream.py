@@ -36,8 +36,14 @@ from kvmove.bench.options import add_agent_args, add_output_args, add_prompt_arg
 from kvmove.bench.peer import FAR, Peer, connect_pair
 from kvmove.bench.progress import Progress, bar
 from kvmove.bench.report import BenchError
-from kvmove.bench.stream_report import (MATMUL_N, Iteration, StreamConfig, StreamReport,
-                                        format_stream, plot_stream)
+from kvmove.bench.stream_report import (
+    MATMUL_N,
+    Iteration,
+    StreamConfig,
+    StreamReport,
+    format_stream,
+    plot_stream,
+)
 
 __all__ = ["Bulk", "StreamPair", "Streamed", "add_parser", "count_steps", "run", "run_command"]
 

@@ -234,7 +234,8 @@ class BenchReport:
 
     def perftest_pct(self, row: TransferRow) -> float | None:
         baseline = self.perftest_for(row)
-        return row.gbytes_per_s / baseline.gbytes_per_s * 100.0 if baseline.available else None
+        gbps = baseline.gbytes_per_s  # set exactly when the baseline is available
+        return row.gbytes_per_s / gbps * 100.0 if gbps is not None else None
 
     def links(self) -> list[dict[str, Any]]:
         """The first allocator rows' bytes over the article's links and as measured here."""
@@ -274,10 +275,11 @@ class BenchReport:
 
     def _vs_nixl(self, row: TransferRow) -> dict[str, Any]:
         """NIXL's GB/s for ``row``'s workload and kvmove / NIXL (None without one)."""
-        nixl = None if self.nixl is None else self.nixl.row_for(row)
-        if nixl is None:
+        run = self.nixl
+        nixl = None if run is None else run.row_for(row)
+        if run is None or nixl is None:
             return {"nixl_gbytes_per_s": None, "nixl_ratio": None}
-        return {"nixl_gbytes_per_s": nixl.gbytes_per_s, "nixl_ratio": self.nixl.ratio(row)}
+        return {"nixl_gbytes_per_s": nixl.gbytes_per_s, "nixl_ratio": run.ratio(row)}
 
     def _vs_native(self, row: TransferRow) -> dict[str, Any]:
         if row.cache == NATIVE:

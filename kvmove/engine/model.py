@@ -21,7 +21,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -136,6 +136,8 @@ class _Plan:
 class LlamaForCausalLM(nn.Module):
     """The model. Build with ``random(config, seed)`` or ``from_pretrained(path)``."""
 
+    inv_freq: torch.Tensor  # a buffer (register_buffer): nn.Module types it Tensor | Module
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -240,7 +242,8 @@ class LlamaForCausalLM(nn.Module):
         if int(tokens.min()) < 0 or int(tokens.max()) >= c.vocab_size:
             raise ConfigError(f"token ids must be in [0, {c.vocab_size})")
         hidden = self.model.embed_tokens(tokens)
-        for index, layer in enumerate(self.model.layers):
+        # ModuleList yields Module; these are the DecoderLayers LlamaModel made
+        for index, layer in enumerate(cast("list[DecoderLayer]", self.model.layers)):
             hidden = hidden + self._attention(layer, layer.input_layernorm(hidden), kv[index],
                                               plan)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))

@@ -114,7 +114,7 @@ class PrefillHandoffs:
         side holds it beyond the scheduler (sending or late), else None."""
         self._collect(time.monotonic())  # its offer may have come meanwhile: declined too
         self._expected.pop(request_id, None)
-        for (peer, rid), (offer, _) in list(self._offers.items()):
+        for peer, rid in list(self._offers):
             if rid == request_id:
                 self._decline(self._offers.pop((peer, rid))[0], "the request was aborted")
         if request_id in self.sending:
@@ -194,8 +194,8 @@ class PrefillHandoffs:
 
     def _ended(self, request: Request, stream: SaveStream, now: float) -> bool:
         """Whether the stream ended (the request then finished, handed off or aborted)."""
-        state = stream.state
-        if state == StreamState.OPEN and now - request.timings.kv_start > self.timeout:
+        state, started = stream.state, request.timings.kv_start  # set as it opened (_stream)
+        if state == StreamState.OPEN and started is not None and now - started > self.timeout:
             logger.warning("request %r: its KV hand-off passed transfer_timeout (%g s); "
                            "aborting it", request.id, self.timeout)
             stream.abort(wait=False)

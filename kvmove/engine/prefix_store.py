@@ -43,6 +43,7 @@ class PrefixStore:
                               f"{cache.layout!r}")
         self.store = store
         self.cache = cache
+        assert cache.pool is not None  # the engine worker's own cache, which has its pool
         self.pool: BlockPool = cache.pool
         self.block_size = cache.layout.block_size
         self.fetching: list[_Fetch] = []

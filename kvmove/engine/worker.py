@@ -10,8 +10,9 @@
 * ``decode``: ``reserve`` blocks for an incoming request (None when full: back-pressure),
   ``start_load`` leases them to the prefill worker and offers it the lease (``Agent.offer``:
   the epoch and the ids go by kvmove, not by the router), and once the KV is in, decode it in
-  the batch until EOS, ``max_tokens`` or a stop string. A load that fails, times out or is aborted gives its blocks back only once
-  its lease is released: no late write from the prefill can reach a block reused meanwhile.
+  the batch until EOS, ``max_tokens`` or a stop string. A load that fails, times out or is
+  aborted gives its blocks back only once its lease is released: no late write from the
+  prefill can reach a block reused meanwhile.
 
 Colocated and prefill workers may keep a ``KVStore`` (host and disk tiers): the prefixes it
 holds are loaded instead of prefilled, and finished requests' blocks are offered to it
@@ -33,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvmove.agent import Agent
+from kvmove.block_pool import BlockPool
 from kvmove.engine.detokenizer import Detokenizer
 from kvmove.engine.model import LlamaForCausalLM, SeqChunk
 from kvmove.engine.prefill_handoff import BOOT_ID, FINAL, PrefillHandoffs
@@ -40,7 +42,7 @@ from kvmove.engine.prefix_store import PrefixStore
 from kvmove.engine.request import FinishReason, Request, RequestState
 from kvmove.engine.role import ROLES, Role
 from kvmove.engine.sampling import sample, skip_draw
-from kvmove.engine.scheduler import BatchScheduler, Scheduled, SchedulerConfig
+from kvmove.engine.scheduler import BatchScheduler, SchedulerConfig
 from kvmove.engine.tokenizer import load_tokenizer
 from kvmove.errors import ConfigError, KVMoveError
 from kvmove.kv_cache import KVCache
@@ -94,17 +96,20 @@ class EngineWorker:
         self.transfer_timeout = transfer_timeout
         self.on_token = on_token
         self.cache = KVCache(model.config.kv_layout(block_size), num_blocks)
+        assert self.cache.pool is not None  # a cache kvmove allocates has its pool
+        self.pool: BlockPool = self.cache.pool
         self.kv = self.cache.torch()
         self.store = PrefixStore(store, self.cache) if store is not None else None
-        self.scheduler = BatchScheduler(scheduler or SchedulerConfig(), self.cache.pool, block_size,
-                                   self.store)
-        self.agent = None
+        self.scheduler = BatchScheduler(scheduler or SchedulerConfig(), self.pool, block_size,
+                                        self.store)
+        agent = None
         if role != Role.COLOCATED:
             with unpinned():  # its threads are not confined to a pinned model thread's cores
-                self.agent = Agent(name or f"{role}-worker", self.cache, **(agent_kwargs or {}))
-        self.handoffs = PrefillHandoffs(self.agent, transfer_timeout,
+                agent = Agent(name or f"{role}-worker", self.cache, **(agent_kwargs or {}))
+        self.agent = agent
+        self.handoffs = PrefillHandoffs(agent, transfer_timeout,
                                         self.cache.layout.bytes_per_block) \
-            if self.role == Role.PREFILL else None
+            if agent is not None and self.role == Role.PREFILL else None
         self.loading: dict[str, tuple[Request, LoadStream]] = {}   # decode: KV coming in
         self._releasing: list[tuple[LoadStream, list[int]]] = []  # decode: freed once released
         self.num_steps = 0
@@ -130,7 +135,7 @@ class EngineWorker:
         if self.role != Role.DECODE:
             raise ConfigError("only a decode worker reserves blocks for incoming KV")
         self._check(request)
-        ids = self.cache.pool.allocate(self.scheduler.blocks_for(len(request.prompt)))
+        ids = self.pool.allocate(self.scheduler.blocks_for(len(request.prompt)))
         if ids is not None:
             request.blocks = ids
             request.state = RequestState.LOADING
@@ -143,13 +148,15 @@ class EngineWorker:
         made (the prefill worker is gone), the blocks go back and the error is raised."""
         if not request.blocks:
             raise ConfigError(f"request {request.id!r} has no reserved blocks: reserve() first")
+        assert self.agent is not None  # a decode worker (reserve() refused the others) has one
         try:
             load = self.agent.offer(prefill_peer, request.id, request.blocks,
                                     timeout=self.transfer_timeout)
         except KVMoveError:
-            self.cache.pool.free(request.blocks)  # nobody was offered them: free at once
+            self.pool.free(request.blocks)  # nobody was offered them: free at once
             request.blocks = []
             raise
+        assert load is not None  # offer() gives None only for no blocks, refused above
         request.timings.kv_start = time.monotonic()
         self.loading[request.id] = (request, load)
 
@@ -174,6 +181,7 @@ class EngineWorker:
         its blocks come back (a load's once its lease is released: the sender was told to stop
         and may still write them until it answers). Returns it, finished with ``abort``, or
         None when it is not here."""
+        request: Request | None  # narrowed to Request in each branch that goes on
         if request_id in self.loading:
             request, load = self.loading.pop(request_id)
             load.cancel()
@@ -182,7 +190,7 @@ class EngineWorker:
             if request_id in self.sending:
                 return held  # polling frees the blocks once the posted layers landed
             request = held   # its offer was late: its blocks go back now
-            self.cache.pool.free(request.blocks)
+            self.pool.free(request.blocks)
         else:
             fetching = [f.request for f in self.store.fetching] if self.store else []
             request = next((r for r in [*self.scheduler.running, *self.scheduler.waiting,
@@ -266,7 +274,7 @@ class EngineWorker:
             request.state = RequestState.HANDING_OFF
             if self.handoffs.first_token(request, token):
                 return []
-            self.cache.pool.free(request.blocks)  # its stream could not open
+            self.pool.free(request.blocks)  # its stream could not open
             request.blocks = []
             request.finish(FinishReason.ABORT, request.error)
             return [request]
@@ -313,7 +321,7 @@ class EngineWorker:
         kept = []
         for load, blocks in self._releasing:
             if load.released:  # no byte of its stream can land any more
-                self.cache.pool.free(blocks)
+                self.pool.free(blocks)
             else:
                 kept.append((load, blocks))
         self._releasing = kept
@@ -328,7 +336,7 @@ class EngineWorker:
         for request in ended:
             if request.finish_reason == FinishReason.HANDED_OFF:
                 self.scheduler.offer(request)
-            self.cache.pool.free(request.blocks)
+            self.pool.free(request.blocks)
             request.blocks = []
         return ended
 
@@ -355,7 +363,7 @@ class EngineWorker:
                 ended += self._emit(request, token, now)
                 continue
             if state == StreamState.DONE:  # released; but its final payload is not ours
-                self.cache.pool.free(request.blocks)
+                self.pool.free(request.blocks)
                 request.finish(FinishReason.ABORT, f"the KV of {rid!r} came with a "
                                f"{len(load.payload)}-byte final payload, not {FINAL.size}")
                 logger.warning("request %r: %s", rid, request.error)

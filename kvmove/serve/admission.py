@@ -18,14 +18,16 @@ socket and FastAPI's body parsing, and the count has to last until a stream's en
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.exceptions import HTTPException
 
 from kvmove.serve.api import APIError, error_response
-from kvmove.serve.server_metrics import ServerMetrics
 
-__all__ = ["Admission", "COMPLETION_PATHS", "RETRY_AFTER_SECONDS"]
+if TYPE_CHECKING:
+    from prometheus_client import Counter, Gauge
+
+__all__ = ["Admission", "AdmissionMetrics", "COMPLETION_PATHS", "RETRY_AFTER_SECONDS"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -35,6 +37,17 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 COMPLETION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 RETRY_AFTER_SECONDS = 1  # completions of the demo's models take about that long
+
+
+class AdmissionMetrics(Protocol):
+    """What Admission records in: kvmove-serve's ``ServerMetrics`` and the vLLM proxy's
+    ``ProxyMetrics`` each have both families."""
+
+    @property
+    def pending(self) -> Gauge: ...
+
+    @property
+    def rejected(self) -> Counter: ...
 
 
 class Admission:
@@ -49,7 +62,7 @@ class Admission:
     """
 
     def __init__(self, app: ASGIApp, *, hosts: frozenset[str] | None, max_body_bytes: int,
-                 max_pending: int, metrics: ServerMetrics) -> None:
+                 max_pending: int, metrics: AdmissionMetrics) -> None:
         self.app, self.hosts, self.metrics = app, hosts, metrics
         self.max_body_bytes, self.max_pending = max_body_bytes, max_pending
         self.pending = 0

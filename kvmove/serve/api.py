@@ -10,6 +10,7 @@ is valid Unicode (a lone surrogate, which JSON can carry, cannot be encoded: it 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -41,7 +42,7 @@ def error_body(message: str, kind: str, param: str | None = None,
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(error: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(str(error), error.kind, error.param, error.code),
                         status_code=error.status, headers=headers)
 

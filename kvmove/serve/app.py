@@ -31,8 +31,7 @@ from kvmove.engine.detokenizer import Detokenizer
 from kvmove.engine.request import SamplingParams
 from kvmove.engine.tokenizer import ByteTokenizer
 from kvmove.serve.admission import Admission
-from kvmove.serve.api import (
-    APIError, ChatBody, CompletionBody, error_body, install_error_handlers)
+from kvmove.serve.api import APIError, ChatBody, CompletionBody, error_body, install_error_handlers
 from kvmove.serve.chat_template import ChatTemplate, TemplateError, load_chat_template
 from kvmove.serve.handle import Handle
 from kvmove.serve.router import Router
@@ -124,7 +123,7 @@ class _Completion:
         while True:
             try:
                 event = await asyncio.wait_for(self.handle.events.get(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.router.abort(self.handle, f"no token for {timeout:g} s")
                 event = await self.handle.events.get()
             yield event
@@ -227,33 +226,36 @@ def create_app(router: Router, tokenizer: Any, model_name: str, max_positions: i
     created = int(time.time())
     blocks = (config.block_size, config.num_blocks)
 
-    async def run(body: CompletionBody, limit: tuple[str, int], chat: bool) -> Response:
-        text = "".join(m.content for m in body.messages) if chat else body.prompt
-        _check_before_tokenizing(model, body, text, limit, "messages" if chat else "prompt")
+    async def run(body: CompletionBody, limit: tuple[str, int]) -> Response:
+        chat = body if isinstance(body, ChatBody) else None  # the chat endpoint's body
+        text = "".join(m.content for m in chat.messages) if chat is not None else body.prompt
+        _check_before_tokenizing(model, body, text, limit,
+                                 "messages" if chat is not None else "prompt")
         max_tokens = limit[1]
-        if chat:
-            prompt = await asyncio.to_thread(_chat_ids, model, body)
+        if chat is not None:
+            prompt = await asyncio.to_thread(_chat_ids, model, chat)
         else:
             prompt = await asyncio.to_thread(tokenizer.encode, body.prompt)
         _check_context(model, blocks, prompt, max_tokens)
+        stop = body.stop or ()  # a list by now (CompletionBody's validator); typed as sent
         params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature,
-                                top_p=body.top_p, seed=body.seed, stop=tuple(body.stop),
+                                top_p=body.top_p, seed=body.seed, stop=tuple(stop),
                                 ignore_eos=body.ignore_eos)
-        completion = _Completion(router, model, router.submit(prompt, params), body, chat,
-                                 created)
+        completion = _Completion(router, model, router.submit(prompt, params), body,
+                                 chat is not None, created)
         if body.stream:
             return StreamingResponse(completion.sse(), media_type="text/event-stream")
         return await completion.json()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody) -> Response:
-        return await run(body, ("max_tokens", body.max_tokens), chat=False)
+        return await run(body, ("max_tokens", body.max_tokens))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody) -> Response:
         limit = (("max_completion_tokens", body.max_completion_tokens)
                  if body.max_completion_tokens else ("max_tokens", body.max_tokens))
-        return await run(body, limit, chat=True)
+        return await run(body, limit)
 
     @app.get("/v1/models")
     async def models() -> dict:

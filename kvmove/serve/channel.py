@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import zmq
 import zmq.asyncio
@@ -58,10 +58,11 @@ class Channel:
 
     def send(self, worker: WorkerInfo, message: Command) -> None:
         """Sends now or raises (ZMQError: a worker that is gone is unreachable)."""
-        sent = self.socket.send_multipart([worker.identity, encode(message)],
-                                          flags=zmq.NOBLOCK)
-        if sent.done() and sent.exception() is not None:
-            raise sent.exception()
+        # pyzmq types this Awaitable; zmq.asyncio's socket returns an asyncio.Future
+        sent = cast("asyncio.Future[Any]", self.socket.send_multipart(
+            [worker.identity, encode(message)], flags=zmq.NOBLOCK))
+        if sent.done() and (error := sent.exception()) is not None:
+            raise error
 
     def expect(self, worker: str, key: str) -> asyncio.Future:
         """A future for ``worker``'s answer about ``key`` (a request id, or "connect")."""

@@ -25,11 +25,13 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import kvmove
 from kvmove import _log
 from kvmove.errors import ConfigError, KVMoveError
+from kvmove.integrations.vllm.params import TransferMode
 from kvmove.serve.config import MODES, ROUTINGS, Mode, ServeConfig
 from kvmove.serve.planner import Bounds, parse_bounds
 from kvmove.serve.vllm.pools import KV_MODES, ProxyConfig
@@ -184,7 +186,7 @@ def _server_class() -> type:
         signal); kvmove-serve handles them itself and exits 0 once everything stopped."""
 
         @contextlib.contextmanager
-        def capture_signals(self):  # type: ignore[override]
+        def capture_signals(self) -> Iterator[None]:
             yield
 
     return Server
@@ -233,8 +235,8 @@ async def _serve_proxy(config: ProxyConfig) -> int:
                       about)
 
 
-async def _run(app: object, listener: socket.socket, level: str, abort: Callable[[], None],
-               about: str) -> int:
+async def _run(app: Callable[..., Any], listener: socket.socket, level: str,
+               abort: Callable[[], None], about: str) -> int:
     """Serves ``app`` on ``listener`` until SIGINT or SIGTERM (``abort()`` first), printing
     the ready line (``about`` in its parentheses) once it listens."""
     import uvicorn
@@ -279,7 +281,7 @@ def _proxy_config(parser: argparse.ArgumentParser, args: argparse.Namespace,
                      "with --vllm-prefill/--vllm-decode (vLLM runs the model)")
     return ProxyConfig(
         prefill=tuple(args.vllm_prefill), decode=tuple(args.vllm_decode),
-        kv_mode=args.kv_mode or "push", host=args.host, port=args.port,
+        kv_mode=TransferMode(args.kv_mode or TransferMode.PUSH), host=args.host, port=args.port,
         request_timeout=args.request_timeout, max_pending=args.max_pending,
         max_body_bytes=args.max_body_bytes, log_level=log_level(args.log_level),
         allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(","))

@@ -31,6 +31,7 @@ import os
 import secrets
 import shutil
 import tempfile
+from typing import Generic, TypeVar
 
 import zmq
 
@@ -52,12 +53,17 @@ def new_identity(name: str) -> bytes:
     return f"{name}/{secrets.token_hex(8)}".encode()
 
 
-def _bounded(socket: zmq.Socket) -> zmq.Socket:
+# A socket of either ZeroMQ API: the router's endpoint is asyncio's, the workers' and the
+# tests' are blocking.
+_Socket = TypeVar("_Socket", bound=zmq.Socket)
+
+
+def _bounded(socket: _Socket) -> _Socket:
     socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     return socket
 
 
-class ControlEndpoint:
+class ControlEndpoint(Generic[_Socket]):
     """The router's ROUTER socket on ``ipc://<private directory>/control``, or on
     ``tcp://HOST:<free port>`` when workers elsewhere must reach it.
 
@@ -69,7 +75,7 @@ class ControlEndpoint:
         ConfigError: the socket's path is too long for a Unix socket (a long ``TMPDIR``).
     """
 
-    def __init__(self, context: zmq.Context, host: str | None = None) -> None:
+    def __init__(self, context: zmq.Context[_Socket], host: str | None = None) -> None:
         self.directory: str | None = None
         self.socket = _bounded(context.socket(zmq.ROUTER))
         self.socket.setsockopt(zmq.LINGER, 0)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 
 from kvmove.block_pool import BlockPool
-from kvmove.serve.messages import MAX_KV_HASHES, KVEvents
+from kvmove.serve.messages import MAX_KV_HASHES, KVEvents, Medium
 from kvmove.store import KVStore
 
 __all__ = ["KVEventSource", "MIN_SECONDS", "batches"]
@@ -62,7 +62,7 @@ class KVEventSource:
         return batches("store", stored, removed)
 
 
-def batches(medium: str, stored: list[int], removed: list[int]) -> list[KVEvents]:
+def batches(medium: Medium, stored: list[int], removed: list[int]) -> list[KVEvents]:
     """``stored`` and ``removed`` in messages of at most ``MAX_KV_HASHES`` hashes each."""
     events = []
     for kind, hashes in (("stored", stored), ("removed", removed)):

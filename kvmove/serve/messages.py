@@ -15,7 +15,7 @@ so the two sides cannot drift apart.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -25,15 +25,18 @@ from kvmove.errors import PeerError
 from kvmove.store.store import StoreStats
 
 __all__ = ["HANDOFF_STAGES", "Abort", "Add", "Command", "Connect", "Connected", "Ended",
-           "Event", "Failed", "HandoffStage", "KVEvents", "MAX_KV_HASHES", "Ready", "Reserve",
-           "Reserved", "Shutdown", "Stats", "Tokens", "encode", "parse_command", "parse_event"]
+           "Event", "Failed", "HandoffStage", "KVEvents", "MAX_KV_HASHES", "Medium", "Ready",
+           "Reserve", "Reserved", "Shutdown", "Stats", "Timeline", "Tokens", "encode",
+           "parse_command", "parse_event"]
 
 Count = Annotated[int, Field(ge=0)]
 # A KV hand-off's moments (``time.monotonic()``, one clock for every process of a host): the
 # prefill reports the first three, the decode the others (docs/serving.md, the timeline).
 HandoffStage = Literal["last_layer", "sent", "sampled", "landed", "learned", "first_step"]
+Timeline = dict[HandoffStage, float]  # one side's moments of one hand-off
 HANDOFF_STAGES: tuple[HandoffStage, ...] = ("last_layer", "sent", "sampled", "landed", "learned",
                                             "first_step")
+Medium = Literal["cache", "store"]  # where KVEvents' blocks are: live cache, or a KVStore
 MAX_KV_HASHES = 4096  # per KVEvents message (~90 kB of JSON): more go in several messages
 Hashes = Annotated[list[Annotated[int, Field(ge=0, lt=2**64)]], Field(max_length=MAX_KV_HASHES)]
 
@@ -84,7 +87,7 @@ class Shutdown(_Message):
     op: Literal["shutdown"] = "shutdown"
 
 
-Command = Annotated[Union[Add, Reserve, Abort, Connect, Shutdown], Field(discriminator="op")]
+Command = Annotated[Add | Reserve | Abort | Connect | Shutdown, Field(discriminator="op")]
 
 
 # --- events: worker -> router -----------------------------------------------------------------
@@ -151,7 +154,7 @@ class Ended(_Message):
     kv_bytes: Count = 0
     kv_seconds: float | None = None
     kv_exposed_seconds: float | None = None
-    timeline: dict[HandoffStage, float] | None = None  # this side's moments of the hand-off
+    timeline: Timeline | None = None  # this side's moments of the hand-off
 
 
 class KVEvents(_Message):
@@ -162,7 +165,7 @@ class KVEvents(_Message):
     mirrors them for KV-aware routing."""
 
     ev: Literal["kv"] = "kv"
-    medium: Literal["cache", "store"]
+    medium: Medium
     stored: Hashes
     removed: Hashes
 
@@ -176,9 +179,10 @@ class Failed(_Message):
     error: str
 
 
-Event = Annotated[Union[Ready, Stats, Connected, Reserved, Tokens, Ended, KVEvents, Failed],
+Event = Annotated[Ready | Stats | Connected | Reserved | Tokens | Ended | KVEvents | Failed,
                   Field(discriminator="ev")]
 
+_Parsed = TypeVar("_Parsed")
 _COMMANDS: TypeAdapter[Command] = TypeAdapter(Command)
 _EVENTS: TypeAdapter[Event] = TypeAdapter(Event)
 
@@ -205,7 +209,7 @@ def parse_event(payload: bytes) -> Event:
     return _parse(_EVENTS, payload, "event")
 
 
-def _parse(adapter: TypeAdapter, payload: bytes, what: str) -> object:
+def _parse(adapter: TypeAdapter[_Parsed], payload: bytes, what: str) -> _Parsed:
     try:
         return adapter.validate_json(payload)
     except ValidationError as error:

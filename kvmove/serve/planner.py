@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -133,7 +133,8 @@ def _decide_pool(pool: Role, history: list[PoolSample], bound: Bounds,
     return None
 
 
-def _sustained(history: list[PoolSample], n: int, test) -> str | None:
+def _sustained(history: list[PoolSample], n: int,
+               test: Callable[[PoolSample], str | None]) -> str | None:
     """The reason ``test`` gives for each of the last ``n`` samples (the latest's), or None
     when fewer than ``n`` samples or one of them gives none."""
     if len(history) < n:

@@ -36,8 +36,19 @@ from kvmove.serve.control import ControlEndpoint
 from kvmove.serve.handle import Handle
 from kvmove.serve.kv_index import Decision
 from kvmove.serve.messages import (
-    Abort, Add, Connected, Ended, Event, Failed, KVEvents, Ready, Reserve, Reserved, Stats,
-    Tokens)
+    Abort,
+    Add,
+    Connected,
+    Ended,
+    Event,
+    Failed,
+    KVEvents,
+    Ready,
+    Reserve,
+    Reserved,
+    Stats,
+    Tokens,
+)
 from kvmove.serve.planner import Planner
 from kvmove.serve.pool import WorkerPool
 from kvmove.serve.routing import Routing
@@ -131,7 +142,7 @@ class Router:
                 self._assign(handle, worker)
                 self.channel.send(worker, Add(rid=handle.rid, prompt=handle.prompt,
                                               params=handle.params))
-        except Exception as error:  # no worker left, or the control plane failed
+        except Exception as error:  # noqa: BLE001 - no worker left, or the control plane failed
             self._end(handle, "abort", "", f"{type(error).__name__}: {error}")
         finally:
             self.routing.release(handle)

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
 from kvmove.metrics import agent_families, store_families
-from kvmove.serve.messages import HANDOFF_STAGES, Ended
+from kvmove.serve.messages import HANDOFF_STAGES, Ended, Timeline
 
 if TYPE_CHECKING:
     from kvmove.serve.pool import WorkerPool
@@ -156,14 +156,12 @@ class ServerMetrics:
         self.kv_seconds.observe(event.kv_seconds)
         self.kv_exposed.observe(event.kv_exposed_seconds)
 
-    def observe_handoff(self, timeline: Mapping[str, float] | None,
-                        ttft: float | None) -> None:
+    def observe_handoff(self, timeline: Timeline | None, ttft: float | None) -> None:
         """A worker's moments of a request's KV hand-off (``Ended.timeline``: the prefill's
         or the decode's, each with the prefill's ``last_layer``): each stage after the last
         layer; from the decode's, the hand-off's length and its share of ``ttft``. The
         moments are ``time.monotonic()`` of two processes of one boot: one clock."""
-        start = timeline.get("last_layer") if timeline else None
-        if start is None:
+        if not timeline or (start := timeline.get("last_layer")) is None:
             return
         for stage in HANDOFF_STAGES[1:]:
             if stage in timeline:

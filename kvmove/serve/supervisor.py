@@ -154,7 +154,7 @@ class Supervisor:
                         continue
                     try:
                         await self._connect(decode, prefill)
-                    except (asyncio.TimeoutError, KVMoveError, zmq.ZMQError):
+                    except (TimeoutError, KVMoveError, zmq.ZMQError):
                         continue  # one of them died meanwhile: the next round sees it
             self.pool.update_ready()
             await asyncio.sleep(RECONCILE_SECONDS)

@@ -44,8 +44,24 @@ from kvmove.runtime import unpinned
 from kvmove.serve.control import IDENTITY_VARIABLE, worker_socket
 from kvmove.serve.kv_events import KVEventSource
 from kvmove.serve.messages import (
-    Abort, Add, Command, Connect, Connected, Ended, Failed, Ready, Reserve, Reserved, Shutdown,
-    Stats, Tokens, encode, parse_command)
+    Abort,
+    Add,
+    Command,
+    Connect,
+    Connected,
+    Ended,
+    Failed,
+    HandoffStage,
+    Ready,
+    Reserve,
+    Reserved,
+    Shutdown,
+    Stats,
+    Timeline,
+    Tokens,
+    encode,
+    parse_command,
+)
 from kvmove.serve.workers import LINE_FORMAT
 from kvmove.store import DiskTier, HostTier, KVStore
 
@@ -131,7 +147,7 @@ class WorkerServer:
             store=self.store)
         self.requests: dict[str, Request] = {}
         # decode workers prefill nothing: no prefix the router could send a request to
-        self.kv_events = (KVEventSource(self.worker.cache.pool, self.store)
+        self.kv_events = (KVEventSource(self.worker.pool, self.store)
                           if args.role != Role.DECODE else None)
         with unpinned():  # libzmq starts its I/O thread with the first socket
             self.context = zmq.Context()
@@ -156,7 +172,7 @@ class WorkerServer:
     def serve(self) -> None:
         agent = self.worker.agent
         with unpinned():  # its listener thread, like the agent's others
-            address = tuple(agent.listen()) if agent is not None else None
+            address = agent.listen() if agent is not None else None
         self.send(Ready(name=self.args.name, role=self.args.role, agent=address,
                         num_blocks=self.worker.cache.num_blocks,
                         block_size=self.args.block_size, pid=os.getpid()))
@@ -189,7 +205,7 @@ class WorkerServer:
         agent = self.worker.agent
         if agent is not None:  # serve sends no notifications: a peer's would pile up
             self.notifications_dropped += len(agent.notifications())
-        self.send(Stats(free_blocks=self.worker.cache.pool.num_free,
+        self.send(Stats(free_blocks=self.worker.pool.num_free,
                         waiting=len(scheduler.waiting), running=len(scheduler.running),
                         loading=len(self.worker.loading), sending=len(self.worker.sending),
                         store=self.store.stats() if self.store is not None else None,
@@ -203,6 +219,7 @@ class WorkerServer:
             self.tokens = []
         for request in ended:
             self.requests.pop(request.id, None)
+            assert request.finish_reason is not None  # step() returns finished requests
             self.send(Ended(rid=request.id, reason=request.finish_reason.value,
                             error=request.error, text=request.text,
                             num_output=len(request.output), num_cached=request.num_cached,
@@ -225,7 +242,7 @@ class WorkerServer:
         logger.debug("command %s", command.op)
         try:
             self.handle(command)
-        except Exception as error:  # the router reports it to the request's client
+        except Exception as error:  # noqa: BLE001 - the router reports it to the client
             rid = getattr(command, "rid", None)
             logger.warning("%s command failed: %s: %s", command.op, type(error).__name__,
                            error)
@@ -280,13 +297,14 @@ class WorkerServer:
         self.context.term()
 
 
-def _timeline(request: Request) -> dict[str, float] | None:
+def _timeline(request: Request) -> Timeline | None:
     """This side's moments of the request's KV hand-off (``HANDOFF_STAGES``) that happened,
     with the prefill's last layer (each side's report stands alone); None for a request that
     had none (colocated, failed before it)."""
     t = request.timings
     if t.last_layer is None:  # no hand-off, or the prefill's clock is not ours
         return None
+    stages: dict[HandoffStage, float | None]
     if request.finish_reason is FinishReason.HANDED_OFF:
         stages = {"sent": t.kv_sent, "sampled": t.kv_final}
     else:  # decode: the prefill's last layer came with the KV

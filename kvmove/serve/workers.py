@@ -61,7 +61,7 @@ class LocalLauncher:
     """Each worker a child process of the router, on this host."""
 
     local = True
-    control_host = None
+    control_host: str | None = None  # the private ipc socket
 
     def start(self, name: str, role: Role, command: list[str],
               env: dict[str, str]) -> subprocess.Popen:
@@ -110,7 +110,8 @@ class WorkerInfo:
     draining: bool = False  # the planner takes it out: no new requests, then it is shut down
     retired: bool = False   # drained and ended: not started again, not reported
     # (name, pid) of the other pool's workers this one is a kvmove peer of, each incarnation
-    peers: set[tuple[str, int]] = field(default_factory=set)
+    # (pid None: a Ray worker's, before its actor said)
+    peers: set[tuple[str, int | None]] = field(default_factory=set)
 
     @property
     def pid(self) -> int | None:

@@ -8,8 +8,7 @@ journal. ``kvmove.store`` is the import path: everything public is here.
 
 from __future__ import annotations
 
-from kvmove.store.store import (LOAD_POLICIES, KVStore, Lookup, StoreHandle, StoreStats,
-                                 decide_load)
+from kvmove.store.store import LOAD_POLICIES, KVStore, Lookup, StoreHandle, StoreStats, decide_load
 from kvmove.store.tiers import DiskTier, HostTier
 
 __all__ = ["DiskTier", "HostTier", "KVStore", "LOAD_POLICIES", "Lookup", "StoreHandle",

@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from kvmove import _C
 from kvmove.errors import ConfigError, StoreError, TimeoutError
@@ -103,7 +104,7 @@ def decide_load(tiers: Sequence[str], read_gbps: dict[str, float | None],
     """
     tiers = tuple(tiers)
     per_block = layout.bytes_per_block
-    load = [0.0 if read_gbps.get(name) is None else per_block / (read_gbps[name] * 1e9)
+    load = [0.0 if (gbps := read_gbps.get(name)) is None else per_block / (gbps * 1e9)
             for name in tiers]
     tps = prefill_tokens_per_second
     compute = None if tps is None else layout.block_size / tps
@@ -303,7 +304,7 @@ class KVStore:
                               f"[0, {cache.num_blocks})")
         return hashes, ids
 
-    def _submit(self, fn, *args) -> StoreHandle:
+    def _submit(self, fn: Callable[..., int], *args: Any) -> StoreHandle:
         if self._closed:
             raise StoreError("the store is closed")
         return StoreHandle(self._io.submit(fn, *args))
@@ -444,7 +445,7 @@ class KVStore:
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 - a finalizer must not raise (interpreter exit)
             pass
 
     def __repr__(self) -> str:

@@ -3,9 +3,9 @@ configs users pass to ``KVStore``) and how it keeps blocks (``OpenTier``, one pe
 
 A tier holds whole blocks (every layer) in numbered slots, and an index hash -> slot kept in
 least-recently-used order. The host tier's slots are the blocks of a ``KVCache`` of its own;
-the disk tier's are slots of a ``BlockFile`` (``csrc/storage/block_file.h``) with an ``IndexJournal``.
-Bytes move in C++ with the GIL released; the index lives here, changed only by the store's
-I/O thread (``kvmove/store/store.py``), read by lookups under the store's lock.
+the disk tier's are slots of a ``BlockFile`` (``csrc/storage/block_file.h``) with an
+``IndexJournal``. Bytes move in C++ with the GIL released; the index lives here, changed only
+by the store's I/O thread (``kvmove/store/store.py``), read by lookups under the store's lock.
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ class OpenTier:
 
     def lru(self, n: int, keep: set[int]) -> list[int]:
         """The ``n`` least recently used hashes not in ``keep``."""
-        out = []
+        out: list[int] = []
         for h in self.index:
             if len(out) == n:
                 break
@@ -204,7 +204,7 @@ class OpenTier:
         """Copies blocks into slots; ``(hash, slot, checksum)`` of those written. Slots not
         written go back to the free heap, except after a full disk (see ``_disk_full``)."""
         start = time.perf_counter()
-        if self.file is None:
+        if self.cache is not None:  # host (a disk tier has a file instead)
             _C.copy_blocks(cache._core, ids, self.cache._core, slots)
             written = list(zip(hashes, slots, [0] * len(ids)))
         else:
@@ -254,7 +254,7 @@ class OpenTier:
         entries = [self.index[h] for h in hashes]
         slots = [slot for slot, _ in entries]
         start = time.perf_counter()
-        if self.file is None:
+        if self.cache is not None:  # host
             _C.copy_blocks(self.cache._core, slots, cache._core, ids)
             ok = [1] * len(ids)
         else:

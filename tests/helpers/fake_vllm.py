@@ -105,7 +105,7 @@ class FakeFleet:
             self.log.clear()
 
     async def _serve(self) -> None:
-        for fake, sock in zip(self.servers.values(), self._sockets):
+        for fake, _sock in zip(self.servers.values(), self._sockets):
             config = uvicorn.Config(self._app(fake), log_level="warning", lifespan="off")
             self._uvicorns.append(uvicorn.Server(config))
         await asyncio.gather(*(u.serve(sockets=[s])

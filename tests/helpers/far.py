@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 
 import kvmove
-from helpers.kv import fill, raw_view
 from kvmove.bench.harness import Child
+
+from helpers.kv import fill, raw_view
 
 
 class FarAgent:
@@ -85,7 +86,7 @@ class FarAgent:
     def write_many(self, peer: str, batches: list[tuple[list[int], list[int], bytes]],
                    timeout: float = 10.0) -> None:
         """Posts every batch before waiting on any (each with its notify payload)."""
-        posted = [self.agent.write(peer, l, r, notify=n) for l, r, n in batches]
+        posted = [self.agent.write(peer, loc, rem, notify=n) for loc, rem, n in batches]
         for t in posted:
             t.wait(timeout)
 

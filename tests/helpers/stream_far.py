@@ -130,7 +130,7 @@ class StreamFar(FarAgent):
                     stream.save_layer(layer)
                 stream.finish(payload)
                 stream.wait_for_save(timeout)
-            except Exception as e:  # reported to the parent by join_stream
+            except Exception as e:  # noqa: BLE001 - reported to the parent by join_stream
                 result["error"] = (type(e).__name__, str(e))
 
         thread = threading.Thread(target=run, daemon=True)

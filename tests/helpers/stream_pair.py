@@ -5,6 +5,7 @@ new one) still completes, and lands exactly."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,7 @@ class Pair:
         assert self.b.add_peer(self.a.metadata()) == "a"
         self.a_ref, self.b_ref = self.a_raw.copy(), self.b_raw.copy()
 
-    def start(self, rid: str, src: list[int] = [1, 2, 3], dst: list[int] = [4, 5, 6]
+    def start(self, rid: str, src: Sequence[int] = (1, 2, 3), dst: Sequence[int] = (4, 5, 6)
               ) -> tuple[kvmove.SaveStream, kvmove.LoadStream]:
         load = self.b.expect("a", rid, dst).start_load()
         return self.a.stream_to("b", src, dst, rid, epoch=load.epoch), load
@@ -50,7 +51,7 @@ class Pair:
         return (self.b.incarnation << 32) | 0xFFFFFF
 
     def complete(self, stream: kvmove.SaveStream, load: kvmove.LoadStream,
-                 src: list[int] = [1, 2, 3], payload: bytes = b"done",
+                 src: Sequence[int] = (1, 2, 3), payload: bytes = b"done",
                  saved: tuple[int, ...] = ()) -> None:
         """Saves every layer but ``saved`` (those the test saved already), finishes with
         ``payload``; the receiver gets it and exactly ``src``'s bytes in its blocks, and
@@ -66,7 +67,8 @@ class Pair:
         self.landed(src, load.local_ids)
         self.assert_caches()
 
-    def landed(self, src: list[int], dst: list[int], layers: Any = slice(None)) -> None:
+    def landed(self, src: Sequence[int], dst: Sequence[int], layers: Any = slice(None)
+               ) -> None:
         """Layers ``layers`` of ``src`` are now in ``dst`` of b."""
         self.b_ref[layers, dst] = self.a_ref[layers, src]
 

@@ -5,7 +5,8 @@ The receiver serves on ``--host`` (UCX and the metadata listener), says READY, w
 sender's notification and prints the sha256 of its whole cache and the addresses its sockets
 listen on; the sender serves on ``--bind``, fills its cache with ``pattern(seed)``, connects,
 writes its blocks ``0..n-1`` to ``--remote-ids`` with a notification and prints the
-path the peer is reached by (``Agent.peer_path``) and the transfer's stats. Both take the deployment key from ``KVMOVE_KEY``.
+path the peer is reached by (``Agent.peer_path``) and the transfer's stats. Both take the
+deployment key from ``KVMOVE_KEY``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from typing import Any
 
 import kvmove
+
 from helpers.checks import listening_addresses
 from helpers.kv import fill, sha256
 

@@ -8,8 +8,9 @@ Wire format (version 5), little-endian:
        | dtype | order | head_first | total_kv_heads
 
 ``parse`` gives the scalar fields by name, and ``segments`` / ``planes`` as lists of dicts
-(``addr``, ``nbytes``, ``packed_rkey``, ``memfd``, ``memfd_dev``, ``memfd_ino`` / ``base``, ``block_stride``, ``block_nbytes``,
-``segment``); ``build`` takes the same, so a test changes one field of one record.
+(``addr``, ``nbytes``, ``packed_rkey``, ``memfd``, ``memfd_dev``, ``memfd_ino`` / ``base``,
+``block_stride``, ``block_nbytes``, ``segment``); ``build`` takes the same, so a test changes
+one field of one record.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ from typing import Any
 import numpy as np
 
 import kvmove
-from helpers import engines
 from kvmove.bench.harness import Child
+
+from helpers import engines
 
 
 class WrapFar:

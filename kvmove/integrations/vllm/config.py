@@ -98,7 +98,9 @@ def parse_extra(extra: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
             raise ConfigError(f"kv_connector_extra_config[{key!r}] must be "
                               f"{_kind_name(kind)}, got {value!r}")
-        if kind == (int, float) and not (math.isfinite(value) and value > 0):
+        # isinstance again: mypy does not narrow `value` by the check above (`kind` is a variable)
+        if kind == (int, float) and isinstance(value, (int, float)) and \
+                not (math.isfinite(value) and value > 0):
             raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a positive "
                               f"number, got {value!r}")
         settings[key] = value

@@ -282,11 +282,11 @@ class OffloadWorker:
         """Brings this step's stored blocks into vLLM's; the first block missing or corrupt
         and those after it in its request become load errors (vLLM recomputes them)."""
         self._meta = meta if isinstance(meta, OffloadMeta) else None
-        if self._meta is None or not self._meta.loads or self.store is None:
+        if self._meta is None or not self._meta.loads or self.store is None or self.cache is None:
             return
         start = time.perf_counter()
         handles = [(job, self.store.get(job[1], self.cache, job[2])) for job in self._meta.loads]
-        for (req_id, keys, ids), handle in handles:
+        for (req_id, _keys, ids), handle in handles:
             arrived = self._wait(handle, f"loading {len(ids)} blocks of request {req_id}")
             if arrived < len(ids):
                 self._load_errors.update(ids[arrived:])
@@ -310,7 +310,7 @@ class OffloadWorker:
         prefill throughput."""
         meta, self._meta = self._meta, None
         started, self._step_start = self._step_start, None
-        if meta is None or self.store is None:
+        if meta is None or self.store is None or self.cache is None:
             return
         if started is not None and meta.num_tokens >= self.layout.block_size:
             self.store.observe_prefill(meta.num_tokens, time.perf_counter() - started)

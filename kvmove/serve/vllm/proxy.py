@@ -266,7 +266,6 @@ def create_app(proxy: Proxy) -> FastAPI:
 
     config = proxy.config
     app = FastAPI(title="kvmove-serve (vLLM proxy)", lifespan=lifespan)
-    # Admission records in .pending and .rejected, which ProxyMetrics has too
     app.add_middleware(Admission, hosts=config.hosts(), max_body_bytes=config.max_body_bytes,
                        max_pending=config.max_pending, metrics=proxy.metrics)
     install_error_handlers(app)
