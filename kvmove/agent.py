@@ -425,7 +425,9 @@ class Agent:
             The started ``LoadStream`` (it fails if the offer cannot be sent), or None.
 
         Raises:
-            As ``expect``.
+            ConfigError: as ``expect``; also a bad ``timeout``.
+            BlockError: an id out of range or twice.
+            PeerError: unknown or dead peer.
         """
         require_positive_finite("timeout", timeout)
         if not local_ids:

@@ -541,8 +541,13 @@ def test_metrics_follow_prometheus_conventions(servers: ServerPool) -> None:
         text = server.get("/metrics").text
         return {f.name: f for f in text_string_to_metric_families(text)}
 
-    wait_until(lambda: {"kvmove_agent_leases_active", "kvmove_store_blocks"} <= set(families()),
-               5.0, "the workers' agent and store families")
+    def granted() -> float:  # the decode's counter, as its last stats event (0.1 s) said
+        samples = families().get("kvmove_agent_leases_granted")
+        return max((s.value for s in samples.samples if s.labels.get("worker") == "decode-0"
+                    and s.name.endswith("_total")), default=0.0) if samples else 0.0
+
+    wait_until(lambda: {"kvmove_agent_leases_active", "kvmove_store_blocks"} <= set(families())
+               and granted() >= 1, 5.0, "the workers' agent and store families, this lease")
     found = families()
     assert {name: found[name].type for name in METRIC_TYPES if name in found} == METRIC_TYPES
     for name, family in found.items():

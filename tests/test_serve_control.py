@@ -253,7 +253,7 @@ def test_finding_6_a_valid_command_that_fails_ends_its_request(worker: WorkerHar
     worker.send(b'{"op": "add", "rid": "r-1", "prompt": [256, 104, 105], "params": {}}')
     event = worker.event("ended")
     assert (event["rid"], event["reason"]) == ("r-1", "abort")
-    assert "remote_blocks" in event["error"]
+    assert "decode_peer" in event["error"]
     assert worker.process.poll() is None
 
 

@@ -233,8 +233,8 @@ def test_the_engine_worker_never_gives_a_reused_block_to_a_late_prefill():
         old = Request("old", list(range(1, 41)), params)
         old_at_prefill = Request("old", list(range(1, 41)), params)
         ids = decode.reserve(old)
-        epoch = decode.start_load(old, "p")
-        prefill.add_request(old_at_prefill, decode_peer="d", remote_blocks=ids, epoch=epoch)
+        decode.start_load(old, "p")  # its offer waits at the prefill, which does not run
+        prefill.add_request(old_at_prefill, decode_peer="d")
         deadline = time.monotonic() + WAIT
         while old.finish_reason is None:  # the prefill does not run: the decode gives up
             decode.step()
@@ -250,9 +250,8 @@ def test_the_engine_worker_never_gives_a_reused_block_to_a_late_prefill():
         try:
             prefill_new.agent.add_peer(decode.agent.metadata())
             decode.agent.add_peer(prefill_new.agent.metadata())
-            epoch = decode.start_load(new, "p2")
-            prefill_new.add_request(new_at_prefill, decode_peer="d", remote_blocks=new_ids,
-                                    epoch=epoch)
+            decode.start_load(new, "p2")
+            prefill_new.add_request(new_at_prefill, decode_peer="d")
             prefill_new.run()
             while not new.output:
                 decode.step()

@@ -5,10 +5,11 @@ request's tokens and end. Placement:
   prompt's prefix is cached, traded off against its queue; least-loaded: the fewest queued +
   running requests).
 * ``disagg``: the prefill worker is picked likewise; the decode worker with the most free
-  blocks reserves the request's blocks and leases them to it (none free: the request waits in
-  the decode queue and asks again; never dropped); the prefill worker gets the prompt, where
-  its KV goes and the lease's epoch. Prefill streams the KV layer by layer into the leased
-  blocks (kvmove, not this router), decode generates, and its tokens come back through here.
+  blocks reserves the request's blocks, leases them to it and offers it the lease by kvmove
+  (none free: the request waits in the decode queue and asks again; never dropped); the
+  prefill worker gets the prompt and which decode worker its KV goes to. Prefill streams the
+  KV layer by layer into the offered blocks (kvmove, not this router), decode generates, and
+  its tokens come back through here.
 
 Every end of a request is forwarded to every worker that holds it: a client that went away, a
 worker that ended it (a decode whose lease expired, a prefill whose stream failed) or died
