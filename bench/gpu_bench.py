@@ -28,11 +28,11 @@ from functools import partial
 import torch
 
 import kvmove
-from kvmove import Agent, KVCache, KVLayout
+from kvmove import Agent, KVCache, KVSpec
 from kvmove.bench.harness import Child
 from kvmove.convert import pack, pack_nbytes, unpack
 
-LAYOUT = KVLayout.preset("llama-3.1-8b")
+LAYOUT = KVSpec.preset("llama-3.1-8b")
 TOKENS = 4000
 CACHE_BLOCKS = 512
 DEVICE = "cuda:0"

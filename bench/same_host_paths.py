@@ -48,7 +48,7 @@ def main() -> None:
     fars = {"mapped": FarPeer("far-map", LAYOUT, NUM_BLOCKS, {}),
             "ucx": FarPeer("far-ucx", LAYOUT, NUM_BLOCKS, {"same_host": "ucx"})}
     try:
-        cache = kvmove.KVCache(kvmove.KVLayout(**LAYOUT), NUM_BLOCKS)
+        cache = kvmove.KVCache(kvmove.KVSpec(**LAYOUT), NUM_BLOCKS)
         fill(cache, 1)
         with kvmove.Agent("near", cache) as near:
             peers = {path: near.connect(*far.call("listen")) for path, far in fars.items()}

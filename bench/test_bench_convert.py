@@ -22,11 +22,11 @@ from kvmove.convert import convert, pack, pack_nbytes
 TOKENS = 4000
 
 
-def _layout(block_size: int, dtype: str = "float16", heads: int = 8) -> kvmove.KVLayout:
-    return kvmove.KVLayout(32, heads, 128, dtype, block_size)
+def _layout(block_size: int, dtype: str = "float16", heads: int = 8) -> kvmove.KVSpec:
+    return kvmove.KVSpec(32, heads, 128, dtype, block_size)
 
 
-def _cache(layout: kvmove.KVLayout, order: str = "NHD") -> kvmove.KVCache:
+def _cache(layout: kvmove.KVSpec, order: str = "NHD") -> kvmove.KVCache:
     """A cache holding the prompt; a float16 one filled with normal values (as KV is)."""
     cache = kvmove.KVCache(layout, layout.blocks_for(TOKENS), order=order)
     if layout.dtype == "float16":

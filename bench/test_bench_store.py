@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvmove import DiskTier, HostTier, KVCache, KVLayout, KVStore
+from kvmove import DiskTier, HostTier, KVCache, KVSpec, KVStore
 
-LAYOUT = KVLayout.preset("llama-3.1-8b")
+LAYOUT = KVSpec.preset("llama-3.1-8b")
 NUM_BLOCKS = LAYOUT.blocks_for(4000)
 NBYTES = NUM_BLOCKS * LAYOUT.bytes_per_block
 IDS = list(range(NUM_BLOCKS))

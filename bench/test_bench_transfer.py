@@ -38,9 +38,9 @@ import pytest
 
 from kvmove.bench import perftest
 from kvmove.bench.peer import FAR, Peer, Side, connect_pair, ping, stop_echo
-from kvmove.layout import KVLayout
+from kvmove.kv_spec import KVSpec
 
-LAYOUT = KVLayout.preset("llama-3.1-8b")
+LAYOUT = KVSpec.preset("llama-3.1-8b")
 TOKENS = 4000
 NUM_BLOCKS = LAYOUT.blocks_for(TOKENS)  # 250
 NBYTES = NUM_BLOCKS * LAYOUT.bytes_per_block  # 524,288,000

@@ -21,14 +21,14 @@ import kvmove
 
 
 def caches() -> list[tuple[str, kvmove.KVCache, str | None, tuple[int, int] | None]]:
-    small = kvmove.KVLayout(4, 2, 16, block_size=8)
+    small = kvmove.KVSpec(4, 2, 16, block_size=8)
     flash = {f"layers.{i}": np.zeros((2, 8, 8, 2, 16), np.float16) for i in range(2)}
     cpu = [np.zeros((8, 2, 8, 32), np.float16) for _ in range(2)]
-    two = kvmove.KVLayout(2, 2, 16, block_size=8)
+    two = kvmove.KVSpec(2, 2, 16, block_size=8)
     return [
         ("seed-tcp", kvmove.KVCache(small, 8), "tcp", None),
-        ("seed-default", kvmove.KVCache(kvmove.KVLayout(2, 8, 128, "bfloat16"), 4), None, None),
-        ("seed-mla", kvmove.KVCache(kvmove.KVLayout(2, 1, 576, block_size=64, mla=True), 2),
+        ("seed-default", kvmove.KVCache(kvmove.KVSpec(2, 8, 128, "bfloat16"), 4), None, None),
+        ("seed-mla", kvmove.KVCache(kvmove.KVSpec(2, 1, 576, block_size=64, mla=True), 2),
          "tcp", None),
         ("seed-flash", kvmove.KVCache.wrap(flash, layout=two, block_dim=1, kv_dim=0, pool=None),
          "tcp", None),

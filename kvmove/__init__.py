@@ -1,6 +1,6 @@
 """kvmove: KV-cache transfer and storage for disaggregated LLM serving.
 
-Start with ``KVLayout`` (the shape of a model's KV cache), ``KVCache`` (blocks of it in
+Start with ``KVSpec`` (the shape of a model's KV cache), ``KVCache`` (blocks of it in
 memory) and ``BlockPool`` (which blocks a request owns); ``Agent`` moves blocks between
 processes, ``KVStore`` keeps them in host and disk tiers.
 """
@@ -42,7 +42,8 @@ from kvmove._version import __version__ as __version__  # noqa: E402 (re-exporte
 from kvmove.agent import Agent, AgentStats  # noqa: E402
 from kvmove.block_pool import BlockPool, block_hashes, runs  # noqa: E402
 from kvmove.kv_cache import KVCache  # noqa: E402
-from kvmove.layout import KVLayout  # noqa: E402
+from kvmove.kv_spec import KVLayout as KVLayout  # noqa: E402  (the old name of KVSpec)
+from kvmove.kv_spec import KVSpec  # noqa: E402
 from kvmove.region import Region  # noqa: E402
 from kvmove.runtime import CudaStatus, cuda_available, cuda_status, ucx_version  # noqa: E402
 from kvmove.staging import StagedLoad, StagedWrite, StagingArea  # noqa: E402
@@ -60,7 +61,7 @@ __all__ = [
     "DiskTier",
     "HostTier",
     "KVCache",
-    "KVLayout",
+    "KVSpec",
     "KVStore",
     "Lookup",
     "LoadStream",

@@ -25,7 +25,7 @@ from typing import Any
 from kvmove import _C
 from kvmove.errors import ConfigError
 from kvmove.kv_cache import HEAD_ORDERS, KVCache, block_shape
-from kvmove.layout import buffer_span
+from kvmove.kv_spec import buffer_span
 
 __all__ = ["HEAD_ORDERS", "convert", "pack", "pack_nbytes", "unpack"]
 

@@ -30,7 +30,7 @@ import numpy as np
 from kvmove import _C
 from kvmove.block_pool import BlockPool
 from kvmove.errors import AllocationError, ConfigError
-from kvmove.layout import KVLayout
+from kvmove.kv_spec import KVSpec
 from kvmove.region import Region
 from kvmove.wrap import ORDERS, planes_of
 
@@ -55,7 +55,7 @@ _TORCH_DTYPES = {
 HEAD_ORDERS = ("NHD", "HND")
 
 
-def block_shape(layout: KVLayout, order: str = "NHD",
+def block_shape(layout: KVSpec, order: str = "NHD",
                 kv_heads: tuple[int, int] | None = None) -> _C.BlockShape:
     """What one block of one layer of ``layout`` holds, as the core sees it (``order``: NHD
     token-major, HND head-major, ``vllm-cpu``, ``mla``; kvmove.wrap draws them).
@@ -72,7 +72,7 @@ def block_shape(layout: KVLayout, order: str = "NHD",
                          getattr(_C.DType, layout.dtype), parsed, first, total)
 
 
-def check_kv_heads(layout: KVLayout, kv_heads: tuple[int, int] | None) -> tuple[int, int]:
+def check_kv_heads(layout: KVSpec, kv_heads: tuple[int, int] | None) -> tuple[int, int]:
     """``(first, total)``, checked against ``layout``: a head range of the model's heads."""
     if kv_heads is None:
         return 0, layout.num_kv_heads
@@ -94,7 +94,7 @@ class KVCache:
     An engine that owns its KV tensors wraps them instead: ``KVCache.wrap`` (docs/engines.md).
 
     Example:
-        >>> layout = kvmove.KVLayout.preset("llama-3.1-8b")
+        >>> layout = kvmove.KVSpec.preset("llama-3.1-8b")
         >>> cache = kvmove.KVCache(layout, num_blocks=1024)
         >>> ids = cache.pool.allocate(layout.blocks_for(4000))
         >>> cache.descriptors(ids, layers=[0])     # [(addr, nbytes)], coalesced
@@ -125,7 +125,7 @@ class KVCache:
         layer_names: a wrapped cache's layer names (the dict's keys), else None.
     """
 
-    def __init__(self, layout: KVLayout, num_blocks: int, *, huge_pages: bool = False,
+    def __init__(self, layout: KVSpec, num_blocks: int, *, huge_pages: bool = False,
                  device: str | int | None = None, pin: bool | None = False,
                  order: str | None = None) -> None:
         index = _device_index(device)
@@ -146,7 +146,7 @@ class KVCache:
                                   "(cudaHostRegister refused; see ulimit -l)")
 
     @classmethod
-    def wrap(cls, tensors: Sequence[Any] | Mapping[str, Any], *, layout: KVLayout,
+    def wrap(cls, tensors: Sequence[Any] | Mapping[str, Any], *, layout: KVSpec,
              block_dim: int, kv_dim: int | None = None, order: str = "NHD",
              pool: bool | None = True, page_size: int | None = None) -> KVCache:
         """A cache over an engine's own KV tensors, zero-copy: the engine keeps them and
@@ -157,7 +157,7 @@ class KVCache:
         plane. docs/engines.md has each engine's call.
 
         Example:
-            >>> layout = kvmove.KVLayout(num_layers=2, num_kv_heads=8, head_dim=128)
+            >>> layout = kvmove.KVSpec(num_layers=2, num_kv_heads=8, head_dim=128)
             >>> kv = {f"layers.{i}.attn": torch.zeros(2, 64, 16, 8, 128, dtype=torch.float16)
             ...       for i in range(2)}              # vLLM flash: [2, N, B, H, D] per layer
             >>> cache = kvmove.KVCache.wrap(kv, layout=layout, block_dim=1, kv_dim=0, pool=None)
@@ -307,7 +307,7 @@ class KVCache:
                 f"free={self.pool.num_free})")
 
 
-def _allocated_order(layout: KVLayout, order: str | None) -> str:
+def _allocated_order(layout: KVSpec, order: str | None) -> str:
     """The order of a cache kvmove allocates: NHD or HND, or mla for an MLA layout."""
     if layout.mla:
         if order not in (None, "mla"):

@@ -45,7 +45,7 @@ from kvmove.agent import Agent
 from kvmove.convert import convert
 from kvmove.errors import ConfigError
 from kvmove.kv_cache import HEAD_ORDERS, KVCache, check_kv_heads
-from kvmove.layout import KVLayout
+from kvmove.kv_spec import KVSpec
 from kvmove.stream import DEFAULT_TIMEOUT, LoadStream, StreamState
 from kvmove.validation import require_positive_int
 
@@ -66,7 +66,7 @@ class StagingArea:
         name: the staging agent's name: the one the sender connects and writes to.
         cache: the receiver's own cache, converted into: a ``KVCache`` or a wrapped engine
             cache (K and V of a block together or in planes of their own), order NHD or HND.
-        sender_layout: the sender's ``KVLayout``: same layers, heads and head_dim as
+        sender_layout: the sender's ``KVSpec``: same layers, heads and head_dim as
             ``cache``'s; block size and dtype may differ.
         sender_order: the sender's element order inside a block, "NHD" or "HND".
         num_blocks: staging blocks (of the sender's block size): what may be in flight at once.
@@ -83,7 +83,7 @@ class StagingArea:
             identical ones (they need no staging: use the cache's own agent).
     """
 
-    def __init__(self, name: str, cache: KVCache, *, sender_layout: KVLayout,
+    def __init__(self, name: str, cache: KVCache, *, sender_layout: KVSpec,
                  sender_order: str = "NHD", num_blocks: int,
                  sender_kv_heads: tuple[int, int] | None = None,
                  kv_heads: tuple[int, int] | None = None, **agent_kwargs: Any) -> None:
@@ -311,7 +311,7 @@ class StagedLoad:
                 f"{sum(self.layers_ready())}/{len(self._converted)} layers converted)")
 
 
-def check_convertible(sender_layout: KVLayout, sender_order: str,
+def check_convertible(sender_layout: KVSpec, sender_order: str,
                       sender_heads: tuple[int, int], cache: KVCache,
                       heads: tuple[int, int]) -> None:
     """Raises ConfigError unless blocks of ``sender_layout`` in ``sender_order`` holding
@@ -337,7 +337,7 @@ def check_convertible(sender_layout: KVLayout, sender_order: str,
                           "on the cache's agent")
 
 
-def _check_heads(sender_layout: KVLayout, sender_heads: tuple[int, int], here: KVLayout,
+def _check_heads(sender_layout: KVSpec, sender_heads: tuple[int, int], here: KVSpec,
                  heads: tuple[int, int]) -> None:
     """Both sides split the same model's heads, and hold some in common."""
     if sender_heads[1] != heads[1]:

@@ -27,7 +27,7 @@ import numpy as np
 
 from kvmove import _C
 from kvmove.errors import ConfigError
-from kvmove.layout import KVLayout
+from kvmove.kv_spec import KVSpec
 
 __all__ = ["ORDERS", "WrappedPlanes", "planes_of"]
 
@@ -62,7 +62,7 @@ class WrappedPlanes:
     device: int
 
 
-def planes_of(tensors: Sequence[Any] | Mapping[str, Any], layout: KVLayout, block_dim: int,
+def planes_of(tensors: Sequence[Any] | Mapping[str, Any], layout: KVSpec, block_dim: int,
               kv_dim: int | None, order: str, page_size: int | None) -> WrappedPlanes:
     """The planes and segments of an engine's tensors (``KVCache.wrap`` documents the args).
 
@@ -100,7 +100,7 @@ def planes_of(tensors: Sequence[Any] | Mapping[str, Any], layout: KVLayout, bloc
                          device)
 
 
-def _check_order(layout: KVLayout, order: str, kv_dim: int | None,
+def _check_order(layout: KVSpec, order: str, kv_dim: int | None,
                  page_size: int | None) -> None:
     if order not in ORDERS:
         raise ConfigError(f"order must be one of {ORDERS}, got {order!r}")
@@ -175,7 +175,7 @@ def _cuda_index(tensor: Any, name: str) -> int:
     return tensor.device.index or 0
 
 
-def _check_dtype(array: _Array, layout: KVLayout) -> None:
+def _check_dtype(array: _Array, layout: KVSpec) -> None:
     if array.dtype != layout.dtype:
         raise ConfigError(f"tensor {array.name} has dtype {array.dtype}, the layout's is "
                           f"{layout.dtype}")
@@ -190,7 +190,7 @@ def _span(array: _Array) -> int:
     return sum((n - 1) * s for n, s in zip(array.shape, array.strides)) + array.itemsize
 
 
-def _block_dims(layout: KVLayout, order: str) -> list[tuple[str, int]]:
+def _block_dims(layout: KVSpec, order: str) -> list[tuple[str, int]]:
     """(name, size) of the dims of one block of one part, outermost first."""
     b, h, d = layout.block_size, layout.num_kv_heads, layout.head_dim
     return {
@@ -201,7 +201,7 @@ def _block_dims(layout: KVLayout, order: str) -> list[tuple[str, int]]:
     }[order]
 
 
-def _tensor_planes(array: _Array, layout: KVLayout, block_dim: int, kv_dim: int | None,
+def _tensor_planes(array: _Array, layout: KVSpec, block_dim: int, kv_dim: int | None,
                    order: str, page_size: int | None) -> list[tuple[int, int, int, int]]:
     """(base, block_stride, block_nbytes, num_blocks) of each plane in one tensor."""
     ndim = len(array.shape)

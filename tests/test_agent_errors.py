@@ -920,7 +920,7 @@ def test_killed_peer_fails_every_transfer_in_flight(op):
     with PeerError naming the peer long before its deadline, state FAILED, `error` set; a new
     transfer to the dead peer is refused at once; this side's cache and pool are untouched
     (kvmove allocates nothing for the caller) and the agent closes cleanly."""
-    cache = kvmove.KVCache(kvmove.KVLayout(**BIG_LAYOUT), BIG_BLOCKS)
+    cache = kvmove.KVCache(kvmove.KVSpec(**BIG_LAYOUT), BIG_BLOCKS)
     free = cache.pool.num_free
     near = kvmove.Agent("near", cache, transports="tcp", error_mode="peer", same_host="ucx")
     try:
@@ -1003,7 +1003,7 @@ def test_killed_peer_on_this_host_is_reported_over_shared_memory():
     a SIGKILL, transfers to the peer fail with PeerError naming it, long before their deadline
     (cma's copy into a process that is gone fails; sysv's keepalive checks the peer's pid),
     and then new ones are refused at once."""
-    near = kvmove.Agent("near", kvmove.KVCache(kvmove.KVLayout(**BIG_LAYOUT), BIG_BLOCKS),
+    near = kvmove.Agent("near", kvmove.KVCache(kvmove.KVSpec(**BIG_LAYOUT), BIG_BLOCKS),
                         same_host="ucx")  # UCX's shared memory, not the mapped path
     try:
         with doomed_peer("doomed", "peer", transports=None) as (pid, host, port):
@@ -1026,7 +1026,7 @@ def test_failed_transfer_error_names_the_dead_peer():
     "peer 'doomed' failed: UCX reported ...", but a flush that fails first writes only
     "UCX reported Connection reset by remote peer" (or "Endpoint timeout"). The exception from
     wait() names the peer either way; `error` should too, every time."""
-    near = kvmove.Agent("near", kvmove.KVCache(kvmove.KVLayout(**BIG_LAYOUT), BIG_BLOCKS),
+    near = kvmove.Agent("near", kvmove.KVCache(kvmove.KVSpec(**BIG_LAYOUT), BIG_BLOCKS),
                         transports="tcp", error_mode="peer", same_host="ucx")
     try:
         with doomed_peer("doomed", "peer") as (pid, host, port):
@@ -1045,7 +1045,7 @@ def test_killed_peer_with_error_mode_none_does_not_hang():
     """Without UCX's peer-failure mode nothing promises a PeerError, but a wait still ends at
     its deadline (TimeoutError) or earlier (PeerError when tcp reports the reset); the
     agent still closes."""
-    cache = kvmove.KVCache(kvmove.KVLayout(**BIG_LAYOUT), BIG_BLOCKS)
+    cache = kvmove.KVCache(kvmove.KVSpec(**BIG_LAYOUT), BIG_BLOCKS)
     near = kvmove.Agent("near-none", cache, transports="tcp", error_mode="none", same_host="ucx")
     try:
         with doomed_peer("doomed-none", "none") as (pid, host, port):
@@ -1068,7 +1068,7 @@ def test_an_agent_dropped_without_close_takes_its_listener_with_it():
     import weakref
 
     before = threading.active_count()
-    agent = kvmove.Agent("abandoned", kvmove.KVCache(kvmove.KVLayout(2, 1, 8), 4),
+    agent = kvmove.Agent("abandoned", kvmove.KVCache(kvmove.KVSpec(2, 1, 8), 4),
                          transports="tcp")
     agent.listen()
     ref = weakref.ref(agent)

@@ -39,7 +39,7 @@ from kvmove.bench.transfer_report import (
     format_transfer,
 )
 from kvmove.errors import ConfigError
-from kvmove.layout import KVLayout
+from kvmove.kv_spec import KVSpec
 
 TINY = ["--model", "llama-3.2-1b", "--tokens", "64", "--iters", "1"]
 TINY_BYTES = 16 * 4 * 16 * 2048  # layers * blocks * tokens per block * bytes per token-layer
@@ -450,7 +450,7 @@ def test_config_rejects_unknown_wrap_format() -> None:
 
 @pytest.fixture
 def side() -> Side:
-    handle = Side("verify", KVLayout.preset("llama-3.2-1b"), 16, {"transports": "tcp"})
+    handle = Side("verify", KVSpec.preset("llama-3.2-1b"), 16, {"transports": "tcp"})
     yield handle
     handle.close()
 
@@ -538,7 +538,7 @@ def test_wrap_text_shows_the_cache_the_ratio_and_registration(bench: Bench) -> N
 @pytest.mark.parametrize("fmt", engine_caches.ENGINES)
 def test_block_words_are_the_bytes_kvmove_moves(fmt: str) -> None:
     """Each block's words, plane after plane, are the bytes of the cache's descriptors."""
-    layout = engine_caches.layout_for_format(fmt, KVLayout(2, 2, 8, block_size=4))
+    layout = engine_caches.layout_for_format(fmt, KVSpec(2, 2, 8, block_size=4))
     tensors = engine_caches.allocate(fmt, layout, 6)
     cache = engine_caches.wrap_engine(fmt, tensors, layout)
     words = engine_caches.block_words(fmt, tensors, 6)
@@ -555,13 +555,13 @@ def test_block_words_are_the_bytes_kvmove_moves(fmt: str) -> None:
 
 def test_engine_caches_reject_what_they_cannot_allocate() -> None:
     with pytest.raises(ConfigError, match="'trtllm'"):
-        engine_caches.allocate("trtllm", KVLayout(2, 2, 8), 4)
+        engine_caches.allocate("trtllm", KVSpec(2, 2, 8), 4)
     with pytest.raises(ConfigError, match="numpy has no bfloat16.*torch"):
-        engine_caches.allocate("flash", KVLayout(2, 2, 8, dtype="bfloat16"), 4)
+        engine_caches.allocate("flash", KVSpec(2, 2, 8, dtype="bfloat16"), 4)
 
 
 def test_wrapped_side_verifies_each_plane() -> None:
-    layout = KVLayout.preset("llama-3.2-1b")
+    layout = KVSpec.preset("llama-3.2-1b")
     side = Side("verify", layout, 16, {"transports": "tcp"}, wrap="flash")
     try:
         assert side.cache.wrapped and side.cache.num_parts == 2

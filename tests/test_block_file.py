@@ -8,31 +8,31 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvmove import KVCache, KVLayout
+from kvmove import KVCache, KVSpec
 from kvmove._C import BlockFile
 from kvmove.errors import StoreError
 
 # 2 layers x 16 tokens x 2 (K, V) x 2 heads x 8 dims x 4 B = 4096 B: one slot per block, so a
 # 2 MiB read request holds 512 of them.
-SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=16)
+SMALL = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=16)
 # 2 x 64 x 2 x 8 x 128 x 4 B = 1 MiB: two blocks per read request.
-BIG = KVLayout(num_layers=2, num_kv_heads=8, head_dim=128, dtype="float32", block_size=64)
+BIG = KVSpec(num_layers=2, num_kv_heads=8, head_dim=128, dtype="float32", block_size=64)
 SENTINEL = -7.0
 
 
-def random_cache(layout: KVLayout, num_blocks: int) -> KVCache:
+def random_cache(layout: KVSpec, num_blocks: int) -> KVCache:
     cache = KVCache(layout, num_blocks)
     cache.numpy()[...] = np.random.default_rng(0).random(cache.shape, dtype=np.float32)
     return cache
 
 
-def blank_cache(layout: KVLayout, num_blocks: int) -> KVCache:
+def blank_cache(layout: KVSpec, num_blocks: int) -> KVCache:
     cache = KVCache(layout, num_blocks)
     cache.numpy()[...] = SENTINEL
     return cache
 
 
-def stored(tmp_path, layout: KVLayout, num_blocks: int, slots: list[int]):
+def stored(tmp_path, layout: KVSpec, num_blocks: int, slots: list[int]):
     """A block file holding block i of a random cache in slots[i]: (file, source, checksums)."""
     src = random_cache(layout, num_blocks)
     file = BlockFile(str(tmp_path / "blocks.dat"), layout.bytes_per_block, max(slots) + 1)

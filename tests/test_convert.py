@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvmove import KVCache, KVLayout
+from kvmove import KVCache, KVSpec
 from kvmove.convert import convert, pack, pack_nbytes, unpack
 from kvmove.errors import BlockError, ConfigError
 
@@ -123,7 +123,7 @@ def test_convert_rejects_bad_arguments(kwargs, match):
 
 def test_convert_refuses_other_heads():
     src = random_cache("float16", 16, 0)
-    dst = KVCache(KVLayout(LAYERS, HEADS + 1, DIM), NUM_BLOCKS)
+    dst = KVCache(KVSpec(LAYERS, HEADS + 1, DIM), NUM_BLOCKS)
     with pytest.raises(ConfigError, match="heads and head_dim must match"):
         convert(src, [0], dst, [0], 16)
 

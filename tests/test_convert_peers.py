@@ -95,7 +95,7 @@ class Receiver:
         return out
 
 
-def _receiver_cache(layout: kvmove.KVLayout, order: str, wrapped: str | None
+def _receiver_cache(layout: kvmove.KVSpec, order: str, wrapped: str | None
                     ) -> kvmove.KVCache:
     if wrapped:  # FlashInfer's [N, 2, B, H, D] per layer, or flash's [2, N, B, H, D] (HND too)
         _, cache = engines.make(wrapped, layout, NUM_BLOCKS)
@@ -103,7 +103,7 @@ def _receiver_cache(layout: kvmove.KVLayout, order: str, wrapped: str | None
     return kvmove.KVCache(layout, NUM_BLOCKS, order=order)
 
 
-def blocks_view(cache: kvmove.KVCache, layout: kvmove.KVLayout, order: str,
+def blocks_view(cache: kvmove.KVCache, layout: kvmove.KVSpec, order: str,
                 wrapped: str | None = None) -> torch.Tensor:
     """[L, N, 2, B, H, D] of the receiver's cache, read with torch (HND transposed); a
     wrapped one through the engines' reference (``engines.kv_of``)."""
@@ -179,8 +179,8 @@ def test_a_layer_stream_reports_a_layer_ready_only_once_it_is_converted(receiver
 
 # --- staging room is back-pressure --------------------------------------------------------------
 
-def _local_area(sender_layout: kvmove.KVLayout, num_blocks: int = 4,
-                cache_layout: kvmove.KVLayout | None = None) -> StagingArea:
+def _local_area(sender_layout: kvmove.KVSpec, num_blocks: int = 4,
+                cache_layout: kvmove.KVSpec | None = None) -> StagingArea:
     cache = kvmove.KVCache(cache_layout or engines.layout_for("native", block_size=16), 8)
     return StagingArea("staging", cache, sender_layout=sender_layout, num_blocks=num_blocks,
                        **TCP)
@@ -286,8 +286,8 @@ NATIVE = engines.layout_for("native", block_size=16)
 REFUSED = {
     "layers": (engines.layout_for("native", num_layers=2), "NHD",
                "num_layers: 3 here, 2 at the sender"),
-    "head_dim": (kvmove.KVLayout(3, 2, 16, "float16", 4), "NHD", "head_dim: 8 here, 16 at"),
-    "heads": (kvmove.KVLayout(3, 1, 8, "float16", 4), "NHD",
+    "head_dim": (kvmove.KVSpec(3, 2, 16, "float16", 4), "NHD", "head_dim: 8 here, 16 at"),
+    "heads": (kvmove.KVSpec(3, 1, 8, "float16", 4), "NHD",
               "the model's KV heads: 2 here, 1 at the sender"),
     "mla": (engines.layout_for("native-mla"), "mla", "head_dim: 8 here, 24 at the sender"),
     "vllm-cpu": (engines.layout_for("native"), "vllm-cpu",
@@ -307,11 +307,11 @@ def test_layouts_that_do_not_convert_are_refused_naming_the_difference(case):
 
 
 def test_tensor_parallel_ranks_with_no_head_in_common_are_refused():
-    rank = kvmove.KVLayout(3, 1, 8, "float16", 4)
+    rank = kvmove.KVSpec(3, 1, 8, "float16", 4)
     cache = kvmove.KVCache(rank, 4)
     with pytest.raises(ConfigError, match=r"the sender holds KV heads \[1, 2\), this cache "
                                           r"\[0, 1\): none in common"):
-        StagingArea("staging", cache, sender_layout=kvmove.KVLayout(3, 1, 8, "float16", 8),
+        StagingArea("staging", cache, sender_layout=kvmove.KVSpec(3, 1, 8, "float16", 8),
                     sender_kv_heads=(1, 2), kv_heads=(0, 2), num_blocks=4, **TCP)
 
 
@@ -335,11 +335,11 @@ def test_an_allocated_cache_in_head_major_order_views_its_blocks_head_major():
 HEADS = 4  # the model's KV heads; a TP=2 rank holds 2
 
 
-def _tp_layout(heads: int, block_size: int) -> kvmove.KVLayout:
-    return kvmove.KVLayout(3, heads, 8, "float16", block_size)
+def _tp_layout(heads: int, block_size: int) -> kvmove.KVSpec:
+    return kvmove.KVSpec(3, heads, 8, "float16", block_size)
 
 
-def _sequence(engine: str, tensors, layout: kvmove.KVLayout, ids: list[int],
+def _sequence(engine: str, tensors, layout: kvmove.KVSpec, ids: list[int],
               num_tokens: int, layer: int) -> torch.Tensor:
     """[2, T, H, D] of a sender's sequence (torch reference)."""
     leaves = engines.leaves(tensors)
@@ -411,7 +411,7 @@ def test_a_tp1_prefill_writes_into_a_tp2_decode_heads_split(children):
     """One prefill (a child process, all 4 heads, block size 16) writes into two decode ranks,
     each an agent of its own with its cache of 2 heads (block size 4, bfloat16): rank r gets
     heads [2r, 2r + 2)."""
-    layout, rank_layout = _tp_layout(HEADS, 16), kvmove.KVLayout(3, 2, 8, "bfloat16", 4)
+    layout, rank_layout = _tp_layout(HEADS, 16), kvmove.KVSpec(3, 2, 8, "bfloat16", 4)
     far = FarWrapped("prefill", "flashinfer", layout, NUM_BLOCKS, TCP)
     children.append(far)
     far.call("fill", SEED)

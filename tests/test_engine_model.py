@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import kvmove
-from kvmove import KVLayout
+from kvmove import KVSpec
 from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM, ModelConfig, SeqChunk
 from kvmove.engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from kvmove.errors import ConfigError
@@ -52,7 +52,7 @@ PROMPTS = [
 def _cache(config: ModelConfig, block_size: int = 4, num_blocks: int | None = None) -> torch.Tensor:
     """A fresh (zeroed) cache view; by default room for 128 positions."""
     num_blocks = 128 // block_size if num_blocks is None else num_blocks
-    return kvmove.KVCache(config.kv_layout(block_size), num_blocks).torch()
+    return kvmove.KVCache(config.kv_spec(block_size), num_blocks).torch()
 
 
 def _context(kv: torch.Tensor, layer: int, table: list[int], num_tokens: int) -> torch.Tensor:
@@ -438,7 +438,7 @@ def test_forward_rejects_kv_of_wrong_shape(tiny, shape):
 
 
 def test_forward_rejects_kv_of_wrong_dtype(tiny):
-    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_size=4)
+    layout = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_size=4)
     kv = kvmove.KVCache(layout, 8).torch()
     with pytest.raises(ConfigError, match=r"torch.float16.*want .* in float32"):
         tiny([SeqChunk([1], 0, [0])], kv)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvmove
-from kvmove import Agent, DiskTier, HostTier, KVCache, KVLayout, KVStore
+from kvmove import Agent, DiskTier, HostTier, KVCache, KVSpec, KVStore
 from kvmove.convert import convert, pack, pack_nbytes, unpack
 from kvmove.errors import ConfigError
 
@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(REASON), reason=REASON or
 DEVICE = "cuda:0"
 LAYOUT_KW = {"num_layers": 4, "num_kv_heads": 8, "head_dim": 128, "dtype": "float16",
              "block_size": 16}  # 64 KiB per block and layer, as Llama-3.1-8B
-LAYOUT = KVLayout(**LAYOUT_KW)
+LAYOUT = KVSpec(**LAYOUT_KW)
 NUM_BLOCKS = 32
 TIMEOUT = 30.0
 
@@ -114,7 +114,7 @@ def test_convert_kernel_moves_a_head_range_as_the_host_does(merge):
 
 def _head_range_convert(merge: bool, device: str | None) -> torch.Tensor:
     """The destination's bytes after converting a head range, on ``device`` (None: host)."""
-    rank, whole = KVLayout(3, 2, 8, "float16", 4), KVLayout(3, 4, 8, "bfloat16", 16)
+    rank, whole = KVSpec(3, 2, 8, "float16", 4), KVSpec(3, 4, 8, "bfloat16", 16)
     src_layout, dst_layout = (rank, whole) if merge else (whole, rank)
     gen = torch.Generator().manual_seed(3)
     caches = [KVCache(lay, 8, device=device) for lay in (src_layout, dst_layout)]

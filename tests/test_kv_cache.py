@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 import kvmove
-from kvmove import KVCache, KVLayout, Region
+from kvmove import KVCache, KVSpec, Region
 from kvmove.errors import BlockError, ConfigError
 
 # 3 layers, block of 4 tokens, 2 heads x 8 dims, float16 -> 2*2*8*2 = 64 B/token/layer,
 # 256 B per block per layer.
-LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float16", block_size=4)
+LAYOUT = KVSpec(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float16", block_size=4)
 BLOCK = 256
 
 
@@ -117,7 +117,7 @@ def test_view_keeps_cache_memory_alive():
 @pytest.mark.parametrize(("dtype", "np_dtype"), [("bfloat16", np.uint16), ("float8", np.uint8),
                                                  ("float32", np.float32)])
 def test_numpy_dtypes(dtype, np_dtype):
-    lay = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype=dtype, block_size=2)
+    lay = KVSpec(num_layers=2, num_kv_heads=1, head_dim=4, dtype=dtype, block_size=2)
     view = KVCache(lay, num_blocks=3).numpy()
     assert view.dtype == np_dtype
     assert view.shape == (2, 3, 2, 2, 1, 4)
@@ -125,7 +125,7 @@ def test_numpy_dtypes(dtype, np_dtype):
 
 def test_torch_view_is_zero_copy_in_layout_dtype():
     torch = pytest.importorskip("torch")
-    lay = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype="bfloat16", block_size=2)
+    lay = KVSpec(num_layers=2, num_kv_heads=1, head_dim=4, dtype="bfloat16", block_size=2)
     cache = KVCache(lay, num_blocks=3)
     t = cache.torch()
     assert t.dtype == torch.bfloat16
@@ -162,7 +162,7 @@ def test_cache_rejects_bad_num_blocks(num_blocks):
 
 
 def test_cache_rejects_size_overflow():
-    huge = KVLayout(num_layers=2**20, num_kv_heads=2**10, head_dim=2**10, block_size=2**10)
+    huge = KVSpec(num_layers=2**20, num_kv_heads=2**10, head_dim=2**10, block_size=2**10)
     with pytest.raises(ConfigError, match="overflows 64 bits"):
         KVCache(huge, num_blocks=2**20)
 

@@ -33,7 +33,7 @@ CHILD = textwrap.dedent("""
     logging.getLogger().addHandler(Show())
     if len(sys.argv) > 1:  # the application's own logging configuration, after import
         logging.getLogger("kvmove").setLevel(sys.argv[1])
-    cache = kvmove.KVCache(kvmove.KVLayout.preset("llama-3.2-1b"), num_blocks=2)
+    cache = kvmove.KVCache(kvmove.KVSpec.preset("llama-3.2-1b"), num_blocks=2)
     kvmove.Agent("a", cache, transports="tcp,bogus").close()
 """)
 BOGUS = "transport 'bogus' is not available"

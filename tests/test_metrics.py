@@ -15,7 +15,7 @@ from kvmove.metrics import AGENT_METRICS, TIER_COUNTERS, KVMoveCollector
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-LAYOUT = kvmove.KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16",
+LAYOUT = kvmove.KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16",
                          block_size=4)
 
 

@@ -10,7 +10,7 @@ import pytest
 from kvmove.bench.model_shapes import PRESET_SHAPES, resolve_model
 from kvmove.engine.config import ModelConfig
 from kvmove.errors import ConfigError
-from kvmove.layout import PRESETS, KVLayout
+from kvmove.kv_spec import PRESETS, KVSpec
 
 from helpers.plan import LLAMA_31_8B_CONFIG, write_config
 
@@ -27,7 +27,7 @@ def test_a_config_json_gives_the_presets_shape(tmp_path: Path) -> None:
     for where in (str(path), str(path.parent)):  # the file, or its directory
         choice = resolve_model(where, block_size=16)
         assert choice.shape.num_layers == 32 and choice.shape.intermediate_size == 14336
-        assert choice.layout == KVLayout(32, 8, 128, dtype="bfloat16", block_size=16)
+        assert choice.layout == KVSpec(32, 8, 128, dtype="bfloat16", block_size=16)
     for field in ("hidden_size", "intermediate_size", "num_heads", "vocab_size"):
         assert getattr(choice.shape, field) == getattr(PRESET_SHAPES["llama-3.1-8b"], field)
 
@@ -35,7 +35,7 @@ def test_a_config_json_gives_the_presets_shape(tmp_path: Path) -> None:
 def test_a_preset_keeps_float16_kv_and_dtype_overrides(tmp_path: Path) -> None:
     assert resolve_model("llama-3.1-8b", 16).layout.dtype == "float16"
     path = write_config(tmp_path, LLAMA_31_8B_CONFIG)
-    assert resolve_model(str(path), 32, "float8").layout == KVLayout(32, 8, 128, "float8", 32)
+    assert resolve_model(str(path), 32, "float8").layout == KVSpec(32, 8, 128, "float8", 32)
 
 
 @pytest.mark.parametrize("model_type", ["mistral", "qwen2", "qwen3"])

@@ -207,7 +207,7 @@ def test_metadata_naming_another_file_is_not_mapped():
 
 def test_wrapped_engine_memory_is_not_offered():
     """A wrapped engine tensor is no memfd: its metadata offers no mapping (memfd -1)."""
-    layout = kvmove.KVLayout(2, 2, 16, block_size=4)
+    layout = kvmove.KVSpec(2, 2, 16, block_size=4)
     tensors = [np.zeros((4, 2, 4, 2, 16), np.float16) for _ in range(2)]
     cache = kvmove.KVCache.wrap(tensors, layout=layout, block_dim=0, kv_dim=1)
     with kvmove.Agent("wrapped", cache) as agent:

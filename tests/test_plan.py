@@ -33,7 +33,7 @@ from kvmove.bench.plan import (
     verdict_for,
 )
 from kvmove.errors import ConfigError
-from kvmove.layout import KVLayout
+from kvmove.kv_spec import KVSpec
 
 from helpers.checks import WORKDIR
 from helpers.plan import write_llama_8b_config
@@ -44,8 +44,8 @@ Bench = Callable[..., subprocess.CompletedProcess[str]]
 
 
 @pytest.fixture
-def llama() -> KVLayout:
-    return KVLayout.preset("llama-3.1-8b")
+def llama() -> KVSpec:
+    return KVSpec.preset("llama-3.1-8b")
 
 
 def streamed_reference(transfer_ms: float, prefill_ms: float, num_layers: int) -> float:
@@ -64,7 +64,7 @@ def re_value(value: object) -> str:
 
 # --- sizes and transfer times ---------------------------------------------------------------
 
-def test_llama_8b_4000_tokens_is_524288000_bytes(llama: KVLayout) -> None:
+def test_llama_8b_4000_tokens_is_524288000_bytes(llama: KVSpec) -> None:
     result = plan(llama, 4000)
     assert result.kv_bytes == LLAMA_8B_4000_BYTES
     assert result.bytes_per_token == 131_072
@@ -79,7 +79,7 @@ def test_llama_8b_4000_tokens_is_524288000_bytes(llama: KVLayout) -> None:
         ("Ethernet 25G", 524288000 / 3.1e9 * 1e3),  # 169.13 ms
     ],
 )
-def test_transfer_ms_of_default_links(llama: KVLayout, name: str, expected_ms: float) -> None:
+def test_transfer_ms_of_default_links(llama: KVSpec, name: str, expected_ms: float) -> None:
     row = plan(llama, 4000).row(name)
     assert row.transfer_ms == pytest.approx(expected_ms, rel=1e-12)
     assert row.prefill_share_pct == pytest.approx(expected_ms / 200.0 * 100.0, rel=1e-12)
@@ -98,7 +98,7 @@ def test_default_links_are_the_design_table() -> None:
     [("NVLink", Verdict.CHEAP), ("InfiniBand 400G", Verdict.CHEAP),
      ("Ethernet 25G", Verdict.TOO_SLOW)],
 )
-def test_verdicts_of_default_links_at_200_ms(llama: KVLayout, name: str, verdict: Verdict) -> None:
+def test_verdicts_of_default_links_at_200_ms(llama: KVSpec, name: str, verdict: Verdict) -> None:
     assert plan(llama, 4000, prefill_ms=200.0).row(name).verdict is verdict
 
 
@@ -111,20 +111,20 @@ def test_verdict_thresholds(share_pct: float, verdict: Verdict) -> None:
     assert verdict_for(share_pct) is verdict
 
 
-def test_shorter_prefill_makes_infiniband_marginal(llama: KVLayout) -> None:
+def test_shorter_prefill_makes_infiniband_marginal(llama: KVSpec) -> None:
     # 10.486 ms of transfer against a 50 ms prefill is 21 %.
     assert plan(llama, 4000, prefill_ms=50.0).row("InfiniBand 400G").verdict is Verdict.MARGINAL
 
 
 # --- exposed transfer with layer-wise streaming ---------------------------------------------
 
-def test_exposed_when_link_outpaces_compute(llama: KVLayout) -> None:
+def test_exposed_when_link_outpaces_compute(llama: KVSpec) -> None:
     # t = 10.486 ms <= p = 200 ms: only the last layer's t/32 sticks out.
     row = plan(llama, 4000, prefill_ms=200.0).row("InfiniBand 400G")
     assert row.exposed_ms == pytest.approx(524288000 / 50e9 * 1e3 / 32, rel=1e-12)  # 0.32768
 
 
-def test_exposed_when_link_is_the_bottleneck(llama: KVLayout) -> None:
+def test_exposed_when_link_is_the_bottleneck(llama: KVSpec) -> None:
     # t = 169.125 ms > p = 100 ms: t/32 + (t - 100) * 31/32 = t - 100 * 31/32 = t - 96.875.
     t = 524288000 / 3.1e9 * 1e3
     row = plan(llama, 4000, prefill_ms=100.0).row("Ethernet 25G")
@@ -147,7 +147,7 @@ def test_exposed_ms_matches_event_reference(t: float, layers: int) -> None:
 
 # --- advice ---------------------------------------------------------------------------------
 
-def test_advice_follows_the_verdicts(llama: KVLayout) -> None:
+def test_advice_follows_the_verdicts(llama: KVSpec) -> None:
     advice = plan(llama, 4000).advice
     slow = next(line for line in advice if "don't disaggregate" in line)
     cheap = next(line for line in advice if "tens of GPUs with RDMA" in line)
@@ -157,19 +157,19 @@ def test_advice_follows_the_verdicts(llama: KVLayout) -> None:
     assert any("extremely skewed input/output lengths" in line for line in advice)
 
 
-def test_advice_when_no_link_is_fast_enough(llama: KVLayout) -> None:
+def test_advice_when_no_link_is_fast_enough(llama: KVSpec) -> None:
     advice = plan(llama, 4000, links=[Link("Ethernet 25G", 3.1)]).advice
     assert any("don't disaggregate over Ethernet 25G" in line for line in advice)
     assert any("stay colocated" in line for line in advice)
     assert not any("consider disaggregation" in line for line in advice)
 
 
-def test_advice_names_marginal_links(llama: KVLayout) -> None:
+def test_advice_names_marginal_links(llama: KVSpec) -> None:
     advice = plan(llama, 4000, prefill_ms=50.0, links=[Link("InfiniBand 400G", 50.0)]).advice
     assert any(line.startswith("InfiniBand 400G") and "marginal" in line for line in advice)
 
 
-def test_to_dict_is_plain_json(llama: KVLayout) -> None:
+def test_to_dict_is_plain_json(llama: KVSpec) -> None:
     data = json.loads(json.dumps(plan(llama, 4000, model="llama-3.1-8b").to_dict()))
     assert data["kv_bytes"] == LLAMA_8B_4000_BYTES
     assert data["model"] == "llama-3.1-8b"
@@ -198,13 +198,13 @@ def test_merge_links_adds_and_replaces_by_name() -> None:
 # --- rejections -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("num_tokens", [0, -1, 1.5, True, "4000", None])
-def test_rejects_bad_num_tokens(llama: KVLayout, num_tokens: object) -> None:
+def test_rejects_bad_num_tokens(llama: KVSpec, num_tokens: object) -> None:
     with pytest.raises(ConfigError, match=rf"num_tokens .*{re_value(num_tokens)}"):
         plan(llama, num_tokens)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("prefill_ms", [0.0, -5.0, math.nan, math.inf, "200", True])
-def test_rejects_bad_prefill_ms(llama: KVLayout, prefill_ms: object) -> None:
+def test_rejects_bad_prefill_ms(llama: KVSpec, prefill_ms: object) -> None:
     with pytest.raises(ConfigError, match=rf"prefill_ms .*{re_value(prefill_ms)}"):
         plan(llama, 4000, prefill_ms)  # type: ignore[arg-type]
 
@@ -222,22 +222,22 @@ def test_rejects_bad_link(name: str, gbytes_per_s: float) -> None:
         Link(name, gbytes_per_s)
 
 
-def test_rejects_duplicate_link_names(llama: KVLayout) -> None:
+def test_rejects_duplicate_link_names(llama: KVSpec) -> None:
     with pytest.raises(ConfigError, match="'NVLink' twice"):
         plan(llama, 4000, links=[Link("NVLink", 900.0), Link("NVLink", 450.0)])
 
 
-def test_rejects_no_links(llama: KVLayout) -> None:
+def test_rejects_no_links(llama: KVSpec) -> None:
     with pytest.raises(ConfigError, match="at least one"):
         plan(llama, 4000, links=())
 
 
 def test_rejects_unknown_model() -> None:
     with pytest.raises(ConfigError, match="'llama-9'"):
-        KVLayout.preset("llama-9")
+        KVSpec.preset("llama-9")
 
 
-def test_rejects_unknown_link_in_row(llama: KVLayout) -> None:
+def test_rejects_unknown_link_in_row(llama: KVSpec) -> None:
     with pytest.raises(ConfigError, match="'Token Ring'"):
         plan(llama, 4000).row("Token Ring")
 

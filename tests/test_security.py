@@ -318,7 +318,7 @@ def test_finding_5_a_bad_final_payload_ends_its_request_not_the_worker():
     model = LlamaForCausalLM.random(MODEL_PRESETS["tiny"], seed=0)
     decode = EngineWorker(model, role="decode", name="d", num_blocks=16, block_size=16,
                           agent_kwargs=TCP)
-    sender = kvmove.Agent("p", kvmove.KVCache(model.config.kv_layout(16), 16), **TCP)
+    sender = kvmove.Agent("p", kvmove.KVCache(model.config.kv_spec(16), 16), **TCP)
     try:
         decode.agent.add_peer(sender.metadata())
         sender.add_peer(decode.agent.metadata())

@@ -429,7 +429,7 @@ def test_metrics_count_latencies_queues_and_kv_bytes(servers: ServerPool) -> Non
     prompts, m = PROMPTS[2:6], 6
     for prompt in prompts:
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=m, **GREEDY)
-    block_nbytes = TINY.kv_layout(BLOCK).bytes_per_block
+    block_nbytes = TINY.kv_spec(BLOCK).bytes_per_block
     kv_nbytes = sum(-(-num_tokens(p) // BLOCK) for p in prompts) * block_nbytes
 
     def delta(name: str, **labels: str) -> float:

@@ -265,7 +265,7 @@ def test_finding_8_a_worker_drains_its_agents_notifications(worker: WorkerHarnes
     from kvmove.engine.model import MODEL_PRESETS
 
     host, port = worker.ready["agent"]
-    layout = MODEL_PRESETS["tiny"].kv_layout(16)
+    layout = MODEL_PRESETS["tiny"].kv_spec(16)
     with kvmove.Agent("peer", kvmove.KVCache(layout, 4)) as agent:
         name = agent.connect(host, port)
         for i in range(3):

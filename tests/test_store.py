@@ -18,31 +18,31 @@ import numpy as np
 import pytest
 
 import kvmove
-from kvmove import DiskTier, HostTier, KVCache, KVLayout, KVStore, Lookup, StoreHandle
+from kvmove import DiskTier, HostTier, KVCache, KVSpec, KVStore, Lookup, StoreHandle
 from kvmove.errors import ConfigError, StoreError, TimeoutError
 
 # 2 layers x 16 tokens x 2 (K, V) x 2 heads x 8 dims x 4 B = 4096 B per block: one slot exactly.
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=16)
+LAYOUT = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=16)
 # 3 layers x 16 x 2 x 2 x 12 x 4 B = 9216 B per block: a 12288 B slot, 3072 B of padding.
-ODD = KVLayout(num_layers=3, num_kv_heads=2, head_dim=12, dtype="float32", block_size=16)
+ODD = KVSpec(num_layers=3, num_kv_heads=2, head_dim=12, dtype="float32", block_size=16)
 LAYOUTS = [pytest.param(LAYOUT, id="4096B"), pytest.param(ODD, id="9216B")]
 SENTINEL = -7.0  # what destination blocks hold before a get
 WAIT = 30.0
 
 
-def slot_nbytes(layout: KVLayout) -> int:
+def slot_nbytes(layout: KVSpec) -> int:
     return -(-layout.bytes_per_block // 4096) * 4096
 
 
-def host(layout: KVLayout, blocks: int) -> HostTier:
+def host(layout: KVSpec, blocks: int) -> HostTier:
     return HostTier(blocks * layout.bytes_per_block)
 
 
-def disk(path, layout: KVLayout, blocks: int, **kw) -> DiskTier:
+def disk(path, layout: KVSpec, blocks: int, **kw) -> DiskTier:
     return DiskTier(str(path), blocks * slot_nbytes(layout), **kw)
 
 
-def tiers_for(kind: str, layout: KVLayout, path, host_blocks: int = 16,
+def tiers_for(kind: str, layout: KVSpec, path, host_blocks: int = 16,
               disk_blocks: int = 16) -> list:
     return {
         "host": lambda: [host(layout, host_blocks)],
@@ -51,13 +51,13 @@ def tiers_for(kind: str, layout: KVLayout, path, host_blocks: int = 16,
     }[kind]()
 
 
-def random_cache(layout: KVLayout, num_blocks: int, seed: int = 0) -> KVCache:
+def random_cache(layout: KVSpec, num_blocks: int, seed: int = 0) -> KVCache:
     cache = KVCache(layout, num_blocks)
     cache.numpy()[...] = np.random.default_rng(seed).random(cache.shape, dtype=np.float32)
     return cache
 
 
-def blank_cache(layout: KVLayout, num_blocks: int) -> KVCache:
+def blank_cache(layout: KVSpec, num_blocks: int) -> KVCache:
     cache = KVCache(layout, num_blocks)
     cache.numpy()[...] = SENTINEL
     return cache
@@ -76,7 +76,7 @@ def untouched(cache: KVCache, block_id: int) -> bool:
     return bool((cache.numpy()[:, block_id] == SENTINEL).all())
 
 
-def hashes_for(n: int, seed: int = 0, layout: KVLayout = LAYOUT) -> list[int]:
+def hashes_for(n: int, seed: int = 0, layout: KVSpec = LAYOUT) -> list[int]:
     """Realistic chained hashes of an ``n``-block prompt."""
     tokens = np.random.default_rng(1000 + seed).integers(0, 50_000, n * layout.block_size)
     out = list(kvmove.block_hashes(tokens, layout.block_size))
@@ -92,7 +92,7 @@ def get(store: KVStore, hashes, cache, ids) -> int:
     return store.get(list(hashes), cache, list(ids)).wait(WAIT)
 
 
-def slot_holding(path, layout: KVLayout, data: bytes) -> int:
+def slot_holding(path, layout: KVSpec, data: bytes) -> int:
     """The slot of ``blocks.dat`` whose block bytes are ``data``."""
     raw = (path / "blocks.dat").read_bytes()
     step = slot_nbytes(layout)
@@ -556,7 +556,7 @@ def test_corrupt_block_in_a_later_chunk_of_a_scattered_get(tmp_path, src):
 
 def test_put_and_get_spanning_several_staging_buffers(tmp_path):
     # 1 MiB blocks: a 16 MiB staging buffer moves 16 slots, so 36 blocks take 3 chunks each way.
-    big = KVLayout(num_layers=2, num_kv_heads=8, head_dim=128, dtype="float32", block_size=64)
+    big = KVSpec(num_layers=2, num_kv_heads=8, head_dim=128, dtype="float32", block_size=64)
     assert big.bytes_per_block == 1 << 20
     src = random_cache(big, 36)
     ref = src.numpy().copy()
@@ -686,7 +686,7 @@ def test_journal_with_bad_header_is_refused(tmp_path, src, damage):
 def test_directory_of_another_layout_is_refused(tmp_path, src):
     with KVStore(LAYOUT, [disk(tmp_path, LAYOUT, 2)]) as store:
         put(store, hashes_for(1), src, [0])
-    other = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", block_size=16)
+    other = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", block_size=16)
     with pytest.raises(StoreError, match="another layout"):
         KVStore(other, [DiskTier(str(tmp_path), 2 * 4096)])
 
@@ -784,7 +784,7 @@ def test_disk_tier_path_must_be_non_empty():
 
 @pytest.mark.parametrize("op", ["put", "get"])
 def test_cache_of_another_layout_is_refused(op):
-    other = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=32)
+    other = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=32)
     with KVStore(LAYOUT, [host(LAYOUT, 2)]) as store:
         with pytest.raises(ConfigError, match="layout"):
             getattr(store, op)([1], KVCache(other, 2), [0])

@@ -30,7 +30,7 @@ LENGTHS = (3, 5, 17, 40, 63, 150)  # under, at and over a block
 MAX_TOKENS = 8
 WAIT = 30.0
 TINY = MODEL_PRESETS["tiny"]
-LAYOUT = TINY.kv_layout(BLOCK)
+LAYOUT = TINY.kv_spec(BLOCK)
 
 
 def prompts() -> list[list[int]]:
@@ -173,6 +173,6 @@ def test_a_store_needs_prefix_caching(model):
 
 
 def test_a_store_of_another_layout_is_refused(model):
-    with KVStore(TINY.kv_layout(BLOCK * 2), [HostTier(1 << 20)]) as store:
+    with KVStore(TINY.kv_spec(BLOCK * 2), [HostTier(1 << 20)]) as store:
         with pytest.raises(ConfigError, match="layout"):
             EngineWorker(model, num_blocks=NUM_BLOCKS, block_size=BLOCK, store=store)

@@ -40,8 +40,8 @@ PAIRS = [
 class Near:
     """An engine's wrapped cache and an agent in this process, peered with a far one."""
 
-    def __init__(self, engine: str, far_engine: str, layout: kvmove.KVLayout | None = None,
-                 far_layout: kvmove.KVLayout | None = None) -> None:
+    def __init__(self, engine: str, far_engine: str, layout: kvmove.KVSpec | None = None,
+                 far_layout: kvmove.KVSpec | None = None) -> None:
         self.engine, self.far_engine = engine, far_engine
         self.layout = layout or engines.layout_for(engine)
         self.far_layout = far_layout or self.layout
@@ -79,7 +79,7 @@ def near_of(request):
 
 
 def assert_moved(dst_engine: str, got: list[torch.Tensor], before: list[torch.Tensor],
-                 src_engine: str, src: list[torch.Tensor], layout: kvmove.KVLayout,
+                 src_engine: str, src: list[torch.Tensor], layout: kvmove.KVSpec,
                  pairs: dict[int, int], layers: list[int]) -> None:
     """Destination block d of each layer in ``layers`` holds source block pairs[d]; every
     other block of every layer is as it was."""
@@ -295,7 +295,7 @@ def test_kvmoves_own_cache_is_one_instance_of_the_same_geometry():
 
 # --- wrap errors: each its own message ----------------------------------------------------------
 
-def _flash(layout: kvmove.KVLayout, **change) -> list[torch.Tensor]:
+def _flash(layout: kvmove.KVSpec, **change) -> list[torch.Tensor]:
     shape = change.pop("shape", (2, NUM_BLOCKS, layout.block_size, layout.num_kv_heads,
                                  layout.head_dim))
     return [torch.zeros(shape, dtype=change.pop("dtype", torch.float16))
@@ -459,7 +459,7 @@ def test_a_disk_tier_round_trips_a_wrapped_cache(tmp_path, engine):
 
 
 def test_a_disk_tiers_fingerprint_is_unchanged_for_layouts_without_mla(tmp_path):
-    """Disk tiers written before KVLayout had ``mla`` keep opening: the field is in the
+    """Disk tiers written before KVSpec had ``mla`` keep opening: the field is in the
     fingerprint only when it is set."""
     import json
     import struct

@@ -31,7 +31,7 @@ KVMOVE_HD int dtype_nbytes(DType t) {
     return t == DType::Float32 ? 4 : (t == DType::Float8 ? 1 : 2);
 }
 
-// "float32", "float16", "bfloat16", "float8" (kvmove.KVLayout's names).
+// "float32", "float16", "bfloat16", "float8" (kvmove.KVSpec's names).
 const char* dtype_name(DType t);
 // The DType of a name; false when the name is none of them.
 bool parse_dtype(const std::string& name, DType& out);

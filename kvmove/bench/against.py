@@ -26,7 +26,7 @@ from kvmove.bench.nixl_side import NIXL_INSTALL, NixlPeer
 from kvmove.bench.progress import Progress
 from kvmove.bench.transfer_report import ROUND_TRIP_WARMUP, BenchConfig
 from kvmove.errors import ConfigError
-from kvmove.layout import KVLayout
+from kvmove.kv_spec import KVSpec
 
 __all__ = ["count_steps", "probe", "run"]
 
@@ -104,7 +104,7 @@ def _measure(near: NixlPeer, far: NixlPeer, config: BenchConfig, block_size: int
     return rows, trip
 
 
-def _connect(near: NixlPeer, far: NixlPeer, layout: KVLayout, cache_blocks: int,
+def _connect(near: NixlPeer, far: NixlPeer, layout: KVSpec, cache_blocks: int,
              error_mode: str) -> None:
     """A fresh NixlSide in each process, each knowing the other's agent and descriptors
     (both ways: the far side writes back in the round trip)."""
@@ -145,7 +145,7 @@ def _read(near: NixlPeer, far: NixlPeer, local_ids: list[int], remote_ids: list[
     return results
 
 
-def _row(op: str, placement: str, layout: KVLayout, ids: list[int],
+def _row(op: str, placement: str, layout: KVSpec, ids: list[int],
          results: list[_Result]) -> NixlRow:
     """The row of the best timed iteration; ``results[0]`` is the warm-up."""
     timed = results[1:]
@@ -157,7 +157,7 @@ def _row(op: str, placement: str, layout: KVLayout, ids: list[int],
 
 
 def _round_trip(near: NixlPeer, far: NixlPeer, local_id: int, remote_id: int,
-                layout: KVLayout, config: BenchConfig) -> NixlRoundTrip:
+                layout: KVSpec, config: BenchConfig) -> NixlRoundTrip:
     """Median of ``round_trips`` pings after ``ROUND_TRIP_WARMUP``, as kvmove's."""
     far.send("echo", remote_id, local_id, config.timeout)
     seconds = near.call("ping", local_id, remote_id, ROUND_TRIP_WARMUP + config.round_trips,

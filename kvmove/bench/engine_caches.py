@@ -25,7 +25,7 @@ import numpy as np
 
 from kvmove.errors import ConfigError
 from kvmove.kv_cache import KVCache
-from kvmove.layout import KVLayout
+from kvmove.kv_spec import KVSpec
 
 __all__ = ["ENGINES", "WRAP_FORMATS", "allocate", "block_words", "layout_for_format",
            "native_words", "wrap_engine"]
@@ -50,7 +50,7 @@ _SHAPES: dict[str, Callable[..., Any]] = {
 _AS_DICT = ("flash", "flash-hnd", "flashinfer")
 
 
-def layout_for_format(engine: str, layout: KVLayout) -> KVLayout:
+def layout_for_format(engine: str, layout: KVSpec) -> KVSpec:
     """``layout`` for ``engine``: an MLA engine gets one latent per token of the same bytes
     (``head_dim = 2 * num_kv_heads * head_dim``), so every format moves the same KV."""
     if engine != "mla" or layout.mla:
@@ -59,7 +59,7 @@ def layout_for_format(engine: str, layout: KVLayout) -> KVLayout:
                    * layout.head_dim, mla=True)
 
 
-def allocate(engine: str, layout: KVLayout, num_blocks: int, zeros: Zeros | None = None) -> Any:
+def allocate(engine: str, layout: KVSpec, num_blocks: int, zeros: Zeros | None = None) -> Any:
     """The engine's tensors for ``num_blocks`` blocks, zero-filled, in its own shapes.
 
     Args:
@@ -80,7 +80,7 @@ def allocate(engine: str, layout: KVLayout, num_blocks: int, zeros: Zeros | None
     return per_layer
 
 
-def _numpy_zeros(layout: KVLayout) -> Zeros:
+def _numpy_zeros(layout: KVSpec) -> Zeros:
     dtype = _NUMPY_DTYPES.get(layout.dtype)
     if dtype is None:
         raise ConfigError(f"numpy has no {layout.dtype}: engine tensors of this layout need "
@@ -88,7 +88,7 @@ def _numpy_zeros(layout: KVLayout) -> Zeros:
     return lambda *shape: np.zeros(shape, dtype=dtype)
 
 
-def wrap_engine(engine: str, tensors: Any, layout: KVLayout, pool: bool | None = None) -> KVCache:
+def wrap_engine(engine: str, tensors: Any, layout: KVSpec, pool: bool | None = None) -> KVCache:
     """The documented ``KVCache.wrap`` call of each engine (docs/engines.md)."""
     if engine in ("flash", "flash-hnd"):
         order = "HND" if engine == "flash-hnd" else "NHD"

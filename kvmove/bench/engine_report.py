@@ -60,7 +60,7 @@ class EngineConfig:
             _check_batch_sizes(name, sizes)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an int, got {self.seed!r}")
-        self.model_config.kv_layout(self.block_size)  # validates block_size
+        self.model_config.kv_spec(self.block_size)  # validates block_size
         limit = self.model_config.max_position_embeddings
         for name, positions in (("prompt_tokens", self.prompt_tokens),
                                 ("batch_prompt_tokens", self.batch_prompt_tokens),
@@ -159,7 +159,7 @@ class EngineReport:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.config.model_config.kv_layout(self.config.block_size).bytes_per_token
+        return self.config.model_config.kv_spec(self.config.block_size).bytes_per_token
 
     def prefill_ratio(self, row: PrefillRow) -> float:
         """``row``'s tokens/s over the one-prompt batch row's (same prompt length)."""

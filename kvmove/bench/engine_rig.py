@@ -40,7 +40,7 @@ class EngineRig:
         self.config = config
         model_config = config.model_config
         self.model = LlamaForCausalLM.random(model_config, config.seed)
-        layout = model_config.kv_layout(config.block_size)
+        layout = model_config.kv_spec(config.block_size)
         longest = max(config.prompt_tokens,
                       max(config.prefill_batch_sizes) * config.batch_prompt_tokens)
         self.prefill_blocks = layout.blocks_for(longest)

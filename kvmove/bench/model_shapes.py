@@ -1,9 +1,9 @@
 """The model ``kvmove-bench plan`` describes: a preset name or a Hugging Face ``config.json``.
 
-A ``kvmove.layout`` preset names only the KV cache's shape (layers, KV heads, head_dim). The
+A ``kvmove.kv_spec`` preset names only the KV cache's shape (layers, KV heads, head_dim). The
 planner's FLOP count needs the rest of the model (width, MLP, query heads, vocabulary), so
 ``PRESET_SHAPES`` adds those fields from each model's published ``config.json`` and takes
-the KV fields from ``kvmove.layout.PRESETS``, so that each number has one home. A
+the KV fields from ``kvmove.kv_spec.PRESETS``, so that each number has one home. A
 ``config.json`` goes through the engine's own parser (``ModelConfig.from_hf``), which needs
 no torch.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from kvmove.engine.config import ModelConfig
 from kvmove.errors import ConfigError
-from kvmove.layout import PRESETS, KVLayout
+from kvmove.kv_spec import PRESETS, KVSpec
 
 __all__ = ["PRESET_SHAPES", "ModelChoice", "resolve_model"]
 
@@ -51,16 +51,16 @@ class ModelChoice:
 
     name: str
     shape: ModelConfig
-    layout: KVLayout
+    layout: KVSpec
 
 
 def resolve_model(model: str, block_size: int, dtype: str | None = None) -> ModelChoice:
     """``model`` as a preset name, a ``config.json`` file, or a directory holding one.
 
     Args:
-        model: a ``kvmove.layout.PRESETS`` name or a path.
+        model: a ``kvmove.kv_spec.PRESETS`` name or a path.
         block_size: tokens per KV block.
-        dtype: the KV element type; ``None``: float16 for a preset (as ``KVLayout``), the
+        dtype: the KV element type; ``None``: float16 for a preset (as ``KVSpec``), the
             checkpoint's own dtype for a ``config.json``.
 
     Raises:
@@ -68,12 +68,12 @@ def resolve_model(model: str, block_size: int, dtype: str | None = None) -> Mode
     """
     if model in PRESET_SHAPES:
         return ModelChoice(model, PRESET_SHAPES[model],
-                           KVLayout.preset(model, dtype=dtype or "float16",
+                           KVSpec.preset(model, dtype=dtype or "float16",
                                            block_size=block_size))
     if not os.path.exists(model):
         raise ConfigError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor "
                           "a config.json or a directory holding one")
     shape = ModelConfig.from_hf_file(model, shape_only=True)
-    layout = shape.kv_layout(block_size)
+    layout = shape.kv_spec(block_size)
     return ModelChoice(os.path.normpath(model), shape,
                        replace(layout, dtype=dtype) if dtype else layout)

@@ -36,7 +36,7 @@ import numpy as np
 from kvmove.bench.harness import Child
 from kvmove.bench.pattern import PatternCache
 from kvmove.bench.report import BenchError
-from kvmove.layout import KVLayout
+from kvmove.kv_spec import KVSpec
 
 __all__ = ["NIXL_INSTALL", "NixlHost", "NixlPeer", "NixlSide", "import_nixl_api"]
 
@@ -91,7 +91,7 @@ class NixlSide(PatternCache):
             kvmove's ``error_mode``; NIXL's default is "peer").
     """
 
-    def __init__(self, api: ModuleType, name: str, layout: KVLayout, num_blocks: int,
+    def __init__(self, api: ModuleType, name: str, layout: KVSpec, num_blocks: int,
                  error_mode: str) -> None:
         super().__init__(layout, num_blocks)
         config = api.nixl_agent_config(enable_prog_thread=_PROGRESS_THREAD, backends=[],
@@ -287,7 +287,7 @@ class NixlHost:
     def version(self) -> str:
         return _version(self.api)
 
-    def setup(self, name: str, layout: KVLayout, num_blocks: int, error_mode: str) -> None:
+    def setup(self, name: str, layout: KVSpec, num_blocks: int, error_mode: str) -> None:
         self.close()
         self.side = NixlSide(self.api, name, layout, num_blocks, error_mode)
 

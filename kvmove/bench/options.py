@@ -8,7 +8,7 @@ import os
 
 from kvmove.agent import ERROR_MODES, SAME_HOST_PATHS
 from kvmove.errors import ConfigError
-from kvmove.layout import PRESETS
+from kvmove.kv_spec import PRESETS
 
 __all__ = ["add_agent_args", "add_output_args", "add_prompt_args", "check_plot"]
 

@@ -17,7 +17,7 @@ import numpy as np
 from kvmove.bench.engine_caches import allocate, block_words, native_words, wrap_engine
 from kvmove.errors import ConfigError
 from kvmove.kv_cache import KVCache
-from kvmove.layout import KVLayout
+from kvmove.kv_spec import KVSpec
 
 __all__ = ["PatternCache"]
 
@@ -40,7 +40,7 @@ def _keys(seed: int, layer: int, src_ids: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def _cache(layout: KVLayout, num_blocks: int,
+def _cache(layout: KVSpec, num_blocks: int,
            wrap: str | None) -> tuple[KVCache, list[list[np.ndarray]], float]:
     """The cache, its ``block_words`` and the seconds ``KVCache.wrap`` took (0 for a cache
     kvmove allocates). Every page is written before anything is timed, so no page fault
@@ -78,7 +78,7 @@ class PatternCache:
         wrap_seconds: how long ``KVCache.wrap`` took (0 for a native cache).
     """
 
-    def __init__(self, layout: KVLayout, num_blocks: int, wrap: str | None = None) -> None:
+    def __init__(self, layout: KVSpec, num_blocks: int, wrap: str | None = None) -> None:
         if layout.bytes_per_block_per_layer % 8:
             raise ConfigError(f"bytes per block per layer must be a multiple of 8, got "
                               f"{layout.bytes_per_block_per_layer}")

@@ -13,7 +13,7 @@ from kvmove.bench.pattern import PatternCache
 from kvmove.bench.report import BenchError
 from kvmove.bench.transfer_report import Registration
 from kvmove.errors import KVMoveError
-from kvmove.layout import KVLayout
+from kvmove.kv_spec import KVSpec
 
 __all__ = ["FAR", "FarSide", "NEAR", "Peer", "STOP", "Side", "connect_pair", "ping",
            "stop_echo"]
@@ -35,7 +35,7 @@ class Side(PatternCache):
         registration: how long making the cache and agent took (``Registration``).
     """
 
-    def __init__(self, name: str, layout: KVLayout, num_blocks: int,
+    def __init__(self, name: str, layout: KVSpec, num_blocks: int,
                  agent_kwargs: dict[str, Any], wrap: str | None = None) -> None:
         super().__init__(layout, num_blocks, wrap)
         start = time.perf_counter()
@@ -145,7 +145,7 @@ def stop_echo(agent: Agent, peer: str, local_id: int, remote_id: int, timeout: f
     agent.write(peer, [local_id], [remote_id], layers=[0], notify=STOP).wait(timeout)
 
 
-def connect_pair(peer: Peer, layout: KVLayout, num_blocks: int, agent_kwargs: dict[str, Any],
+def connect_pair(peer: Peer, layout: KVSpec, num_blocks: int, agent_kwargs: dict[str, Any],
                  timeout: float, wrap: str | None = None) -> Side:
     """A fresh ``Side`` named ``FAR`` in the peer process and one named ``NEAR`` here, each
     with ``num_blocks`` blocks (of engine ``wrap``'s tensors, if given), connected through

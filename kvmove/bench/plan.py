@@ -28,7 +28,7 @@ from kvmove.bench.prefill import PrefillEstimate
 from kvmove.bench.report import aligned, human_bytes, ms
 from kvmove.engine.config import ModelConfig
 from kvmove.errors import ConfigError
-from kvmove.layout import DTYPE_BYTES, KVLayout
+from kvmove.kv_spec import DTYPE_BYTES, KVSpec
 from kvmove.validation import require_positive_finite, require_positive_int
 
 __all__ = [
@@ -179,7 +179,7 @@ class Plan:
     """
 
     model: str | None
-    layout: KVLayout
+    layout: KVSpec
     num_tokens: int
     prefill_ms: float
     prefill: PrefillEstimate
@@ -216,7 +216,7 @@ class Plan:
 
 
 def plan(
-    layout: KVLayout,
+    layout: KVSpec,
     num_tokens: int,
     prefill_ms: float = 200.0,
     links: tuple[Link, ...] | list[Link] = DEFAULT_LINKS,
@@ -227,7 +227,7 @@ def plan(
     """Cost each link for moving ``num_tokens`` tokens of KV cache after a ``prefill_ms`` prefill.
 
     Args:
-        layout: the model's KV layout, e.g. ``KVLayout.preset("llama-3.1-8b")``.
+        layout: the model's KV layout, e.g. ``KVSpec.preset("llama-3.1-8b")``.
         num_tokens: prompt length in tokens, > 0.
         prefill_ms: time the prefill takes, > 0 and finite.
         links: links to compare, names unique.

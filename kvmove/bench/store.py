@@ -43,7 +43,7 @@ from kvmove.bench.progress import Progress, bar
 from kvmove.bench.report import aligned, human_bytes, ms
 from kvmove.errors import ConfigError
 from kvmove.kv_cache import KVCache
-from kvmove.layout import DTYPE_BYTES, KVLayout
+from kvmove.kv_spec import DTYPE_BYTES, KVSpec
 from kvmove.store import DiskTier, HostTier, KVStore
 from kvmove.validation import require_positive_int
 
@@ -76,8 +76,8 @@ class StoreBenchConfig:
                               f"got {self.tokens}")
 
     @property
-    def layout(self) -> KVLayout:
-        return KVLayout.preset(self.model, dtype=self.dtype, block_size=self.block_size)
+    def layout(self) -> KVSpec:
+        return KVSpec.preset(self.model, dtype=self.dtype, block_size=self.block_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,7 +300,7 @@ def _measure_ttft(config: StoreBenchConfig, root: str) -> list[TtftRow]:
     assert config.engine_model is not None  # run() skips the TTFT part without a model
     model_config = MODEL_PRESETS[config.engine_model]
     model = LlamaForCausalLM.random(model_config, seed=0)
-    layout = model_config.kv_layout(config.block_size)
+    layout = model_config.kv_spec(config.block_size)
     rng = random.Random(0)
     prompt = [rng.randrange(3, model_config.vocab_size) for _ in range(config.prompt_tokens)]
     num_blocks = layout.blocks_for(config.prompt_tokens) + 8

@@ -12,7 +12,7 @@ from typing import Any
 from kvmove.agent import ERROR_MODES
 from kvmove.bench.report import aligned, ms, pyplot, save_figure
 from kvmove.errors import ConfigError
-from kvmove.layout import KVLayout
+from kvmove.kv_spec import KVSpec
 
 __all__ = ["MATMUL_N", "Iteration", "StreamConfig", "StreamReport", "format_stream",
            "layer_latency", "plot_stream"]
@@ -28,7 +28,7 @@ class StreamConfig:
     """What ``run`` measures.
 
     Args:
-        model: a ``KVLayout`` preset.
+        model: a ``KVSpec`` preset.
         num_tokens: prompt length; ``blocks_for(num_tokens)`` blocks move.
         block_size: tokens per block.
         transports / error_mode: as ``kvmove.Agent``.
@@ -69,8 +69,8 @@ class StreamConfig:
             if not (isinstance(value, (int, float)) and 0 < value < math.inf):
                 raise ConfigError(f"{name} must be positive and finite, got {value!r}")
 
-    def layout(self) -> KVLayout:
-        return KVLayout.preset(self.model, block_size=self.block_size)
+    def layout(self) -> KVSpec:
+        return KVSpec.preset(self.model, block_size=self.block_size)
 
     @property
     def agent_kwargs(self) -> dict[str, Any]:

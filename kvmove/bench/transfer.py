@@ -70,7 +70,7 @@ from kvmove.bench.transfer_report import (
     format_transfer,
     plot_transfer,
 )
-from kvmove.layout import KVLayout
+from kvmove.kv_spec import KVSpec
 
 __all__ = ["add_parser", "count_steps", "memcpy_gbytes_per_s", "run", "run_command"]
 
@@ -93,7 +93,7 @@ def _timed(post: Callable[..., Any], *args: Any, timeout: float, **kwargs: Any
     return transfer.stats, time.perf_counter() - start
 
 
-def _row(op: str, placement: str, layout: KVLayout, ids: list[int],
+def _row(op: str, placement: str, layout: KVSpec, ids: list[int],
          results: list[tuple[Any, float, int]], cache: str) -> TransferRow:
     """The row of the best timed iteration; ``results[0]`` is the warm-up."""
     timed = results[1:]

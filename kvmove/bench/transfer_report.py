@@ -16,7 +16,7 @@ from kvmove.bench.engine_caches import WRAP_FORMATS, layout_for_format
 from kvmove.bench.plan import DEFAULT_LINKS, transfer_ms
 from kvmove.bench.report import RoundTrip, aligned, human_bytes, ms, pyplot, save_figure
 from kvmove.errors import ConfigError
-from kvmove.layout import KVLayout
+from kvmove.kv_spec import KVSpec
 
 __all__ = ["BenchConfig", "BenchReport", "NATIVE", "PERFTEST_TEST", "PLACEMENTS",
            "ROUND_TRIP_WARMUP", "Registration", "RoundTrip", "SWEEP_BLOCK_SIZES", "TransferRow",
@@ -43,7 +43,7 @@ class BenchConfig:
     """What ``run`` measures.
 
     Args:
-        model: a ``KVLayout`` preset.
+        model: a ``KVSpec`` preset.
         num_tokens: prompt length; ``blocks_for(num_tokens)`` whole blocks move.
         block_sizes: tokens per block, one set of rows each (``SWEEP_BLOCK_SIZES`` sweeps).
         placements: subset of ``PLACEMENTS``.
@@ -109,8 +109,8 @@ class BenchConfig:
             raise ConfigError(f"against must be one of {AGAINST} or None, got "
                               f"{self.against!r}")
 
-    def layout(self, block_size: int) -> KVLayout:
-        layout = KVLayout.preset(self.model, block_size=block_size)
+    def layout(self, block_size: int) -> KVSpec:
+        layout = KVSpec.preset(self.model, block_size=block_size)
         return layout_for_format(self.wrap, layout) if self.wrap else layout
 
     @property

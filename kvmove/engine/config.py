@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from kvmove.errors import ConfigError
-from kvmove.layout import KVLayout
+from kvmove.kv_spec import KVSpec
 
 if TYPE_CHECKING:
     import torch
@@ -78,9 +78,9 @@ class ModelConfig:
 
         return getattr(torch, self.dtype)
 
-    def kv_layout(self, block_size: int) -> KVLayout:
+    def kv_spec(self, block_size: int) -> KVSpec:
         """The KVCache layout this model writes: one K and one V per layer, token and head."""
-        return KVLayout(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
+        return KVSpec(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
                         head_dim=self.head_dim, block_size=block_size, dtype=self.dtype)
 
     # Hugging Face config.json <-> ModelConfig

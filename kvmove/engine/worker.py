@@ -95,7 +95,7 @@ class EngineWorker:
         self.tokenizer = tokenizer if tokenizer is not None else _default_tokenizer(model)
         self.transfer_timeout = transfer_timeout
         self.on_token = on_token
-        self.cache = KVCache(model.config.kv_layout(block_size), num_blocks)
+        self.cache = KVCache(model.config.kv_spec(block_size), num_blocks)
         assert self.cache.pool is not None  # a cache kvmove allocates has its pool
         self.pool: BlockPool = self.cache.pool
         self.kv = self.cache.torch()

@@ -323,7 +323,7 @@ def _open_store(args: argparse.Namespace, model: LlamaForCausalLM) -> KVStore | 
         tiers.append(DiskTier(args.store_dir, int(args.store_disk_gb * 1e9)))
     if not tiers:
         return None
-    return KVStore(model.config.kv_layout(args.block_size), tiers,
+    return KVStore(model.config.kv_spec(args.block_size), tiers,
                    namespace=f"{args.model}:seed={args.seed}")
 
 

@@ -37,7 +37,7 @@ from typing import Any
 from kvmove import _C
 from kvmove.errors import ConfigError, StoreError, TimeoutError
 from kvmove.kv_cache import KVCache
-from kvmove.layout import KVLayout
+from kvmove.kv_spec import KVSpec
 from kvmove.store.tiers import DiskTier, HostTier, OpenTier, TierStats
 from kvmove.wrap import ORDERS
 
@@ -90,7 +90,7 @@ class Lookup:
 
 
 def decide_load(tiers: Sequence[str], read_gbps: dict[str, float | None],
-                prefill_tokens_per_second: float | None, layout: KVLayout,
+                prefill_tokens_per_second: float | None, layout: KVSpec,
                 load_policy: str = "auto") -> Lookup:
     """The load-or-recompute rule of ``KVStore.lookup``, for a caller that holds the inputs
     but not the store (vLLM's scheduler decides while the store lives in the worker).
@@ -192,7 +192,7 @@ class KVStore:
         'load'
     """
 
-    def __init__(self, layout: KVLayout, tiers: Sequence[HostTier | DiskTier], *,
+    def __init__(self, layout: KVSpec, tiers: Sequence[HostTier | DiskTier], *,
                  namespace: str = "", load_policy: str = "auto",
                  order: str | None = None) -> None:
         if load_policy not in LOAD_POLICIES:
@@ -208,7 +208,7 @@ class KVStore:
         if self.order not in ORDERS:
             raise ConfigError(f"order must be one of {ORDERS}, got {self.order!r}")
         described = asdict(layout)
-        if not layout.mla:  # as before KVLayout had mla: stores written then still open
+        if not layout.mla:  # as before KVSpec had mla: stores written then still open
             del described["mla"]
         fingerprint = {"layout": described, "namespace": namespace}
         if self.order not in ("NHD", "mla"):  # likewise: the orders stores held before

@@ -22,7 +22,7 @@ from typing import Any
 from kvmove import _C
 from kvmove.errors import ConfigError, StoreError
 from kvmove.kv_cache import KVCache
-from kvmove.layout import KVLayout
+from kvmove.kv_spec import KVSpec
 from kvmove.store.index import IndexJournal
 from kvmove.validation import require_positive_int
 
@@ -123,7 +123,7 @@ class OpenTier:
     written: set[int] = field(default_factory=set)  # disk slots written at least once
 
     @classmethod
-    def open(cls, spec: HostTier | DiskTier, layout: KVLayout,
+    def open(cls, spec: HostTier | DiskTier, layout: KVSpec,
              fingerprint: dict[str, Any]) -> OpenTier:
         nbytes = layout.bytes_per_block
         if isinstance(spec, HostTier):
@@ -134,7 +134,7 @@ class OpenTier:
         return cls._open_disk(spec, layout, fingerprint)
 
     @classmethod
-    def _open_disk(cls, spec: DiskTier, layout: KVLayout,
+    def _open_disk(cls, spec: DiskTier, layout: KVSpec,
                    fingerprint: dict[str, Any]) -> OpenTier:
         path = os.fspath(spec.path)
         try:
@@ -282,7 +282,7 @@ class OpenTier:
             self.lock_fd = -1
 
 
-def _slot_nbytes(layout: KVLayout) -> int:
+def _slot_nbytes(layout: KVSpec) -> int:
     align = _C.BlockFile.SLOT_ALIGN
     return -(-layout.bytes_per_block // align) * align
 

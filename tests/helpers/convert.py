@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvmove import KVCache, KVLayout
+from kvmove import KVCache, KVSpec
 from kvmove.convert import convert
 
 HEADS, DIM, LAYERS, NUM_BLOCKS = 3, 8, 3, 64
@@ -85,8 +85,8 @@ def expected_pack(cache: KVCache, ids: list[int], layers: list[int]) -> torch.Te
 
 # --- the cases --------------------------------------------------------------------------------
 
-def layout(dtype: str, block_size: int) -> KVLayout:
-    return KVLayout(LAYERS, HEADS, DIM, dtype=dtype, block_size=block_size)
+def layout(dtype: str, block_size: int) -> KVSpec:
+    return KVSpec(LAYERS, HEADS, DIM, dtype=dtype, block_size=block_size)
 
 
 def random_cache(dtype: str, block_size: int, seed: int, device: str | None = None) -> KVCache:

@@ -23,13 +23,13 @@ MLA_ENGINES = ("mla", "native-mla")
 
 
 def layout_for(engine: str, num_layers: int = 3, block_size: int = 4,
-               dtype: str = "float16") -> kvmove.KVLayout:
+               dtype: str = "float16") -> kvmove.KVSpec:
     if engine in MLA_ENGINES:
-        return kvmove.KVLayout(num_layers, 1, 24, dtype, block_size, mla=True)
-    return kvmove.KVLayout(num_layers, 2, 8, dtype, block_size)
+        return kvmove.KVSpec(num_layers, 1, 24, dtype, block_size, mla=True)
+    return kvmove.KVSpec(num_layers, 2, 8, dtype, block_size)
 
 
-def allocate(engine: str, layout: kvmove.KVLayout, num_blocks: int) -> Any:
+def allocate(engine: str, layout: kvmove.KVSpec, num_blocks: int) -> Any:
     """The engine's tensors, zero-filled torch tensors of the layout's dtype in its own shapes
     (the bench's ``engine_caches.allocate``, which ``kvmove-bench transfer --wrap`` uses with
     numpy)."""
@@ -44,7 +44,7 @@ def allocate(engine: str, layout: kvmove.KVLayout, num_blocks: int) -> Any:
 wrap = engine_caches.wrap_engine
 
 
-def make(engine: str, layout: kvmove.KVLayout, num_blocks: int) -> tuple[Any, kvmove.KVCache]:
+def make(engine: str, layout: kvmove.KVSpec, num_blocks: int) -> tuple[Any, kvmove.KVCache]:
     """(tensors, cache): a native cache's tensors are its own torch() view."""
     if engine.startswith("native"):
         cache = kvmove.KVCache(layout, num_blocks)
@@ -74,7 +74,7 @@ def snapshot(tensors: Any) -> list[torch.Tensor]:
     return [t.clone() for t in leaves(tensors)]
 
 
-def kv_of(engine: str, leaves_: list[torch.Tensor], layout: kvmove.KVLayout, layer: int,
+def kv_of(engine: str, leaves_: list[torch.Tensor], layout: kvmove.KVSpec, layer: int,
           block: int) -> torch.Tensor:
     """Block ``block`` of ``layer`` as ``[kv_count, B, H, D]`` (the reference)."""
     b, d = layout.block_size, layout.head_dim

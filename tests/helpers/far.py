@@ -23,7 +23,7 @@ class FarAgent:
 
     def __init__(self, name: str, layout_kwargs: dict, num_blocks: int, agent_kwargs: dict,
                  device: str | None = None):
-        self.cache = kvmove.KVCache(kvmove.KVLayout(**layout_kwargs), num_blocks,
+        self.cache = kvmove.KVCache(kvmove.KVSpec(**layout_kwargs), num_blocks,
                                     device=device)
         self.agent = kvmove.Agent(name, self.cache, **agent_kwargs)
 

@@ -12,8 +12,8 @@ import kvmove
 
 
 def make_cache(layout: dict, num_blocks: int) -> kvmove.KVCache:
-    """A host ``KVCache`` of ``KVLayout(**layout)``."""
-    return kvmove.KVCache(kvmove.KVLayout(**layout), num_blocks)
+    """A host ``KVCache`` of ``KVSpec(**layout)``."""
+    return kvmove.KVCache(kvmove.KVSpec(**layout), num_blocks)
 
 
 def pattern(seed: int, num_layers: int, num_blocks: int, block_nbytes: int) -> np.ndarray:

@@ -22,7 +22,7 @@ from helpers.kv import fill, sha256
 
 
 def _script_cache(args: argparse.Namespace) -> Any:
-    layout = kvmove.KVLayout(num_layers=args.layers, num_kv_heads=args.heads,
+    layout = kvmove.KVSpec(num_layers=args.layers, num_kv_heads=args.heads,
                              head_dim=args.head_dim, dtype="float16",
                              block_size=args.block_size)
     return kvmove.KVCache(layout, args.blocks)

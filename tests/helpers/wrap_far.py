@@ -18,7 +18,7 @@ from helpers import engines
 class WrapFar:
     """Commands the parent runs in the child; each returns a picklable value."""
 
-    def __init__(self, name: str, engine: str, layout: kvmove.KVLayout, num_blocks: int,
+    def __init__(self, name: str, engine: str, layout: kvmove.KVSpec, num_blocks: int,
                  agent_kwargs: dict) -> None:
         self.tensors, self.cache = engines.make(engine, layout, num_blocks)
         self.agent = kvmove.Agent(name, self.cache, **agent_kwargs)
@@ -72,7 +72,7 @@ class WrapFar:
 class FarWrapped(Child):
     """A ``WrapFar`` named ``name`` holding ``engine``'s tensors, in a spawned child."""
 
-    def __init__(self, name: str, engine: str, layout: kvmove.KVLayout, num_blocks: int,
+    def __init__(self, name: str, engine: str, layout: kvmove.KVSpec, num_blocks: int,
                  agent_kwargs: dict) -> None:
         super().__init__(WrapFar, name, engine, layout, num_blocks, agent_kwargs,
                          name=f"far-{name}", label=f"far process {name!r} ({engine})",

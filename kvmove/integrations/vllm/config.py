@@ -121,7 +121,7 @@ _TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat
                  "float8_e4m3fn": "float8"}
 
 
-def layout_of(vllm_config: Any) -> kvmove.KVLayout:
+def layout_of(vllm_config: Any) -> kvmove.KVSpec:
     """The KV layout of one worker (its tensor-parallel share of the KV heads)."""
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     cache_dtype = vllm_config.cache_config.cache_dtype
@@ -130,13 +130,13 @@ def layout_of(vllm_config: Any) -> kvmove.KVLayout:
     if dtype is None:
         raise ConfigError(f"kvmove's connector moves KV of dtype {sorted(_TORCH_DTYPES)}, got "
                           f"cache dtype {cache_dtype!r} (model dtype {torch_dtype})")
-    return kvmove.KVLayout(num_layers=model.get_num_layers(parallel),
+    return kvmove.KVSpec(num_layers=model.get_num_layers(parallel),
                            num_kv_heads=model.get_num_kv_heads(parallel),
                            head_dim=model.get_head_size(), dtype=dtype,
                            block_size=vllm_config.cache_config.block_size)
 
 
-def wrap_kv_caches(kv_caches: dict[str, Any], layout: kvmove.KVLayout) -> kvmove.KVCache:
+def wrap_kv_caches(kv_caches: dict[str, Any], layout: kvmove.KVSpec) -> kvmove.KVCache:
     """vLLM's own KV tensors (``register_kv_caches``), wrapped zero-copy: the CPU backend's
     ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` per layer, or flash-attention's
     ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` on a GPU."""

@@ -1,6 +1,9 @@
-"""KV-cache layout arithmetic: how many bytes a token, a block and a prompt take.
+"""KV-cache spec arithmetic: how many bytes a token, a block and a prompt take.
 
-``KVLayout`` describes one model's paged KV cache. Its numbers come from the model config:
+``KVSpec`` describes one model's paged KV cache (vLLM's ``KVCacheSpec``, with the layers).
+It was called ``KVLayout``, which integrators read as a block's element order (NHD/HND, what
+vLLM and FlashInfer call the "layout" and kvmove the *order*); the old name stays an alias.
+Its numbers come from the model config:
 
     bytes_per_token_per_layer = 2 (K and V) * num_kv_heads * head_dim * dtype_bytes
 
@@ -18,7 +21,7 @@ import numpy as np
 from kvmove.errors import ConfigError
 from kvmove.validation import require_positive_int
 
-__all__ = ["KVLayout", "DTYPE_BYTES", "PRESETS", "buffer_span"]
+__all__ = ["DTYPE_BYTES", "PRESETS", "KVLayout", "KVSpec", "buffer_span"]
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
 
@@ -37,7 +40,7 @@ PRESETS: dict[str, tuple[int, int, int]] = {
 
 
 @dataclass(frozen=True, slots=True)
-class KVLayout:
+class KVSpec:
     """Shape of one model's paged KV cache.
 
     Args:
@@ -52,12 +55,12 @@ class KVLayout:
             (``kv_lora_rank + qk_rope_head_dim``, 512 + 64 for DeepSeek-V3).
 
     Example:
-        >>> layout = kvmove.KVLayout.preset("llama-3.1-8b")   # 32 layers, 8 KV heads of 128
+        >>> layout = kvmove.KVSpec.preset("llama-3.1-8b")   # 32 layers, 8 KV heads of 128
         >>> layout.bytes_per_token                  # 2 (K, V) * 8 * 128 * 2 B * 32 layers
         131072
         >>> layout.bytes_for(4000), layout.blocks_for(4000)   # a 4,000-token prompt
         (524288000, 250)
-        >>> kvmove.KVLayout(61, 1, 576, block_size=64, mla=True).bytes_per_token_per_layer
+        >>> kvmove.KVSpec(61, 1, 576, block_size=64, mla=True).bytes_per_token_per_layer
         1152
     """
 
@@ -80,8 +83,8 @@ class KVLayout:
                               f"got {self.num_kv_heads}")
 
     @classmethod
-    def preset(cls, name: str, **overrides: Any) -> KVLayout:
-        """The layout of a known model, e.g. ``KVLayout.preset("llama-3.1-8b", dtype="float8")``."""
+    def preset(cls, name: str, **overrides: Any) -> KVSpec:
+        """The layout of a known model, e.g. ``KVSpec.preset("llama-3.1-8b", dtype="float8")``."""
         if name not in PRESETS:
             raise ConfigError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
         num_layers, num_kv_heads, head_dim = PRESETS[name]
@@ -127,6 +130,9 @@ class KVLayout:
         if num_tokens < 0:
             raise ConfigError(f"num_tokens must be >= 0, got {num_tokens}")
         return -(-num_tokens // self.block_size)
+
+
+KVLayout = KVSpec  # the earlier name (see the module docstring)
 
 
 def buffer_span(obj: Any, device: int) -> tuple[int, int]:
