@@ -52,7 +52,7 @@ def test_fail_post_fails_the_transfer_and_writes_nothing(path, closing):
 
 
 def test_a_corrupted_layer_is_caught_and_the_senders_blocks_stay_intact(path, closing):
-    """Every layer lands with its first byte flipped: the checksums catch it (the first
+    """Every layer put lands with its first byte flipped: the checksums catch it (the first
     destination block is named bad), and the sender's own bytes never changed."""
     pair = pair_with(path, "corrupt_every=1", checksums=True)
     closing.append(pair)
@@ -63,10 +63,13 @@ def test_a_corrupted_layer_is_caught_and_the_senders_blocks_stay_intact(path, cl
     with pytest.raises(ChecksumError, match="does not match the sender's checksums"):
         load.wait_all(WAIT)
     assert load.bad_blocks() == [4]
-    assert pair.a.faults_injected()["corrupt"] == PL
+    # The load failed at the first bad layer, and its Cancel may stop the layers after it:
+    # each layer either never landed (still zero) or landed with exactly its first byte flipped.
+    landed = [i for i in range(PL) if pair.b_raw[i, [4, 5, 6]].any()]
+    assert landed and 1 <= pair.a.faults_injected()["corrupt"] <= PL
     assert (pair.a_raw == pair.a_ref).all(), "the sender's memory was written"
-    got, want = pair.b_raw[:, [4, 5, 6]], pair.a_ref[:, [1, 2, 3]]
-    assert (got[:, 0, 0] == want[:, 0, 0] ^ 0xFF).all()  # exactly the first byte, per layer
+    got, want = pair.b_raw[landed][:, [4, 5, 6]], pair.a_ref[landed][:, [1, 2, 3]]
+    assert (got[:, 0, 0] == want[:, 0, 0] ^ 0xFF).all()
     assert (got[:, 0, 1:] == want[:, 0, 1:]).all() and (got[:, 1:] == want[:, 1:]).all()
     assert load.wait_released(WAIT)
 

@@ -24,11 +24,8 @@ from helpers.stream_pair import B_BLOCKS, WAIT, Pair
 
 @pytest.fixture
 def pair() -> Iterator[Pair]:
-    p = Pair()
-    try:
+    with Pair() as p:
         yield p
-    finally:
-        p.close()
 
 
 def offer(pair: Pair, rid: str = "r", dst: Sequence[int] = (4, 5, 6)

@@ -37,11 +37,8 @@ PROMPT = 5.0   # "promptly": a close must end such a wait within this
 
 @pytest.fixture
 def pair() -> Iterator[Pair]:
-    p = Pair()
-    try:
+    with Pair() as p:
         yield p
-    finally:
-        p.close()
 
 
 # -- stream_to ---------------------------------------------------------------------------------

@@ -12,8 +12,12 @@ namespace kvmove {
 
 namespace {
 
-// Throws unless local_ids may be leased: each in range, none twice.
-void check_lease_ids(const KVGeometry& local, const std::vector<BlockId>& local_ids) {
+// Throws unless local_ids may be leased for request_id, for lease_seconds: each id in range,
+// none twice.
+void check_lease(const KVGeometry& local, const std::string& request_id,
+                 const std::vector<BlockId>& local_ids, double lease_seconds) {
+    check_request_id(request_id);
+    check_timeout(lease_seconds);
     local.check_ids(local_ids, "local");
     std::vector<BlockId> sorted = local_ids;
     std::sort(sorted.begin(), sorted.end());
@@ -29,9 +33,7 @@ std::shared_ptr<LoadStream> StreamProtocol::expect(const std::string& peer,
                                                    const std::string& request_id,
                                                    const std::vector<BlockId>& local_ids,
                                                    double lease_seconds) {
-    check_request_id(request_id);
-    check_timeout(lease_seconds);
-    check_lease_ids(local_, local_ids);
+    check_lease(local_, request_id, local_ids, lease_seconds);
     std::shared_ptr<LoadStream> load;
     port_.run_locked([&] { load = grant(peer, request_id, local_ids, lease_seconds); });
     return load;
@@ -61,9 +63,7 @@ std::shared_ptr<LoadStream> StreamProtocol::offer(const std::string& peer,
                                                   const std::string& request_id,
                                                   const std::vector<BlockId>& local_ids,
                                                   double lease_seconds) {
-    check_request_id(request_id);
-    check_timeout(lease_seconds);
-    check_lease_ids(local_, local_ids);
+    check_lease(local_, request_id, local_ids, lease_seconds);
     KVMOVE_CHECK(!local_ids.empty(), Config,
                  "an offer of " << describe(request_id, peer)
                                 << " needs blocks (offer_nothing says none are needed)");

@@ -80,6 +80,12 @@ class Pair:
         """A new stream a -> b completes exactly."""
         self.complete(*self.start(rid, [7, 8], [0, 11]), src=[7, 8])
 
+    def __enter__(self) -> Pair:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         within(15, self.a.close)
         within(15, self.b.close)
