@@ -17,6 +17,8 @@ from kvmove.errors import ConfigError
 from kvmove.integrations.vllm.config import ConnectorConfig, KVRole, LoadRule
 from kvmove.integrations.vllm.params import KVTransferParams, TransferMode, mark_handed_off
 
+from helpers.checks import WORKDIR
+
 # A kvmove prefill's answer (request_finished), as a decode receives it.
 ANSWER = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [4, 5],
           "remote_engine_id": "engine-0", "remote_request_id": "cmpl-1",
@@ -129,7 +131,7 @@ def test_params_and_the_proxy_import_without_vllm() -> None:
     code = ("import sys; import kvmove.integrations.vllm, kvmove.integrations.vllm.params, "
             "kvmove.serve.vllm.proxy; print('vllm' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120)
+                            timeout=120, cwd=WORKDIR)  # not the checkout: the installed kvmove
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
 
