@@ -305,8 +305,10 @@ void Agent::post(Peer& peer, PathBatch batch, InFlight* entry) {
 }
 
 // A message alone: nothing to land, but it keeps its place behind the peer's earlier ones.
+// Marked landed here, not through landed(): that would also queue it in flushed_, where it
+// would stay after release_notifications() below sent and finished (freed) it.
 void Agent::queue_message(Peer& peer, InFlight* entry) {
-    landed(entry, PortOutcome{});
+    entry->landed = true;
     release_notifications(peer);
 }
 
