@@ -329,6 +329,9 @@ void Agent::release_notifications(Peer& peer) {
     while (!peer.notify_order.empty() && peer.notify_order.front()->landed) {
         InFlight* entry = peer.notify_order.front();
         peer.notify_order.pop_front();
+        // Released now, perhaps before drain_deferred() saw it land: flushed_ must not keep a
+        // pointer to an entry finish() frees.
+        flushed_.erase(std::remove(flushed_.begin(), flushed_.end(), entry), flushed_.end());
         if (!entry->outcome.ok) {
             finish(entry, entry->outcome);
             continue;
