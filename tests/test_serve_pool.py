@@ -118,3 +118,20 @@ def test_health_is_degraded_while_each_role_has_a_live_worker() -> None:
     prefill.alive = False
     assert pool.health() | {"workers": []} == {"status": "down", "mode": "disagg",
                                                "workers": []}
+
+
+def test_blocks_taken_since_the_last_stats_count_against_a_decode_worker() -> None:
+    """A burst of reservations between two stats spreads: each one's blocks count at once
+    (asked: the router's estimate; granted: the worker's count), until stats show them."""
+    first, second = _worker("decode-0", Role.DECODE), _worker("decode-1", Role.DECODE)
+    first.reported(_stats(free_blocks=100))
+    second.reported(_stats(free_blocks=99))
+    assert max((first, second), key=lambda w: w.free_blocks) is first
+    first.asked_blocks["a"] = 2
+    assert first.free_blocks == 98
+    assert max((first, second), key=lambda w: w.free_blocks) is second
+    del first.asked_blocks["a"]  # the grant came: 3 blocks (the estimate was 2)
+    first.granted_blocks += 3
+    assert first.free_blocks == 97
+    first.reported(_stats(free_blocks=97))  # stats that count them
+    assert (first.free_blocks, first.granted_blocks) == (97, 0)

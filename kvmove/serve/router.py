@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from typing import Any
 
@@ -153,12 +154,15 @@ class Router:
         try:
             while True:
                 prefill, decision = self._route(handle, Role.PREFILL)
-                decode = max(self._alive(Role.DECODE),
-                             key=lambda w: (w.stat("free_blocks"), -w.load))
+                decode = max(self._alive(Role.DECODE), key=lambda w: (w.free_blocks, -w.load))
                 future = self.channel.expect(decode.name, handle.rid)
                 self.channel.send(decode, Reserve(rid=handle.rid, prompt=handle.prompt,
                                                   params=handle.params, peer=prefill.name))
-                lease = await asyncio.wait_for(future, self.config.request_timeout)
+                decode.asked_blocks[handle.rid] = math.ceil(len(handle.prompt) / self.config.block_size)
+                try:
+                    lease = await asyncio.wait_for(future, self.config.request_timeout)
+                finally:
+                    decode.asked_blocks.pop(handle.rid, None)
                 if handle.done:
                     if lease:
                         self.channel.send(decode, Abort(rid=handle.rid))
@@ -255,11 +259,13 @@ class Router:
                 worker.agent, worker.registered = event.agent, True
                 self.pool.update_ready()
             case Stats():
-                worker.stats = event
+                worker.reported(event)
                 self.metrics.observe_pools(self.pool)
             case Connected():
                 self.channel.resolve(worker.name, "connect", event.peer)
             case Reserved():
+                worker.asked_blocks.pop(event.rid, None)
+                worker.granted_blocks += event.num_blocks or 0
                 self.channel.resolve(worker.name, event.rid, event if event.num_blocks else None)
             case Tokens():
                 self._on_tokens(worker, event)

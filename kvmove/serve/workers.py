@@ -112,6 +112,11 @@ class WorkerInfo:
     # (name, pid) of the other pool's workers this one is a kvmove peer of, each incarnation
     # (pid None: a Ray worker's, before its actor said)
     peers: set[tuple[str, int | None]] = field(default_factory=set)
+    # Blocks taken on it that its last stats may not show yet (a decode worker): asked for
+    # (rid → the router's estimate, no reply yet), and granted since its last stats. Its
+    # channel is ordered: stats that come after a grant count it.
+    asked_blocks: dict[str, int] = field(default_factory=dict)
+    granted_blocks: int = 0
 
     @property
     def pid(self) -> int | None:
@@ -132,6 +137,15 @@ class WorkerInfo:
     def load(self) -> int:
         return len(self.requests)
 
+    @property
+    def free_blocks(self) -> int:
+        """Its free blocks as its last stats said, less those taken since (``asked_blocks``,
+        ``granted_blocks``): a burst of reservations does not all pick the same worker."""
+        return self.stat("free_blocks") - self.granted_blocks - sum(self.asked_blocks.values())
+
+    def reported(self, stats: Stats) -> None:
+        self.stats, self.granted_blocks = stats, 0
+
     def stat(self, name: str) -> int:
         """A number of its last stats event (0 before the first)."""
         return getattr(self.stats, name) if self.stats is not None else 0
@@ -141,6 +155,8 @@ class WorkerInfo:
         under a new identity, and relays its output into the log."""
         self.ready, self.registered, self.agent, self.stats = False, False, None, None
         self.peers.clear()
+        self.asked_blocks.clear()
+        self.granted_blocks = 0
         self.identity = new_identity(self.name)
         self.process = self.launcher.start(self.name, self.role, self.command,
                                            {IDENTITY_VARIABLE: self.identity.decode()})
