@@ -158,7 +158,8 @@ class Router:
                 future = self.channel.expect(decode.name, handle.rid)
                 self.channel.send(decode, Reserve(rid=handle.rid, prompt=handle.prompt,
                                                   params=handle.params, peer=prefill.name))
-                decode.asked_blocks[handle.rid] = math.ceil(len(handle.prompt) / self.config.block_size)
+                blocks = math.ceil(len(handle.prompt) / self.config.block_size)
+                decode.asked_blocks[handle.rid] = blocks
                 try:
                     lease = await asyncio.wait_for(future, self.config.request_timeout)
                 finally:
