@@ -104,6 +104,7 @@ void register_agent(py::module_& m) {
         .def_readonly("leases_granted", &StreamStats::leases_granted)
         .def_readonly("leases_active", &StreamStats::leases_active)
         .def_readonly("blocks_quarantined", &StreamStats::blocks_quarantined)
+        .def_readonly("leases_quarantined", &StreamStats::leases_quarantined)
         .def_readonly("leases_expired", &StreamStats::leases_expired)
         .def_readonly("cancels_sent", &StreamStats::cancels_sent)
         .def_readonly("senders_disconnected", &StreamStats::senders_disconnected)

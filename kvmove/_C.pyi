@@ -507,6 +507,9 @@ class StreamStats:
     def leases_granted(self) -> int:
         ...
     @property
+    def leases_quarantined(self) -> int:
+        ...
+    @property
     def messages_dropped(self) -> int:
         ...
     @property

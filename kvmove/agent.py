@@ -48,7 +48,10 @@ class AgentStats:
         leases_granted: ``expect`` calls.
         leases_active: now: leases granted and not yet released.
         blocks_quarantined: now: blocks of cancelled or expired leases whose sender has not
-            answered yet (not reusable until it does, or is disconnected).
+            answered yet, or was cut off while it could still write them: not reusable until
+            it answers, or its process exited (docs/streaming.md, "Quarantine").
+        leases_quarantined: leases whose sender was cut off (disconnected, removed, replaced
+            by a new run, or its endpoint failed) while it could still write them.
         leases_expired: leases whose deadline passed before they completed.
         cancels_sent: Cancels sent to senders (a cancel or an expiry of an engaged lease).
         senders_disconnected: senders cut off for not answering a Cancel in time.
@@ -71,6 +74,7 @@ class AgentStats:
     leases_granted: int
     leases_active: int
     blocks_quarantined: int
+    leases_quarantined: int
     leases_expired: int
     cancels_sent: int
     senders_disconnected: int

@@ -36,7 +36,10 @@ AGENT_METRICS = {
     "leases_granted": ("counter", "Leases granted (expect calls)."),
     "leases_active": ("gauge", "Leases granted and not yet released."),
     "blocks_quarantined": ("gauge", "Blocks of cancelled or expired leases whose sender has "
-                           "not answered yet (not reusable until it does)."),
+                           "not answered yet, or was cut off while its process lives (not "
+                           "reusable until it answers or exits)."),
+    "leases_quarantined": ("counter", "Leases whose sender was cut off while it could still "
+                           "write them."),
     "leases_expired": ("counter", "Leases whose deadline passed before they completed."),
     "cancels_sent": ("counter", "Cancels sent to senders."),
     "senders_disconnected": ("counter", "Senders cut off for not answering a Cancel in time."),

@@ -519,6 +519,7 @@ METRIC_TYPES = {  # name: type, for what the router measures and what the worker
     "kvmove_control_messages_dropped": "counter",
     "kvmove_agent_leases_active": "gauge", "kvmove_agent_blocks_quarantined": "gauge",
     "kvmove_agent_leases_expired": "counter", "kvmove_agent_checksum_mismatches": "counter",
+    "kvmove_agent_leases_quarantined": "counter",
     "kvmove_agent_notifications_dropped": "counter",
     "kvmove_store_blocks": "gauge", "kvmove_store_capacity_blocks": "gauge",
     "kvmove_store_hits": "counter", "kvmove_store_served_blocks": "counter",

@@ -27,7 +27,7 @@ from kvmove import StreamState
 from kvmove.bench.harness import ChildError
 from kvmove.errors import ChecksumError, PeerError, TimeoutError, TransferError
 
-from helpers.checks import within
+from helpers.checks import wait_until, within
 from helpers.far import FarPeer
 from helpers.kv import digest_blocks, layer_data, make_cache, raw_view
 from helpers.stream_far import StreamFar
@@ -172,37 +172,55 @@ def test_a_slow_sender_is_cancelled_and_its_blocks_come_back_only_after_it_stopp
     _all_released(pair)
 
 
-def test_a_sender_that_does_not_answer_a_cancel_is_disconnected_before_its_blocks_come_back(
-        pair):
-    """The sender engaged the lease and is then stopped (SIGSTOP) with layers still to save:
-    it cannot answer the Cancel. After the cancel timeout the receiver disconnects it and only
-    once the connection is closed releases the blocks (quarantined meanwhile, and counted).
-    When the sender runs again its stream fails with PeerError: nothing it posts can land."""
-    old, ids = pair.lease("frozen", 4, timeout=0.3)
-    src = pair.sender_blocks(4)
-    pair.far.call("stream_to", "dec", src, ids, "frozen", old.epoch)
-    pair.far.call("write_layers", 5005, list(range(L)), src)
-    pair.far.call("save_layers", "frozen", [0, 1])
-    old.wait_for_layer(1, WAIT)
-    pair.far.pause()
+# The three ways a same-host sender reaches the receiver's memory: its mapping (memcpy), UCX
+# shared memory (and cma), UCX tcp (emulated puts, applied by the receiver's worker).
+CUT_OFF_PATHS = [
+    pytest.param({"same_host": "map"}, id="mapped"),
+    pytest.param({"same_host": "ucx", "transports": "sm", "error_mode": "none"}, id="shm"),
+    pytest.param({"same_host": "ucx"}, id="tcp"),
+]
+
+
+@pytest.mark.parametrize("path", CUT_OFF_PATHS)
+def test_a_silent_sender_is_cut_off_and_its_blocks_stay_quarantined_while_it_lives(path):
+    """The sender engaged the lease and is then stopped (SIGSTOP) mid-stream, layers still
+    to save: it cannot answer the Cancel. After the cancel timeout the receiver disconnects
+    it, but its blocks stay quarantined (the load failed; not released, counted) for as long
+    as its process lives: resumed, it could still write them by any of these paths, late
+    copies it had queued first of all (issue 27: 62-66 MB landed in reused blocks). Once its
+    process exited they are released, and a new owner's bytes are never touched."""
+    pair = Pair(sender_kwargs=path, receiver_kwargs=path)
     try:
-        with pytest.raises(TimeoutError, match="expired"):
-            old.wait_all(WAIT)
-        time.sleep(0.2)
-        assert not old.released and pair.dec.stats().blocks_quarantined == 4
-        assert old.wait_released(WAIT), "the silent sender was never cut off"
-        assert pair.dec.stats().senders_disconnected == 1
-        assert "pre" not in pair.dec.peers
-        snapshot = pair.raw[:, ids].copy()
+        old, ids = pair.lease("frozen", 4, timeout=0.3)
+        src = pair.sender_blocks(4)
+        pair.far.call("stream_to", "dec", src, ids, "frozen", old.epoch)
+        pair.far.call("write_layers", 5005, list(range(L)), src)
+        pair.far.call("save_layers", "frozen", [0, 1])
+        old.wait_for_layer(1, WAIT)
+        pair.far.pause()
+        try:
+            with pytest.raises(TimeoutError, match="expired"):
+                old.wait_all(WAIT)
+            wait_until(lambda: pair.dec.stats().senders_disconnected == 1, WAIT,
+                       "the silent sender cut off")
+            assert "pre" not in pair.dec.peers
+        finally:
+            pair.far.resume()
+        with pytest.raises(ChildError):  # its stream cannot go on: the receiver cut it off
+            pair.far.call("save_layers", "frozen", list(range(2, L)))
+            pair.far.call("wait_for_save", "frozen", WAIT)
+        assert not old.wait_released(1.0), "released while its sender lives"
+        stats = pair.dec.stats()
+        assert (stats.blocks_quarantined, stats.leases_quarantined) == (4, 1), stats
+        pair.far.kill()
+        assert old.wait_released(WAIT), "still quarantined after its sender exited"
+        assert pair.dec.stats().blocks_quarantined == 0
+        pair.raw[:, ids] = 0x5A  # the blocks' next owner
+        time.sleep(0.3)
+        assert (pair.raw[:, ids] == 0x5A).all()
+        pair.cache.pool.free(ids)
     finally:
-        pair.far.resume()
-    with pytest.raises(ChildError) as excinfo:
-        pair.far.call("save_layers", "frozen", list(range(2, L)))
-        pair.far.call("wait_for_save", "frozen", WAIT)
-    assert excinfo.value.kind in ("PeerError", "TransferError"), excinfo.value
-    time.sleep(0.3)
-    np.testing.assert_array_equal(pair.raw[:, ids], snapshot)
-    pair.cache.pool.free(ids)
+        pair.close()
 
 
 def test_the_engine_worker_never_gives_a_reused_block_to_a_late_prefill():

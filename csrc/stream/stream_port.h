@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,13 @@
 #include "common/kv_geometry.h"
 
 namespace kvmove {
+
+// Whether a peer's process has exited (transport/process_watch.h watches one with a pidfd).
+class ProcessWatch {
+public:
+    virtual ~ProcessWatch() = default;
+    virtual bool exited() const = 0;
+};
 
 // How a posted operation ended. kind is Peer when the peer is gone (dead, removed, closing).
 struct PortOutcome {
@@ -50,11 +58,18 @@ public:
     // Locked. The incarnation the peer's metadata announced (the high 32 bits of its epochs).
     virtual uint32_t peer_incarnation(const std::string& peer) const = 0;
 
-    // Locked. Puts layer `layer` of local_ids[i] -> remote_ids[i], flushes them, then sends
-    // message; done(ok) once the message is out, done(failure) when anything failed.
+    // Locked. Puts layer `layer` of local_ids[i] -> remote_ids[i] (into the peer's lease
+    // `lease`), flushes them, then sends message; done(ok) once the message is out,
+    // done(failure) when anything failed.
     virtual void put_then_send(const std::string& peer, const std::vector<BlockId>& local_ids,
                                const std::vector<BlockId>& remote_ids, int64_t layer,
-                               std::string message, PortDone done) = 0;
+                               uint64_t lease, std::string message, PortDone done) = 0;
+    // Locked. The receiver cancelled `lease` of peer: its layers not yet under way are
+    // dropped (their put_then_send fails). Safe inside the transport's callbacks.
+    virtual void cancel_puts(const std::string& peer, uint64_t lease) = 0;
+    // Locked. The peer's process, where this host can watch it (ProcessWatch; null: another
+    // host or pid namespace, or not a peer).
+    virtual std::shared_ptr<const ProcessWatch> peer_process(const std::string& peer) const = 0;
     // Locked. Sends message to peer, after what was sent to it before.
     virtual void send(const std::string& peer, std::string message, PortDone done) = 0;
     // Locked, outside the transport's callbacks. Closes the connection to peer at once (its

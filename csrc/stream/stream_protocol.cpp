@@ -31,11 +31,14 @@ StreamStats StreamProtocol::stats() const {
     StreamStats out;
     port_.run_locked([&] {
         out = stats_;
-        out.leases_active = leases_.size();
+        out.leases_active = leases_.size() + quarantined_.size();
         for (const auto& [epoch, lease] : leases_) {
             if (lease.phase == Lease::Phase::Cancelling) {
                 out.blocks_quarantined += lease.load->local_ids().size();
             }
+        }
+        for (const auto& [epoch, q] : quarantined_) {
+            out.blocks_quarantined += q.load->local_ids().size();
         }
     });
     out.checksum_mismatches = checksum_mismatches_;
@@ -155,6 +158,7 @@ void StreamProtocol::on_message(const std::string& sender, const void* data, siz
 // ---- both -----------------------------------------------------------------------------
 
 void StreamProtocol::tick(double now) {
+    end_quarantines();
     std::vector<uint64_t> expired;
     std::vector<std::string> silent;
     for (auto& [epoch, lease] : leases_) {
@@ -200,8 +204,26 @@ void StreamProtocol::tick(double now) {
     }
 }
 
+// Quarantined leases whose sender's process exited: nothing of theirs can land any more.
+void StreamProtocol::end_quarantines() {
+    for (auto it = quarantined_.begin(); it != quarantined_.end();) {
+        if (it->second.sender != nullptr && it->second.sender->exited()) {
+            it->second.load->set_released();
+            it = quarantined_.erase(it);
+        } else {
+            ++it;
+        }
+    }
+}
+
 double StreamProtocol::next_deadline() const {
     double next = kNoDeadline;
+    for (const auto& [epoch, q] : quarantined_) {
+        if (q.sender != nullptr) {
+            next = steady_seconds() + kQuarantinePollSeconds;
+            break;
+        }
+    }
     for (const auto& [epoch, lease] : leases_) {
         next = std::min(
             next, lease.phase == Lease::Phase::Cancelling ? lease.cancel_deadline : lease.deadline);
@@ -224,10 +246,17 @@ void StreamProtocol::peer_failed(const std::string& peer, ErrorKind kind,
             ++it;
         }
     }
+    const std::shared_ptr<const ProcessWatch> process = port_.peer_process(peer);
     for (auto it = leases_.begin(); it != leases_.end();) {
         if (it->second.load->peer() == peer) {
             const std::shared_ptr<LoadStream>& load = it->second.load;
-            load->set_released();  // the connection is gone: nothing more lands
+            if (it->second.phase == Lease::Phase::Granted ||
+                (process != nullptr && process->exited())) {
+                load->set_released();  // never written, or its writer is dead
+            } else {
+                quarantined_.emplace(it->first, Quarantined{load, process});
+                ++stats_.leases_quarantined;
+            }
             load->complete(StreamState::Failed, kind,
                            "load of " + describe(load->request_id(), peer) + " failed: " + reason);
             it = leases_.erase(it);
@@ -275,8 +304,14 @@ void StreamProtocol::close(const std::string& reason) {
                              "load of " + describe(lease.load->request_id(), lease.load->peer()) +
                                  " failed: " + reason);
     }
+    // The agent's connections are closed and its memory deregistered; what a sender that was
+    // cut off may still do to the cache's memory is the owner's to weigh once it closed it.
+    for (auto& [epoch, q] : quarantined_) {
+        q.load->set_released();
+    }
     sending_.clear();
     leases_.clear();
+    quarantined_.clear();
     ending_.clear();
     outbox_.clear();
 }

@@ -20,12 +20,18 @@
 //     | <--------------------------- Cancel(E) | waiters fail now; blocks quarantined
 //     | drop queued layers, flush posted ones  |
 //     | Abort(E) ----------------------------> | released
-//     |                  no Abort within the cancel timeout: the sender is disconnected, and
-//     |                  the blocks are released once the disconnect is complete
+//     |                  no Abort within the cancel timeout: the sender is disconnected
 //
 // So a lease's blocks go back only when its sender ended it (Final or Abort, both sent after
-// its last put was flushed), when the sender is gone (its endpoint failed or was closed), or
-// when no sender ever engaged it. A timeout alone never frees a block. Messages for an epoch
+// its last put was flushed), when no sender ever engaged it, or when its sender's process
+// exited. A sender that is cut off (disconnected, removed, replaced by a new run, or its
+// endpoint failed) while it engaged a lease may still write: a mapped peer copies into our
+// memory with memcpy, UCX shared memory and cma write without us, and UCX's tcp applies
+// emulated puts of a connection we did not close. Such a lease stays quarantined: its load
+// fails at once, but `released` stays false until the sender's process is known to have
+// exited (transport/process_watch.h; polled every kQuarantinePollSeconds); a sender on
+// another host or in another pid namespace cannot be watched, and its quarantine lasts until
+// the agent closes. A timeout alone never frees a block. Messages for an epoch
 // that is not leased (or not to that sender, or not in a state that allows them) are refused
 // and counted. A sender whose Final is not acknowledged within the ack timeout fails.
 //
@@ -66,7 +72,9 @@ struct StreamConfig {
 struct StreamStats {
     uint64_t leases_granted = 0;
     uint64_t leases_active = 0;       // now: granted and not yet released
-    uint64_t blocks_quarantined = 0;  // now: of cancelled leases whose sender has not answered
+    uint64_t blocks_quarantined = 0;  // now: of cancelled leases whose sender has not answered,
+                                      // or was cut off and may still write (its process lives)
+    uint64_t leases_quarantined = 0;  // leases whose sender was cut off while it could write
     uint64_t leases_expired = 0;      // deadlines that passed
     uint64_t cancels_sent = 0;
     uint64_t senders_disconnected = 0;  // no answer to a Cancel in time
@@ -123,7 +131,8 @@ public:
     // From the port, its lock held. sender: the peer the message came from.
     void on_message(const std::string& sender, const void* data, size_t nbytes);
     // The peer's connection is gone (it died, or was removed or disconnected, its endpoint
-    // closed): its streams fail, its leases are released.
+    // closed): its streams fail; its leases are released, but those it engaged while its
+    // process lives, which are quarantined.
     void peer_failed(const std::string& peer, ErrorKind kind, const std::string& reason);
     void tick(double now);         // deadlines
     double next_deadline() const;  // the earliest, on the steady clock (infinity: none)
@@ -156,6 +165,12 @@ private:
         Phase phase = Phase::Granted;
         double deadline;         // of the lease
         double cancel_deadline;  // of the Cancel's answer, while Cancelling
+    };
+    // A lease whose sender was cut off while it could still write: its blocks stay out of use
+    // until the sender's process exited.
+    struct Quarantined {
+        std::shared_ptr<LoadStream> load;
+        std::shared_ptr<const ProcessWatch> sender;  // null: not watchable (until close())
     };
     // A received layer whose checksums the verify thread checks.
     struct Verify {
@@ -190,6 +205,7 @@ private:
     void on_final(Lease& lease, const StreamMessage& m);
     void end_lease(Lease& lease, StreamState state, ErrorKind kind, const std::string& error);
     void release(uint64_t epoch);
+    void end_quarantines();
     void verify_loop();
     // both
     std::vector<uint64_t> checksums_of(const std::vector<BlockId>& ids, int64_t layer,
@@ -208,6 +224,7 @@ private:
     std::map<SendKey, Sending> sending_;               // open streams by (receiver, epoch)
     std::vector<std::shared_ptr<SaveStream>> ending_;  // Final/Abort due, sent by drain()
     std::map<uint64_t, Lease> leases_;                 // by epoch
+    std::map<uint64_t, Quarantined> quarantined_;      // by epoch
     std::vector<std::pair<std::string, StreamMessage>> outbox_;  // sent by drain()
     StreamStats stats_;
     std::atomic<uint64_t> checksum_mismatches_{0};  // counted by the verify thread

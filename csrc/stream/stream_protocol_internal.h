@@ -11,6 +11,8 @@
 namespace kvmove {
 
 constexpr double kNoDeadline = std::numeric_limits<double>::infinity();
+// How often a quarantined lease's sender is checked for having exited.
+constexpr double kQuarantinePollSeconds = 0.05;
 
 inline std::string describe(const std::string& request_id, const std::string& peer) {
     return "request '" + request_id + "' with '" + peer + "'";

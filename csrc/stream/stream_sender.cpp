@@ -142,7 +142,8 @@ void StreamProtocol::post_layer(const std::shared_ptr<SaveStream>& s, int64_t la
         lease_message(MessageKind::Layer, s->request_id(), s->epoch(), s->ids_hash());
     message.layer = static_cast<uint32_t>(layer);
     message.checksums = std::move(checksums);
-    port_.put_then_send(s->peer(), s->local_ids(), s->remote_ids(), layer, encode(message),
+    port_.put_then_send(s->peer(), s->local_ids(), s->remote_ids(), layer, s->epoch(),
+                        encode(message),
                         [this, s, layer](const PortOutcome& o) { layer_result(s, layer, o); });
 }
 
@@ -245,6 +246,9 @@ void StreamProtocol::on_cancel(const std::string& sender, const StreamMessage& m
     }
     if (it->second.stream->cancelled()) {
         ending_.push_back(it->second.stream);  // no layer in flight: the Abort is due now
+    } else if (it->second.stream->was_cancelled()) {
+        // Its layers not yet copied are dropped: they fail, and the Abort follows the last.
+        port_.cancel_puts(sender, m.epoch);
     } else if (it->second.stream->end() == StreamEnd::Finish) {
         // The Final went out (after every put landed), yet the receiver cancels: the Final was
         // lost or crossed the Cancel. Nothing is in flight: say so, or it would cut us off.

@@ -216,8 +216,7 @@ std::shared_ptr<Transfer> Agent::start(Direction direction, const std::string& p
     validate(peer, direction, local_ids, remote_ids, wanted, notify);
     auto t0 = std::chrono::steady_clock::now();
     PathBatch batch{direction,
-                    pair_ranges(cache_.geometry(), local_ids, peer.geometry, remote_ids, wanted),
-                    false};
+                    pair_ranges(cache_.geometry(), local_ids, peer.geometry, remote_ids, wanted)};
     auto transfer = std::make_shared<Transfer>(
         peer_name, local_ids.size() * wanted.size() * cache_.block_nbytes(), batch.ranges.size());
     post(peer, std::move(batch), track(std::make_unique<InFlight>(this, transfer, &peer, notify)));

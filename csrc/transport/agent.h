@@ -203,9 +203,11 @@ private:
     bool peer_alive(const std::string& peer) const override;
     uint32_t peer_incarnation(const std::string& peer) const override;
     void put_then_send(const std::string& peer, const std::vector<BlockId>& local_ids,
-                       const std::vector<BlockId>& remote_ids, int64_t layer, std::string message,
-                       PortDone done) override;
+                       const std::vector<BlockId>& remote_ids, int64_t layer, uint64_t lease,
+                       std::string message, PortDone done) override;
     void send(const std::string& peer, std::string message, PortDone done) override;
+    void cancel_puts(const std::string& peer, uint64_t lease) override;
+    std::shared_ptr<const ProcessWatch> peer_process(const std::string& peer) const override;
     void disconnect(const std::string& peer, const std::string& reason) override;
 
     const std::string name_;

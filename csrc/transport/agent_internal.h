@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "transport/agent.h"
+#include "transport/process_watch.h"
 
 namespace kvmove {
 
@@ -27,6 +28,9 @@ struct Agent::Peer {
     // How its bytes and messages move (transport/path.h). Shared: a path with copies or held
     // messages outlives the peer in Agent::polling_ until they are done.
     std::shared_ptr<Path> path;
+    // Its process, where this host can watch it (null: elsewhere): a cut-off peer that may
+    // still reach our memory is harmless only once it exited (stream/stream_protocol.h).
+    std::shared_ptr<const ProcessWatch> process;
 };
 
 // A transfer between posting and completion; its path's callbacks point to it, so it lives

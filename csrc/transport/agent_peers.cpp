@@ -50,6 +50,8 @@ std::string Agent::add_peer(const std::vector<uint8_t>& metadata, bool rejoin) {
                            << "(max_peers): cannot add '" << meta.name << "'");
     auto peer = std::make_unique<Peer>(this, meta);
     peer->path = make_path(peer->meta, peer.get());
+    std::string unwatched;
+    peer->process = PidfdWatch::open(peer->meta.host, unwatched);
     std::string peer_name = peer->meta.name;
     by_ep_[peer->path->endpoint()] = peer.get();
     peers_.emplace(peer_name, std::move(peer));

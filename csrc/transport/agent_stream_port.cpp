@@ -69,6 +69,18 @@ uint32_t Agent::peer_incarnation(const std::string& peer) const {
     return live_peer(peer).meta.incarnation;
 }
 
+void Agent::cancel_puts(const std::string& peer, uint64_t lease) {
+    auto it = peers_.find(peer);
+    if (it != peers_.end()) {
+        it->second->path->cancel_lease(lease);
+    }
+}
+
+std::shared_ptr<const ProcessWatch> Agent::peer_process(const std::string& peer) const {
+    auto it = peers_.find(peer);
+    return it != peers_.end() ? it->second->process : nullptr;
+}
+
 void Agent::disconnect(const std::string& peer, const std::string& reason) {
     auto it = peers_.find(peer);
     if (it != peers_.end()) {
@@ -81,7 +93,7 @@ double Agent::post_delay_seconds() {
 }
 
 void Agent::put_then_send(const std::string& peer_name, const std::vector<BlockId>& local_ids,
-                          const std::vector<BlockId>& remote_ids, int64_t layer,
+                          const std::vector<BlockId>& remote_ids, int64_t layer, uint64_t lease,
                           std::string message, PortDone done) {
     if (!peer_alive(peer_name)) {
         done({false, ErrorKind::Peer, "peer '" + peer_name + "' is gone"});
@@ -90,7 +102,7 @@ void Agent::put_then_send(const std::string& peer_name, const std::vector<BlockI
     Peer& peer = *peers_.at(peer_name);
     PathBatch batch{Direction::Put,
                     pair_ranges(cache_.geometry(), local_ids, peer.geometry, remote_ids, {layer}),
-                    true};
+                    lease};
     auto transfer = std::make_shared<Transfer>(peer_name, local_ids.size() * cache_.block_nbytes(),
                                                batch.ranges.size());
     post(peer, std::move(batch),

@@ -12,7 +12,7 @@ void FaultyPath::post(PathBatch batch, PathDone done) {
         done({false, ErrorKind::Transfer, "posting failed (injected fault)"});
         return;
     }
-    if (batch.stream_layer && host_memory_ && !batch.ranges.empty() && faults_.corrupt_layer()) {
+    if (batch.lease != 0 && host_memory_ && !batch.ranges.empty() && faults_.corrupt_layer()) {
         corrupt(batch, done);
     }
     inner_->post(std::move(batch), std::move(done));

@@ -39,6 +39,7 @@ public:
     double next_deadline() const override;
     bool alive(std::string& why) const override { return inner_->alive(why); }
     void cancel() override { inner_->cancel(); }
+    void cancel_lease(uint64_t lease) override { inner_->cancel_lease(lease); }
     void close(bool force, double timeout_seconds) override;
 
 private:

@@ -39,7 +39,7 @@ void MappedPath::post(PathBatch batch, PathDone done) {
     }
     const bool inline_copy = total_nbytes(batch.ranges) <= kInlineCopyBytes;
     auto job = std::make_shared<CopyJob>(ops, mapping_, inline_copy ? nullptr : wake_);
-    jobs_.push_back({job, std::move(done)});
+    jobs_.push_back({job, std::move(done), batch.lease});
     if (inline_copy) {
         job->run_all();  // done at once: poll() completes it (the agent polls after posting)
     } else {
@@ -72,6 +72,16 @@ void MappedPath::cancel() {
         posted.job->cancel();
     }
     mapping_.reset();  // unmapped once the copies in flight stop (each job holds it)
+}
+
+// A copy thread on a chunk of the lease finishes that chunk (at most 1 MiB each); the rest
+// of its jobs are skipped.
+void MappedPath::cancel_lease(uint64_t lease) {
+    for (const Posted& posted : jobs_) {
+        if (posted.lease == lease) {
+            posted.job->cancel();
+        }
+    }
 }
 
 void MappedPath::close(bool force, double timeout_seconds) {

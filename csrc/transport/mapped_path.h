@@ -45,12 +45,14 @@ public:
     bool poll(double now) override;
     bool alive(std::string& why) const override;
     void cancel() override;
+    void cancel_lease(uint64_t lease) override;
     void close(bool force, double timeout_seconds) override;
 
 private:
     struct Posted {
         std::shared_ptr<CopyJob> job;
         PathDone done;
+        uint64_t lease;  // PathBatch::lease
     };
 
     std::shared_ptr<PeerMapping> mapping_;  // null once cancelled (each job holds it too)

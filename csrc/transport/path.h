@@ -39,7 +39,9 @@ enum class Direction { Put, Get };
 struct PathBatch {
     Direction direction = Direction::Put;
     std::vector<RangePair> ranges;
-    bool stream_layer = false;  // one layer of a layer stream (fault injection corrupts these)
+    // The receiver's lease this batch is one layer of a stream into (0: no stream's); fault
+    // injection corrupts such batches, and cancel_lease() stops them.
+    uint64_t lease = 0;
 };
 
 // How a batch or a message ended (PortOutcome: ok, or the error and whether the peer is gone).
@@ -72,6 +74,9 @@ public:
     // The peer failed or goes: what is in flight stops as soon as it can, and completes
     // failed. Idempotent.
     virtual void cancel() {}
+    // The receiver cancelled `lease`: its batches not yet under way are dropped (they
+    // complete failed). What a transport already carries (UCX's posted puts) still lands.
+    virtual void cancel_lease(uint64_t /*lease*/) {}
     // Closes the connection (force: cancels what is posted; else flushes it first), progressing
     // the worker for at most timeout_seconds. Once it returns, nothing the peer posts reaches
     // this process. Idempotent.

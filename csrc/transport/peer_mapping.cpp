@@ -1,43 +1,23 @@
 #include "transport/peer_mapping.h"
 
 #include <fcntl.h>
-#include <poll.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 
 namespace kvmove {
 
 namespace {
 
-uint64_t inode_of(const char* path) {
-    struct stat st {};
-    return stat(path, &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
-}
-
-std::string boot_id() {
-    std::ifstream in("/proc/sys/kernel/random/boot_id");
-    std::string id;
-    std::getline(in, id);
-    return id.size() <= kMaxBootIdBytes && first_unprintable(id) == std::string::npos ? id : "";
-}
-
 std::string same_host_difference(const HostIdentity& here, const HostIdentity& there) {
-    if (here.boot_id.empty() || there.boot_id != here.boot_id) {
-        return "another host (boot_id '" + there.boot_id + "', ours '" + here.boot_id + "')";
-    }
     if (there.netns_ino != here.netns_ino || here.netns_ino == 0) {
-        return "another network namespace";
+        const std::string pid_space = same_pid_space_difference(here, there);
+        return pid_space.empty() ? "another network namespace" : pid_space;
     }
-    if (there.pidns_ino != here.pidns_ino || here.pidns_ino == 0) {
-        return "another pid namespace (its pid means nothing here)";
-    }
-    return "";
+    return same_pid_space_difference(here, there);
 }
 
 // The peer's memfd of `segment`, opened read/write, or -1 with `why` set.
@@ -68,15 +48,6 @@ int open_memfd(uint32_t pid, const RemoteSegment& segment, std::string& why) {
 
 }  // namespace
 
-HostIdentity this_host() {
-    HostIdentity host;
-    host.boot_id = boot_id();
-    host.netns_ino = inode_of("/proc/self/ns/net");
-    host.pidns_ino = inode_of("/proc/self/ns/pid");
-    host.pid = static_cast<uint32_t>(getpid());
-    return host;
-}
-
 std::shared_ptr<PeerMapping> PeerMapping::open(const AgentMetadata& peer, std::string& why) {
     static const HostIdentity here = this_host();
     why = same_host_difference(here, peer.host);
@@ -84,11 +55,10 @@ std::shared_ptr<PeerMapping> PeerMapping::open(const AgentMetadata& peer, std::s
         return nullptr;
     }
     std::shared_ptr<PeerMapping> mapping(new PeerMapping());
-#ifdef SYS_pidfd_open
     // Before the memfd is checked: if /proc/<pid>/fd then holds the announced file, the pidfd
     // is of the process that holds it, not of a later one that reused the pid.
-    mapping->pidfd_ = static_cast<int>(syscall(SYS_pidfd_open, peer.host.pid, 0));
-#endif
+    std::string no_watch;
+    mapping->owner_ = PidfdWatch::open(peer.host, no_watch);
     for (const RemoteSegment& segment : peer.segments) {
         if (segment.memfd < 0) {
             why = "it offers no mapping of its memory";
@@ -116,14 +86,10 @@ PeerMapping::~PeerMapping() {
     for (const View& v : views_) {
         munmap(v.base, v.nbytes);
     }
-    if (pidfd_ >= 0) {
-        close(pidfd_);
-    }
 }
 
 bool PeerMapping::owner_alive() const {
-    pollfd fd{pidfd_, POLLIN, 0};
-    return pidfd_ < 0 || poll(&fd, 1, 0) == 0;  // readable: the process exited
+    return owner_ == nullptr || !owner_->exited();
 }
 
 }  // namespace kvmove

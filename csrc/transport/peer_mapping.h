@@ -25,11 +25,9 @@
 #include <vector>
 
 #include "transport/metadata.h"
+#include "transport/process_watch.h"
 
 namespace kvmove {
-
-// This process: boot_id, its network and pid namespaces, its pid.
-HostIdentity this_host();
 
 class PeerMapping {
 public:
@@ -60,7 +58,7 @@ private:
     PeerMapping() = default;
 
     std::vector<View> views_;
-    int pidfd_ = -1;  // the peer's process, opened before its memfd was checked
+    std::shared_ptr<PidfdWatch> owner_;  // opened before its memfd was checked; null: none
 };
 
 }  // namespace kvmove

@@ -17,6 +17,7 @@ import pytest
 # `python -c` and `python -m` put the source tree first on sys.path and import its kvmove (no
 # compiled core in a non-editable install) instead of the installed one.
 WORKDIR = tempfile.gettempdir()
+POLL_SECONDS = 0.05
 
 
 def names(excinfo: pytest.ExceptionInfo, *values: object) -> None:
@@ -91,3 +92,15 @@ def listening_addresses(pid: int | None = None) -> set[tuple[str, int]]:
                 words = [raw[i:i + 4][::-1] for i in range(0, len(raw), 4)]
                 found.add((str(ipaddress.ip_address(b"".join(words))), int(port, 16)))
     return found
+
+
+def wait_until(predicate: Callable[[], bool], seconds: float,
+               what: str | Callable[[], str]) -> None:
+    """Polls ``predicate`` until it holds; fails saying ``what`` (or what it returns, then)
+    after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            message = what if isinstance(what, str) else what()
+            raise AssertionError(f"not after {seconds:g} s: {message}")
+        time.sleep(POLL_SECONDS)

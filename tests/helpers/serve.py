@@ -22,13 +22,12 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
 
 import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers.checks import WORKDIR
+from helpers.checks import WORKDIR, wait_until  # noqa: F401 - wait_until: the serve tests import it here
 
 READY_PREFIX = "kvmove-serve ready on "
 TAG_VARIABLE = "KVMOVE_SERVE_TEST_TAG"  # inherited by the workers
@@ -37,7 +36,6 @@ START_SECONDS = 90.0    # the server and each worker import torch; 2 cores
 STOP_SECONDS = 30.0     # graceful: the router tells each worker to exit, then waits for it
 GONE_SECONDS = 10.0     # once the server has exited, no process of it is left
 HTTP_SECONDS = 30.0     # one request, or the gap between two stream chunks
-POLL_SECONDS = 0.05
 
 
 def process_alive(pid: int, marker: str = WORKER_MARKER) -> bool:
@@ -69,18 +67,6 @@ def tagged_pids(tag: str) -> list[int]:
         if process_alive(int(name), marker=""):
             pids.append(int(name))
     return pids
-
-
-def wait_until(predicate: Callable[[], bool], seconds: float,
-               what: str | Callable[[], str]) -> None:
-    """Polls ``predicate`` until it holds; fails saying ``what`` (or what it returns, then)
-    after ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        if time.monotonic() > deadline:
-            message = what if isinstance(what, str) else what()
-            raise AssertionError(f"not after {seconds:g} s: {message}")
-        time.sleep(POLL_SECONDS)
 
 
 class Server:
