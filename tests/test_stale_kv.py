@@ -420,6 +420,56 @@ def test_a_sender_that_restarts_is_taken_back_without_restarting_the_receiver():
         pair.close()
 
 
+def test_a_stalled_old_run_never_writes_into_the_kv_of_the_run_that_replaced_it():
+    """Issue 27: a sender is stopped (SIGSTOP, not dead) mid-stream and a new run of it
+    connects under its name. The receiver takes the new run at once; the old run's lease fails
+    but stays quarantined while the old process lives. The receiver's blocks go back to its
+    pool only when a lease is released (as the engine does), so the new run's request gets
+    other blocks; the old run, resumed, goes on saving its layers; the new run's KV keeps
+    every byte. (Released at the restart, as before, the old blocks were the new run's, and
+    the old run overwrote 5.8-11 MB of them.) Once the old process exited, they are free."""
+    pair = Pair()
+    old_far = pair.far
+    try:
+        old, old_ids = pair.lease("before", 4, timeout=WAIT)
+        src = pair.sender_blocks(4)
+        old_far.call("stream_to", "dec", src, old_ids, "before", old.epoch)
+        old_far.call("write_layers", 8008, list(range(L)), src)
+        old_far.call("save_layers", "before", [0, 1])
+        old.wait_for_layer(1, WAIT)
+        old_far.pause()
+        try:
+            pair.far = FarPeer("pre", LAYOUT, 64, AGENT, host=StreamFar)
+            assert pair.far.call("connect", *pair.dec.listen_address) == "dec"
+            with pytest.raises(PeerError, match="pre"):
+                old.wait_all(WAIT)
+            if old.released:  # an engine frees a load's blocks once it is released
+                pair.cache.pool.free(old_ids)
+            assert pair.dec.stats().leases_quarantined == 1
+            new_ids = pair.cache.pool.allocate(4)
+            assert not set(new_ids) & set(old_ids)
+            new_kv = pair.fill_new(new_ids, 9009)
+        finally:
+            old_far.resume()
+        try:  # the old run goes on where it stopped, if its agent lets it
+            old_far.call("save_layers", "before", list(range(2, L)))
+            old_far.call("wait_for_save", "before", 2.0)
+        except ChildError:
+            pass
+        time.sleep(0.3)
+        pair.sync()
+        np.testing.assert_array_equal(pair.raw[:, new_ids], new_kv)
+        assert not old.wait_released(0.5), "released while the old run lives"
+        old_far.kill()
+        assert old.wait_released(WAIT)
+        pair.cache.pool.free(old_ids)
+        pair.cache.pool.free(new_ids)
+        _all_released(pair)
+    finally:
+        old_far.stop()
+        pair.close()
+
+
 def test_a_lease_of_a_receivers_earlier_run_is_refused_by_the_sender():
     """The receiver restarts (new incarnation) while a sender still holds an epoch from its
     earlier run: the sender refuses to stream into it before asking (its epoch's incarnation is
