@@ -145,12 +145,20 @@ class PDDecodeWorker:
                     1e3 * (time.monotonic() - started))
 
     def _release(self, incoming: _Incoming) -> None:
-        """Cancels a failed load's lease and waits until no byte can land in its blocks."""
+        """Cancels a failed load's lease and waits until no byte can land in its blocks: vLLM
+        recomputes into the same blocks once their errors are reported. A prefill that was cut
+        off while it could still write them keeps them quarantined until its process exits
+        (docs/streaming.md, "Quarantine"); the request waits that long rather than compute on
+        KV a late write could change."""
         assert incoming.stream is not None
         incoming.stream.cancel()
-        if not incoming.stream.wait_released(self.timeout):
-            logger.error("kvmove: lease of %s not released; its blocks stay failed",
-                         incoming.spec.req_id)
+        if incoming.stream.wait_released(self.timeout):
+            return
+        logger.error("kvmove: lease of %s not released within %.0f s: its prefill was cut off "
+                     "and may still write its blocks; the request waits until it exits",
+                     incoming.spec.req_id, self.timeout)
+        while not incoming.stream.wait_released(self.timeout):
+            pass
 
     def _end(self, incoming: _Incoming, errors: list[int]) -> None:
         with self._lock:
