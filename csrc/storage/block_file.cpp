@@ -89,11 +89,13 @@ BlockFile::BlockFile(const std::string& path, uint64_t block_nbytes, int64_t num
       num_slots_(num_slots) {
     KVMOVE_CHECK(block_nbytes > 0, Config, "block_nbytes must be positive, got " << block_nbytes);
     KVMOVE_CHECK(num_slots > 0, Config, "a block file needs at least one slot, got " << num_slots);
+    // 0600: stored KV gives its prompts away. kvmove/store/private.py creates the file (or
+    // tightens an old one) before this opens it; the mode here covers any other caller.
     int flags = O_RDWR | O_CREAT | O_CLOEXEC;
-    fd_ = direct ? ::open(path.c_str(), flags | O_DIRECT, 0644) : -1;
+    fd_ = direct ? ::open(path.c_str(), flags | O_DIRECT, 0600) : -1;
     direct_ = fd_ >= 0;
     if (fd_ < 0) {  // not asked for, or the file system refuses O_DIRECT (tmpfs: EINVAL)
-        fd_ = ::open(path.c_str(), flags, 0644);
+        fd_ = ::open(path.c_str(), flags, 0600);
     }
     KVMOVE_CHECK(fd_ >= 0, Store,
                  "cannot open block file " << path << ": " << std::strerror(errno));

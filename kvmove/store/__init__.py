@@ -3,7 +3,8 @@ loaded instead of prefilled again.
 
 ``store.py`` is the store (lookups, the load-or-recompute decision, the I/O thread),
 ``tiers.py`` the host and disk tiers it keeps blocks in, ``index.py`` the disk tier's index
-journal. ``kvmove.store`` is the import path: everything public is here.
+journal, ``private.py`` the disk tier's folder and files that only the serving user can read.
+``kvmove.store`` is the import path: everything public is here.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ fsynced per record: after a machine crash the journal may name data that never r
 and the block checksum turns that into a miss on read. When dead records outnumber live
 entries the journal is rewritten (to a temporary file, then renamed over the old one).
 
+The journal and its temporary file are 0600 (``private.py``).
+
 Why a journal and not an index rewritten on every change: appends are O(1) per block and a
 restart loses nothing written before it; a rewritten index would be O(entries) per change.
 """
@@ -31,6 +33,7 @@ from collections import OrderedDict
 from typing import Any
 
 from kvmove.errors import StoreError
+from kvmove.store.private import open_private
 
 __all__ = ["IndexJournal"]
 
@@ -67,7 +70,7 @@ class IndexJournal:
                 self._rewrite()
         else:
             self._rewrite()
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self._fd = open_private(path, os.O_WRONLY | os.O_APPEND)
 
     @staticmethod
     def _encode_header(fingerprint: dict[str, Any]) -> bytes:
@@ -162,13 +165,13 @@ class IndexJournal:
             logger.warning("store index %s: not compacted (%s)", self.path, error)
             return
         os.close(self._fd)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self._fd = open_private(self.path, os.O_WRONLY | os.O_APPEND)
 
     def _rewrite(self) -> None:
         """The live entries, oldest first, into a new journal that replaces the old one."""
         tmp = self.path + ".tmp"
         try:
-            with open(tmp, "wb") as f:
+            with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_TRUNC), "wb") as f:
                 f.write(self._header)
                 f.write(b"".join(_RECORD.pack(_PUT, _crc(_PUT, slot, h, c), slot, h, c)
                                  for h, (slot, c) in self.entries.items()))

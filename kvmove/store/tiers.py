@@ -4,8 +4,9 @@ configs users pass to ``KVStore``) and how it keeps blocks (``OpenTier``, one pe
 A tier holds whole blocks (every layer) in numbered slots, and an index hash -> slot kept in
 least-recently-used order. The host tier's slots are the blocks of a ``KVCache`` of its own;
 the disk tier's are slots of a ``BlockFile`` (``csrc/storage/block_file.h``) with an
-``IndexJournal``. Bytes move in C++ with the GIL released; the index lives here, changed only
-by the store's I/O thread (``kvmove/store/store.py``), read by lookups under the store's lock.
+``IndexJournal``, in a folder only the serving user can read (``private.py``). Bytes move in
+C++ with the GIL released; the index lives here, changed only by the store's I/O thread
+(``kvmove/store/store.py``), read by lookups under the store's lock.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvmove.errors import ConfigError, StoreError
 from kvmove.kv_cache import KVCache
 from kvmove.kv_spec import KVSpec
 from kvmove.store.index import IndexJournal
+from kvmove.store.private import open_private, private_folder
 from kvmove.validation import require_positive_int
 
 __all__ = ["DiskTier", "HostTier", "OpenTier", "TierStats"]
@@ -50,6 +52,10 @@ class HostTier:
 @dataclass(frozen=True, slots=True)
 class DiskTier:
     """A directory holding up to ``capacity_bytes`` of blocks (``blocks.dat``, ``index.kvm``).
+
+    The directory (and any parent it makes) is 0700, its files 0600, whatever the umask:
+    stored KV gives its prompts away. One of this user's that others can read is tightened;
+    one of another user's is refused.
 
     ``direct``: read and write with O_DIRECT, past the page cache (the host tier is the
     memory cache; the page cache would double it and make disk reads look faster than the
@@ -137,9 +143,9 @@ class OpenTier:
     def _open_disk(cls, spec: DiskTier, layout: KVSpec,
                    fingerprint: dict[str, Any]) -> OpenTier:
         path = os.fspath(spec.path)
+        private_folder(path)
         try:
-            os.makedirs(path, exist_ok=True)
-            lock_fd = os.open(os.path.join(path, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
+            lock_fd = open_private(os.path.join(path, "lock"), os.O_RDWR)
         except OSError as error:
             raise StoreError(f"cannot use {path!r} as a disk tier: {error}") from None
         try:
@@ -148,19 +154,22 @@ class OpenTier:
             os.close(lock_fd)
             raise StoreError(f"disk tier {path!r} is in use by another store (one process per "
                              "directory)") from None
+        journal = None
         try:
             num_slots = _blocks_in(spec.capacity_bytes, _slot_nbytes(layout), "DiskTier")
             # The journal first: it refuses another layout before the data file is touched.
             journal = IndexJournal(os.path.join(path, "index.kvm"),
                                    {**fingerprint, "slot_nbytes": _slot_nbytes(layout)},
                                    num_slots)
-            file = _C.BlockFile(os.path.join(path, "blocks.dat"), layout.bytes_per_block,
-                                num_slots, spec.direct)
-        except OSError as error:
+            data = os.path.join(path, "blocks.dat")
+            os.close(open_private(data, os.O_RDWR))  # 0600 before the core opens it
+            file = _C.BlockFile(data, layout.bytes_per_block, num_slots, spec.direct)
+        except BaseException as error:
+            if journal is not None:
+                journal.close()
             os.close(lock_fd)
-            raise StoreError(f"cannot use {path!r} as a disk tier: {error}") from None
-        except BaseException:
-            os.close(lock_fd)
+            if isinstance(error, OSError):
+                raise StoreError(f"cannot use {path!r} as a disk tier: {error}") from None
             raise
         tier = cls("disk", file.num_slots, layout.bytes_per_block, file=file, journal=journal,
                    index=journal.entries, lock_fd=lock_fd)
