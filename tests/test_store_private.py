@@ -61,9 +61,11 @@ def test_a_new_tier_and_the_parents_it_makes_are_0700_its_files_0600(tmp_path):
 
 def test_a_rewritten_index_stays_0600(tmp_path):
     """The journal is rewritten (a temporary file renamed over it) when a smaller capacity
-    drops entries: the new file is 0600 too."""
+    drops entries and when other weights empty it: the new file is 0600 too."""
     fill(tmp_path)
     with KVStore(LAYOUT, [disk(tmp_path, LAYOUT, 2)]):
+        assert mode(tmp_path / "index.kvm") == 0o600
+    with KVStore(LAYOUT, [disk(tmp_path, LAYOUT, 2)], weights="other"):
         assert mode(tmp_path / "index.kvm") == 0o600
     assert not (tmp_path / "index.kvm.tmp").exists()
 

@@ -38,6 +38,7 @@ from kvmove.engine.request import FinishReason, Request
 from kvmove.engine.role import ROLES, Role
 from kvmove.engine.scheduler import SchedulerConfig
 from kvmove.engine.tokenizer import load_tokenizer
+from kvmove.engine.weights_id import weights_id
 from kvmove.engine.worker import EngineWorker
 from kvmove.errors import KVMoveError, PeerError
 from kvmove.runtime import unpinned
@@ -314,8 +315,10 @@ def _timeline(request: Request) -> Timeline | None:
 
 
 def _open_store(args: argparse.Namespace, model: LlamaForCausalLM) -> KVStore | None:
-    """The worker's KVStore, when asked for. Its namespace is the model and seed: blocks of
-    another model's weights must never match."""
+    """The worker's KVStore, when asked for. Its namespace is the model and seed (a disk tier
+    of another model is refused); its weights are those loaded (``weights_id``): new weights
+    saved under the same ``--model`` path empty the disk tier instead of being served the old
+    weights' KV."""
     tiers: list[HostTier | DiskTier] = []
     if args.store_host_gb > 0:
         tiers.append(HostTier(int(args.store_host_gb * 1e9)))
@@ -324,7 +327,7 @@ def _open_store(args: argparse.Namespace, model: LlamaForCausalLM) -> KVStore | 
     if not tiers:
         return None
     return KVStore(model.config.kv_spec(args.block_size), tiers,
-                   namespace=f"{args.model}:seed={args.seed}")
+                   namespace=f"{args.model}:seed={args.seed}", weights=weights_id(model))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,10 @@ fsynced per record: after a machine crash the journal may name data that never r
 and the block checksum turns that into a miss on read. When dead records outnumber live
 entries the journal is rewritten (to a temporary file, then renamed over the old one).
 
-The journal and its temporary file are 0600 (``private.py``).
+The fingerprint says what the blocks are (layout, namespace, slot size): a journal of another
+one is refused. Its ``weights`` entry says what computed them: a journal of other weights is
+emptied instead (the same model with new weights, saved under the same name: its blocks are
+stale, never served, and their slots are reused). Both files are 0600 (``private.py``).
 
 Why a journal and not an index rewritten on every change: appends are O(1) per block and a
 restart loses nothing written before it; a rewritten index would be O(entries) per change.
@@ -54,16 +57,21 @@ class IndexJournal:
         fingerprint: what the blocks are (layout, namespace, slot size); an existing journal
             with another fingerprint is refused with StoreError.
         num_slots: the block file's slots now; entries in slots past it are dropped.
+        weights: what computed the blocks (an identity of the model's weights; "": not
+            said); an existing journal of other weights is emptied, not refused.
     """
 
-    def __init__(self, path: str, fingerprint: dict[str, Any], num_slots: int) -> None:
+    def __init__(self, path: str, fingerprint: dict[str, Any], num_slots: int,
+                 weights: str = "") -> None:
         self.path = path
         self.entries: OrderedDict[int, tuple[int, int]] = OrderedDict()
-        self._header = self._encode_header(fingerprint)
+        # No "weights" key when none is said: journals written before it existed still open.
+        self._header = self._encode_header({**fingerprint, "weights": weights} if weights
+                                           else fingerprint)
         self._num_records = 0
         self.num_unrecorded = 0  # records a write error kept out of the file
         if os.path.exists(path):
-            self._replay(fingerprint, num_slots)
+            self._replay(fingerprint, weights, num_slots)
             if any(slot >= num_slots for slot, _ in self.entries.values()):
                 self.entries = OrderedDict((h, e) for h, e in self.entries.items()
                                            if e[0] < num_slots)
@@ -77,7 +85,7 @@ class IndexJournal:
         text = json.dumps(fingerprint, sort_keys=True).encode()
         return _HEADER.pack(_MAGIC, _VERSION, len(text)) + text
 
-    def _replay(self, fingerprint: dict[str, Any], num_slots: int) -> None:
+    def _replay(self, fingerprint: dict[str, Any], weights: str, num_slots: int) -> None:
         with open(self.path, "rb") as f:
             data = f.read()
         magic, version, n = _HEADER.unpack_from(data) if len(data) >= _HEADER.size else (b"", 0, 0)
@@ -87,10 +95,17 @@ class IndexJournal:
             stored = json.loads(data[_HEADER.size:_HEADER.size + n])
         except ValueError as error:
             raise StoreError(f"{self.path} has a damaged header: {error}") from None
+        stored_weights = stored.pop("weights", "") if isinstance(stored, dict) else ""
         if stored != json.loads(json.dumps(fingerprint)):
             raise StoreError(f"{os.path.dirname(self.path) or '.'} holds KV blocks of another "
                              f"layout: stored {stored}, this store {fingerprint}; open another "
                              "directory or delete this one")
+        if stored_weights != weights:
+            logger.warning("%s: the blocks were computed by other weights (%s, now %s): "
+                           "dropped, their slots reused", os.path.dirname(self.path) or ".",
+                           stored_weights or "not said", weights or "not said")
+            self._rewrite()  # no entries: only the new header
+            return
         offset = good = _HEADER.size + n
         slot_of: dict[int, int] = {}  # slot -> hash, so a reused slot drops its old block
         while offset + _RECORD.size <= len(data):

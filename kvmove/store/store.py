@@ -168,9 +168,13 @@ class KVStore:
     Args:
         layout: the model's KV layout; caches passed to put/get must have it.
         tiers: ``HostTier`` and/or ``DiskTier``, at most one of each, host first.
-        namespace: what else makes equal tokens give equal KV: the model and its weights
-            (e.g. a checkpoint name and revision). Stored with the layout; a disk tier written
-            under another namespace or layout is refused with ``StoreError``.
+        namespace: what else makes equal tokens give equal KV: the model (e.g. a checkpoint
+            name and revision). Stored with the layout; a disk tier written under another
+            namespace or layout is refused with ``StoreError``.
+        weights: what computed the KV: an identity of the weights themselves
+            (``kvmove.engine.weights_id``), for a model whose name stays when its weights
+            change (a directory saved over). A disk tier written under the same namespace by
+            other weights (or by weights not said) is emptied as it opens, never served.
         load_policy: ``"auto"``: lookups decide load or recompute from measurements;
             ``"always"``: lookups say load whatever is stored (the inputs are still reported).
         order: the element order inside the blocks it stores (``KVCache.order``): "NHD"
@@ -193,7 +197,7 @@ class KVStore:
     """
 
     def __init__(self, layout: KVSpec, tiers: Sequence[HostTier | DiskTier], *,
-                 namespace: str = "", load_policy: str = "auto",
+                 namespace: str = "", weights: str = "", load_policy: str = "auto",
                  order: str | None = None) -> None:
         if load_policy not in LOAD_POLICIES:
             raise ConfigError(f"load_policy must be one of {LOAD_POLICIES}, got {load_policy!r}")
@@ -204,6 +208,7 @@ class KVStore:
                               f"got {kinds}")
         self.layout = layout
         self.namespace = namespace
+        self.weights = weights
         self.order = ("mla" if layout.mla else "NHD") if order is None else order
         if self.order not in ORDERS:
             raise ConfigError(f"order must be one of {ORDERS}, got {self.order!r}")
@@ -216,7 +221,7 @@ class KVStore:
         self._tiers: list[OpenTier] = []
         try:
             for spec in tiers:
-                self._tiers.append(OpenTier.open(spec, layout, fingerprint))
+                self._tiers.append(OpenTier.open(spec, layout, fingerprint, weights))
         except BaseException:
             self.close()
             raise

@@ -129,19 +129,21 @@ class OpenTier:
     written: set[int] = field(default_factory=set)  # disk slots written at least once
 
     @classmethod
-    def open(cls, spec: HostTier | DiskTier, layout: KVSpec,
-             fingerprint: dict[str, Any]) -> OpenTier:
+    def open(cls, spec: HostTier | DiskTier, layout: KVSpec, fingerprint: dict[str, Any],
+             weights: str = "") -> OpenTier:
+        """A tier of blocks of ``layout``; a disk tier also checks its directory against
+        ``fingerprint`` and ``weights`` (``IndexJournal``)."""
         nbytes = layout.bytes_per_block
         if isinstance(spec, HostTier):
             n = _blocks_in(spec.capacity_bytes, nbytes, "HostTier")
             tier = cls("host", n, nbytes, cache=KVCache(layout, n, pin=None))  # pinned: DMA
             tier.free = list(range(n))
             return tier
-        return cls._open_disk(spec, layout, fingerprint)
+        return cls._open_disk(spec, layout, fingerprint, weights)
 
     @classmethod
-    def _open_disk(cls, spec: DiskTier, layout: KVSpec,
-                   fingerprint: dict[str, Any]) -> OpenTier:
+    def _open_disk(cls, spec: DiskTier, layout: KVSpec, fingerprint: dict[str, Any],
+                   weights: str) -> OpenTier:
         path = os.fspath(spec.path)
         private_folder(path)
         try:
@@ -160,7 +162,7 @@ class OpenTier:
             # The journal first: it refuses another layout before the data file is touched.
             journal = IndexJournal(os.path.join(path, "index.kvm"),
                                    {**fingerprint, "slot_nbytes": _slot_nbytes(layout)},
-                                   num_slots)
+                                   num_slots, weights)
             data = os.path.join(path, "blocks.dat")
             os.close(open_private(data, os.O_RDWR))  # 0600 before the core opens it
             file = _C.BlockFile(data, layout.bytes_per_block, num_slots, spec.direct)
