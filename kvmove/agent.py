@@ -93,8 +93,8 @@ def _weak_add_peer(agent: Agent) -> Callable[[bytes], str]:
         target = ref()
         if target is None:
             raise PeerError("the listening agent is gone")
-        # A connecting agent whose earlier connect timed out (it never saw our answer) asks
-        # again with the same metadata: answer it, rather than lock it out for good.
+        # A connecting agent we have as a peer asks for fresh endpoints (it may have dropped
+        # ours, or its earlier connect timed out before it saw our answer): take it again.
         verified = target.key.verify(metadata)
         return target._core.add_peer(verified, rejoin=True)  # type: ignore[arg-type]
 
@@ -352,6 +352,12 @@ class Agent:
     def connect(self, host: str, port: int, timeout: float = 10.0) -> str:
         """Exchanges metadata with an agent listening at ``host:port``; returns its name.
 
+        Connecting to an agent that is already a peer (the same run) makes fresh endpoints
+        both ways: either side may have dropped the other (a disconnect, ``remove_peer``)
+        while the other's endpoint looks alive. What was in flight between the two fails with
+        ``PeerError`` ("reconnected"); leases that peer had engaged stay quarantined until it
+        answers their Cancel over the new connection (docs/streaming.md, "Quarantine").
+
         Raises:
             ConfigError: ``host`` is another host and this agent serves on loopback (its
                 ``host``): UCX could not reach it.
@@ -363,7 +369,7 @@ class Agent:
             raise ConfigError(f"agent {self.name!r} serves on {self.host} (loopback) and cannot "
                               f"reach {host!r}: create it with host=<an address of this host> "
                               "on the network to use")
-        # rejoin: connecting again to the same run of a peer we have keeps it as it is.
+        # rejoin: the same run of a peer we have is taken again, on fresh endpoints.
         metadata = self.key.verify(exchange(self.metadata(), host, port, timeout))
         return self._core.add_peer(metadata, rejoin=True)  # type: ignore[arg-type]
 

@@ -223,6 +223,43 @@ def test_a_silent_sender_is_cut_off_and_its_blocks_stay_quarantined_while_it_liv
         pair.close()
 
 
+@pytest.mark.parametrize("path", CUT_OFF_PATHS)
+def test_a_cut_off_sender_that_reconnects_ends_the_quarantine_with_its_abort(path):
+    """Issue 27/28: the quarantine of a live sender is not for ever. The silent sender is cut
+    off, resumed, and connects again (the same run: fresh endpoints both ways). The receiver
+    cancels its quarantined lease anew; the sender, with nothing of it in flight any more
+    (its old connection's copies done), answers Abort, and the blocks are released while it
+    lives. The pair then serves a new stream exactly."""
+    pair = Pair(sender_kwargs=path, receiver_kwargs=path)
+    try:
+        old, ids = pair.lease("frozen", 4, timeout=0.3)
+        src = pair.sender_blocks(4)
+        pair.far.call("stream_to", "dec", src, ids, "frozen", old.epoch)
+        pair.far.call("write_layers", 5005, list(range(L)), src)
+        pair.far.call("save_layers", "frozen", [0, 1])
+        old.wait_for_layer(1, WAIT)
+        pair.far.pause()
+        try:
+            wait_until(lambda: pair.dec.stats().senders_disconnected == 1, WAIT,
+                       "the silent sender cut off")
+        finally:
+            pair.far.resume()
+        assert not old.released and pair.dec.stats().leases_quarantined == 1
+        assert pair.far.call("connect", *pair.dec.listen_address) == "dec"
+        assert old.wait_released(WAIT), "the reconnected sender never ended the quarantine"
+        assert pair.dec.stats().blocks_quarantined == 0
+        pair.cache.pool.free(ids)
+        new_ids = pair.cache.pool.allocate(4)
+        new_kv = pair.fill_new(new_ids, 6006)
+        time.sleep(0.3)
+        pair.sync()
+        np.testing.assert_array_equal(pair.raw[:, new_ids], new_kv)
+        pair.cache.pool.free(new_ids)
+        _all_released(pair)
+    finally:
+        pair.close()
+
+
 def test_the_engine_worker_never_gives_a_reused_block_to_a_late_prefill():
     """The issue's reproduction with the engine's Workers: a decode worker gives up on a
     request's KV (its transfer timeout), and its blocks go to a new request whose KV comes

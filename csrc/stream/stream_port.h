@@ -67,6 +67,12 @@ public:
     // Locked. The receiver cancelled `lease` of peer: its layers not yet under way are
     // dropped (their put_then_send fails). Safe inside the transport's callbacks.
     virtual void cancel_puts(const std::string& peer, uint64_t lease) = 0;
+    // Locked. False while a connection of peer's that was closed still has copies under way
+    // (a mapped path's copy threads finish the chunk they are on): what was posted there may
+    // still land.
+    virtual bool peer_quiet(const std::string& peer) const = 0;
+    // Locked. The incarnation of the peer's metadata, failed or not (0: no such peer).
+    virtual uint32_t peer_run(const std::string& peer) const = 0;
     // Locked. The peer's process, where this host can watch it (ProcessWatch; null: another
     // host or pid namespace, or not a peer).
     virtual std::shared_ptr<const ProcessWatch> peer_process(const std::string& peer) const = 0;

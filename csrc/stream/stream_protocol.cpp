@@ -95,10 +95,25 @@ void StreamProtocol::drain() {
             port_.send(peer, encode(message), [](const PortOutcome&) {});
         }
     }
+    send_held_aborts();
     std::vector<std::shared_ptr<SaveStream>> due;
     due.swap(ending_);
     for (const auto& stream : due) {
         send_end(stream);
+    }
+}
+
+// Outside the transport's callbacks (drain, tick).
+void StreamProtocol::send_held_aborts() {
+    for (auto it = held_aborts_.begin(); it != held_aborts_.end();) {
+        if (!port_.peer_alive(it->first)) {
+            it = held_aborts_.erase(it);  // gone: its next run is told anew (peer_added)
+        } else if (port_.peer_quiet(it->first)) {
+            port_.send(it->first, encode(it->second), [](const PortOutcome&) {});
+            it = held_aborts_.erase(it);
+        } else {
+            ++it;
+        }
     }
 }
 
@@ -128,6 +143,11 @@ void StreamProtocol::on_message(const std::string& sender, const void* data, siz
             return on_begin(sender, m);
         case MessageKind::Offer:
             return on_offer(sender, m);
+        case MessageKind::Abort:
+            if (on_quarantined_abort(sender, m)) {
+                return;
+            }
+            break;
         default:
             break;
     }
@@ -159,6 +179,8 @@ void StreamProtocol::on_message(const std::string& sender, const void* data, siz
 
 void StreamProtocol::tick(double now) {
     end_quarantines();
+    cancel_quarantined(now);
+    send_held_aborts();
     std::vector<uint64_t> expired;
     std::vector<std::string> silent;
     for (auto& [epoch, lease] : leases_) {
@@ -204,6 +226,38 @@ void StreamProtocol::tick(double now) {
     }
 }
 
+// While the run a lease is quarantined for is a live peer again, it is asked to cancel the
+// lease every kQuarantineCancelSeconds until its Abort comes (a Cancel sent as it reconnects
+// may reach it before it added us, and be dropped there).
+void StreamProtocol::cancel_quarantined(double now) {
+    for (auto& [epoch, q] : quarantined_) {
+        const std::string& peer = q.load->peer();
+        if (now >= q.next_cancel && port_.peer_alive(peer) &&
+            port_.peer_run(peer) == q.incarnation) {
+            q.next_cancel = now + kQuarantineCancelSeconds;
+            post_message(peer, lease_message(MessageKind::Cancel, q.load->request_id(), epoch,
+                                             q.load->ids_hash()));
+        }
+    }
+}
+
+// An Abort of a quarantined lease by the run it was quarantined for: nothing of it is in
+// flight there any more. True when m was such an Abort.
+bool StreamProtocol::on_quarantined_abort(const std::string& sender, const StreamMessage& m) {
+    auto it = quarantined_.find(m.epoch);
+    if (it == quarantined_.end()) {
+        return false;
+    }
+    const Quarantined& q = it->second;
+    if (q.load->peer() != sender || q.incarnation != port_.peer_run(sender) ||
+        q.load->ids_hash() != m.ids_hash || q.load->request_id() != m.request_id) {
+        return false;
+    }
+    q.load->set_released();
+    quarantined_.erase(it);
+    return true;
+}
+
 // Quarantined leases whose sender's process exited: nothing of theirs can land any more.
 void StreamProtocol::end_quarantines() {
     for (auto it = quarantined_.begin(); it != quarantined_.end();) {
@@ -218,11 +272,8 @@ void StreamProtocol::end_quarantines() {
 
 double StreamProtocol::next_deadline() const {
     double next = kNoDeadline;
-    for (const auto& [epoch, q] : quarantined_) {
-        if (q.sender != nullptr) {
-            next = steady_seconds() + kQuarantinePollSeconds;
-            break;
-        }
+    if (!quarantined_.empty()) {  // watched, or asked again once its run is back
+        next = steady_seconds() + kQuarantinePollSeconds;
     }
     for (const auto& [epoch, lease] : leases_) {
         next = std::min(
@@ -230,6 +281,9 @@ double StreamProtocol::next_deadline() const {
     }
     for (const auto& [key, sending] : sending_) {
         next = std::min(next, sending.deadline);
+    }
+    if (!held_aborts_.empty()) {
+        next = std::min(next, steady_seconds() + kQuarantinePollSeconds);
     }
     return next;
 }
@@ -254,7 +308,8 @@ void StreamProtocol::peer_failed(const std::string& peer, ErrorKind kind,
                 (process != nullptr && process->exited())) {
                 load->set_released();  // never written, or its writer is dead
             } else {
-                quarantined_.emplace(it->first, Quarantined{load, process});
+                quarantined_.emplace(it->first,
+                                     Quarantined{load, process, port_.peer_run(peer), 0.0});
                 ++stats_.leases_quarantined;
             }
             load->complete(StreamState::Failed, kind,
@@ -314,6 +369,7 @@ void StreamProtocol::close(const std::string& reason) {
     quarantined_.clear();
     ending_.clear();
     outbox_.clear();
+    held_aborts_.clear();
 }
 
 }  // namespace kvmove

@@ -29,11 +29,15 @@
 // memory with memcpy, UCX shared memory and cma write without us, and UCX's tcp applies
 // emulated puts of a connection we did not close. Such a lease stays quarantined: its load
 // fails at once, but `released` stays false until the sender's process is known to have
-// exited (transport/process_watch.h; polled every kQuarantinePollSeconds); a sender on
-// another host or in another pid namespace cannot be watched, and its quarantine lasts until
-// the agent closes. A timeout alone never frees a block. Messages for an epoch
-// that is not leased (or not to that sender, or not in a state that allows them) are refused
-// and counted. A sender whose Final is not acknowledged within the ack timeout fails.
+// exited (transport/process_watch.h; polled every kQuarantinePollSeconds), or until the same
+// run of it is a live peer again (it reconnected) and answers the Cancel the receiver then
+// sends for each such lease (every kQuarantineCancelSeconds) with its Abort — which a sender sends
+// only once nothing of that lease is in flight, its old connection's copies included
+// (StreamPort::peer_quiet). A sender on another host or in another pid namespace that never comes
+// back cannot be watched: its quarantine lasts until the agent closes. A timeout alone never frees
+// a block. Messages for an epoch that is not leased (or not to that sender, or not in a state that
+// allows them) are refused and counted. A sender whose Final is not acknowledged within the ack
+// timeout fails.
 //
 // Locking: the protocol's state is guarded by the port's lock (stream_port.h): the user verbs
 // take it through run_locked(); the port holds it when it calls on_message(), peer_failed(),
@@ -170,7 +174,9 @@ private:
     // until the sender's process exited.
     struct Quarantined {
         std::shared_ptr<LoadStream> load;
-        std::shared_ptr<const ProcessWatch> sender;  // null: not watchable (until close())
+        std::shared_ptr<const ProcessWatch> sender;  // null: not watchable
+        uint32_t incarnation;  // the sender's run: only that run's Abort ends it
+        double next_cancel;    // when it is asked again, while that run is a live peer
     };
     // A received layer whose checksums the verify thread checks.
     struct Verify {
@@ -195,6 +201,8 @@ private:
     void on_ack(const std::string& sender, const StreamMessage& m);
     void on_cancel(const std::string& sender, const StreamMessage& m);
     void on_offer(const std::string& sender, const StreamMessage& m);
+    void answer_cancel_when_quiet(const std::string& sender, const StreamMessage& m);
+    void send_held_aborts();
     // receiver
     std::shared_ptr<LoadStream> grant(const std::string& peer, const std::string& request_id,
                                       const std::vector<BlockId>& local_ids, double lease_seconds);
@@ -206,6 +214,8 @@ private:
     void end_lease(Lease& lease, StreamState state, ErrorKind kind, const std::string& error);
     void release(uint64_t epoch);
     void end_quarantines();
+    void cancel_quarantined(double now);
+    bool on_quarantined_abort(const std::string& sender, const StreamMessage& m);
     void verify_loop();
     // both
     std::vector<uint64_t> checksums_of(const std::vector<BlockId>& ids, int64_t layer,
@@ -226,6 +236,9 @@ private:
     std::map<uint64_t, Lease> leases_;                 // by epoch
     std::map<uint64_t, Quarantined> quarantined_;      // by epoch
     std::vector<std::pair<std::string, StreamMessage>> outbox_;  // sent by drain()
+    // Aborts that answer a Cancel for a lease with nothing in flight here, held until the
+    // peer's old connection has no copy left (StreamPort::peer_quiet).
+    std::vector<std::pair<std::string, StreamMessage>> held_aborts_;
     StreamStats stats_;
     std::atomic<uint64_t> checksum_mismatches_{0};  // counted by the verify thread
     OfferBox offers_{kMaxQueuedOffers};  // its own mutex: waited on without the port's lock

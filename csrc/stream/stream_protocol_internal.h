@@ -13,6 +13,8 @@ namespace kvmove {
 constexpr double kNoDeadline = std::numeric_limits<double>::infinity();
 // How often a quarantined lease's sender is checked for having exited.
 constexpr double kQuarantinePollSeconds = 0.05;
+// How often a quarantined lease's sender, a live peer again, is asked to cancel it.
+constexpr double kQuarantineCancelSeconds = 0.5;
 
 inline std::string describe(const std::string& request_id, const std::string& peer) {
     return "request '" + request_id + "' with '" + peer + "'";

@@ -240,8 +240,9 @@ void StreamProtocol::on_ack(const std::string& sender, const StreamMessage& m) {
 void StreamProtocol::on_cancel(const std::string& sender, const StreamMessage& m) {
     auto it = sending_.find({sender, m.epoch});
     if (it == sending_.end()) {
-        // Nothing of this lease is in flight here (the stream ended, or never began): say so.
-        post_message(sender, lease_message(MessageKind::Abort, m.request_id, m.epoch, m.ids_hash));
+        // No stream of this lease here (it ended, failed, or never began): say so once
+        // nothing of it is in flight.
+        answer_cancel_when_quiet(sender, m);
         return;
     }
     if (it->second.stream->cancelled()) {
@@ -253,6 +254,17 @@ void StreamProtocol::on_cancel(const std::string& sender, const StreamMessage& m
         // The Final went out (after every put landed), yet the receiver cancels: the Final was
         // lost or crossed the Cancel. Nothing is in flight: say so, or it would cut us off.
         post_message(sender, lease_message(MessageKind::Abort, m.request_id, m.epoch, m.ids_hash));
+    }
+}
+
+// A connection to the sender that was closed (we dropped or replaced it) may still have copies
+// of the lease under way: the Abort waits for them (drain() sends it).
+void StreamProtocol::answer_cancel_when_quiet(const std::string& sender, const StreamMessage& m) {
+    StreamMessage abort = lease_message(MessageKind::Abort, m.request_id, m.epoch, m.ids_hash);
+    if (port_.peer_quiet(sender)) {
+        post_message(sender, std::move(abort));
+    } else {
+        held_aborts_.emplace_back(sender, std::move(abort));
     }
 }
 

@@ -174,6 +174,7 @@ void Agent::close() {
     streams_.close("agent '" + name_ + "' closed");
     peers_.clear();
     polling_.clear();
+    retired_.clear();
     worker_.reset();  // may still complete requests: their callbacks need in_flight_ entries
     in_flight_.clear();
     flushed_.clear();
@@ -368,6 +369,7 @@ void Agent::drain_deferred() {
 // Lets each path with work pending complete what is done; forgets those with none left.
 void Agent::poll_paths() {
     if (polling_.empty()) {
+        retired_.clear();
         return;
     }
     const double now = steady_seconds();
@@ -380,6 +382,12 @@ void Agent::poll_paths() {
             polling_.push_back(path);
         }
     }
+    retired_.erase(std::remove_if(retired_.begin(), retired_.end(),
+                                  [this](const auto& r) {
+                                      return std::find(polling_.begin(), polling_.end(),
+                                                       r.second) == polling_.end();
+                                  }),
+                   retired_.end());
 }
 
 void Agent::finish(InFlight* entry, const PortOutcome& outcome) {

@@ -83,8 +83,9 @@ public:
     uint32_t incarnation() const { return incarnation_; }
     bool closed() const { return closed_; }
     std::vector<uint8_t> metadata() const { return metadata_; }
-    // rejoin: the same run of an agent announcing itself again (a connect whose answer it
-    // never got) is no error: the peer is kept as it is.
+    // rejoin: the same run of a peer announcing itself again (a connect: it may have dropped
+    // our endpoint, or never got our answer) is no error: its old endpoint is replaced by a
+    // fresh one (what was in flight fails).
     std::string add_peer(const std::vector<uint8_t>& metadata, bool rejoin = false);
     void remove_peer(const std::string& name);
     std::vector<std::string> peers() const;
@@ -207,6 +208,8 @@ private:
                        std::string message, PortDone done) override;
     void send(const std::string& peer, std::string message, PortDone done) override;
     void cancel_puts(const std::string& peer, uint64_t lease) override;
+    bool peer_quiet(const std::string& peer) const override;
+    uint32_t peer_run(const std::string& peer) const override;
     std::shared_ptr<const ProcessWatch> peer_process(const std::string& peer) const override;
     void disconnect(const std::string& peer, const std::string& reason) override;
 
@@ -252,6 +255,9 @@ private:
     // Paths with work only poll() completes (copies, held messages), a gone peer's included:
     // each is kept until that work is done.
     std::vector<std::shared_ptr<Path>> polling_;
+    // Paths of dropped peers (by name) whose copies were still under way; gone from here once
+    // poll_paths() finds them done.
+    std::vector<std::pair<std::string, std::shared_ptr<Path>>> retired_;
     StreamProtocol streams_;  // layer streams over this agent (guarded by worker_mu_)
 
     Inbox<Notification> received_{kMaxQueuedNotifications};

@@ -28,22 +28,23 @@ std::string Agent::add_peer(const std::vector<uint8_t>& metadata, bool rejoin) {
         const AgentMetadata& known = old->second->meta;
         const bool same =
             known.incarnation == meta.incarnation && known.worker_address == meta.worker_address;
-        if (same && rejoin && old->second->failure.empty()) {
-            return meta.name;
-        }
-        KVMOVE_CHECK(!old->second->failure.empty() || !same, Peer,
+        // rejoin (connect, and a listener answering one): the peer asks for fresh endpoints
+        // both ways. It may have dropped ours (a disconnect, a remove_peer) while ours looks
+        // alive here, and messages between an old endpoint and a new one are nobody's.
+        KVMOVE_CHECK(rejoin || !old->second->failure.empty() || !same, Peer,
                      "peer '" << meta.name << "' is already added to agent '" << name_ << "'");
         // An earlier run's metadata (a replay, or a stale copy) never displaces a later one.
         KVMOVE_CHECK(same || meta.started_ns > known.started_ns, Peer,
                      "metadata of '" << meta.name << "' is of a run that started before the one "
                                      << "agent '" << name_ << "' knows (incarnation "
                                      << meta.incarnation << " vs " << known.incarnation << ")");
-        // It came back (a new incarnation), or reconnects after we cut it off: its old
-        // connection goes first, and everything of the old one fails.
+        // It came back (a new incarnation), or reconnects: its old connection goes first, and
+        // everything of the old one fails.
         drop_peer(old, true, ErrorKind::Peer,
-                  "peer '" + meta.name + "' restarted (incarnation " +
-                      std::to_string(known.incarnation) + " -> " +
-                      std::to_string(meta.incarnation) + ")");
+                  same ? "peer '" + meta.name + "' reconnected"
+                       : "peer '" + meta.name + "' restarted (incarnation " +
+                             std::to_string(known.incarnation) + " -> " +
+                             std::to_string(meta.incarnation) + ")");
     }
     KVMOVE_CHECK(static_cast<int64_t>(peers_.size()) < config_.max_peers, Peer,
                  "agent '" << name_ << "' has " << peers_.size() << " peers, its limit "
@@ -121,6 +122,9 @@ void Agent::drop_peer(std::map<std::string, std::unique_ptr<Peer>>::iterator it,
     by_ep_.erase(peer.path->endpoint());
     fail_peer_transfers(&peer, reason);
     peer.path->close(force, kDropSeconds);
+    if (std::find(polling_.begin(), polling_.end(), peer.path) != polling_.end()) {
+        retired_.emplace_back(name, peer.path);  // copies still under way (peer_quiet)
+    }
     detach_transfers(&peer);
     for (InFlight* entry : peer.notify_order) {
         // Landed and waiting behind an earlier one: nothing will send it now (those still

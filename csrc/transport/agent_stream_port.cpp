@@ -76,6 +76,20 @@ void Agent::cancel_puts(const std::string& peer, uint64_t lease) {
     }
 }
 
+bool Agent::peer_quiet(const std::string& peer) const {
+    for (const auto& [name, path] : retired_) {
+        if (name == peer) {
+            return false;
+        }
+    }
+    return true;
+}
+
+uint32_t Agent::peer_run(const std::string& peer) const {
+    auto it = peers_.find(peer);
+    return it != peers_.end() ? it->second->meta.incarnation : 0;
+}
+
 std::shared_ptr<const ProcessWatch> Agent::peer_process(const std::string& peer) const {
     auto it = peers_.find(peer);
     return it != peers_.end() ? it->second->process : nullptr;
