@@ -508,6 +508,30 @@ def test_another_incarnation_of_a_peer_replaces_it(pair):
     assert pair.b.notifications() == []
 
 
+@pytest.mark.parametrize("same_host", ["ucx", "map"])
+def test_a_side_that_dropped_the_other_reconnects_on_fresh_endpoints(same_host):
+    """Issue 28, row 2: "b" removes "a" (as a receiver disconnects a silent sender) while
+    "a" still holds its endpoint to "b", alive as far as "a" can tell. "b" connects again:
+    both sides take fresh endpoints (they used to keep "a"'s old one, and every message
+    between the old endpoint and the new was dropped as no peer's). Messages and data then
+    flow both ways."""
+    kwargs = {**TCP, "same_host": same_host}
+    a_cache, b_cache = make_cache(LAYOUT, A_BLOCKS), make_cache(LAYOUT, B_BLOCKS)
+    raw_view(a_cache)[:, 2] = 7
+    with kvmove.Agent("a", a_cache, **kwargs) as a, kvmove.Agent("b", b_cache, **kwargs) as b:
+        address = a.listen("127.0.0.1")
+        assert b.connect(*address) == "a"
+        b.remove_peer("a")
+        assert a.peers == ["b"]  # "a" cannot tell
+        assert b.connect(*address) == "a"
+        a.send("b", b"after").wait(WAIT)
+        assert b.wait_notification(WAIT) == ("a", b"after")
+        a.write("b", [2], [5], notify=b"data").wait(WAIT)
+        assert b.wait_notification(WAIT) == ("a", b"data")
+        assert (raw_view(b_cache)[:, 5] == 7).all()
+        assert b.stats().unknown_senders == 0 and a.stats().unknown_senders == 0
+
+
 def test_an_agent_can_add_itself():
     """Decided from the implementation: nothing forbids it. add_peer(own metadata) makes a UCX
     loopback endpoint to the agent's own worker; transfers to "itself" are local copies, and
