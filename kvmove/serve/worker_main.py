@@ -75,6 +75,7 @@ IDLE_POLL_MS = 20
 # threads moving that very KV (kvmove's, unpinned) and the other workers could use. A
 # transfer that ends is seen within this.
 TRANSFER_POLL_MS = 1
+RECONNECT_SECONDS = 5.0  # a decode worker connecting again to a prefill worker it lost
 
 
 def load_model(name: str, seed: int = 0) -> tuple[LlamaForCausalLM, str | None]:
@@ -158,6 +159,9 @@ class WorkerServer:
         self.running = True
         self._last_stats = 0.0
         self.notifications_dropped = 0
+        # Where each peer's agent listens (the router's Connect commands): a decode worker
+        # that lost a prefill peer (it cut off a stalled one) connects to it again by itself.
+        self.peer_addresses: dict[str, tuple[str, int]] = {}
 
     def send(self, event: Any) -> None:
         self.socket.send(encode(event))
@@ -259,12 +263,7 @@ class WorkerServer:
             case Add():
                 self.worker.add_request(self._request(command), decode_peer=command.decode_peer)
             case Reserve():  # blocks, leased and offered to the prefill worker at once
-                request = self._request(command)
-                blocks = self.worker.reserve(request)
-                if blocks is None:
-                    self.requests.pop(command.rid)
-                else:
-                    self.worker.start_load(request, command.peer)  # frees them if it fails
+                blocks = self.reserve(self._request(command), command.peer)
                 self.send(Reserved(rid=command.rid,
                                    num_blocks=None if blocks is None else len(blocks)))
             case Abort():  # the client is gone, or another worker ended the request
@@ -275,6 +274,27 @@ class WorkerServer:
             case Shutdown():
                 self.running = False
 
+    def reserve(self, request: Request, peer: str) -> list[int] | None:
+        """Blocks for ``request``'s KV, leased and offered to ``peer``; None while the cache
+        is full. A peer this worker no longer has (it cut off a stalled one, or the other side
+        dropped it) is connected to again, once, on fresh endpoints, and the offer retried."""
+        for attempt in range(2):
+            blocks = self.worker.reserve(request)
+            if blocks is None:
+                self.requests.pop(request.id)
+                return None
+            try:
+                self.worker.start_load(request, peer)  # frees the blocks if it fails
+                return blocks
+            except PeerError as error:
+                address = self.peer_addresses.get(peer)
+                if attempt or address is None:
+                    raise
+                logger.warning("offer to %s failed (%s): connecting to it again", peer, error)
+                assert self.worker.agent is not None  # start_load needs one
+                self.worker.agent.connect(*address, timeout=RECONNECT_SECONDS)
+        raise AssertionError("unreachable")
+
     def connect(self, command: Connect) -> None:
         if self.worker.agent is None:
             raise KVMoveError(f"worker {self.args.name} ({self.args.role}) has no kvmove agent")
@@ -283,6 +303,7 @@ class WorkerServer:
         except KVMoveError as error:  # the router tries again
             self.send(Connected(peer=None, error=str(error)))
         else:
+            self.peer_addresses[peer] = (command.host, command.port)
             self.send(Connected(peer=peer))
 
     def _request(self, command: Add | Reserve) -> Request:
