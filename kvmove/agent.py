@@ -262,6 +262,11 @@ class Agent:
         """
         return self._core.peer_path(name)
 
+    def peer_alive(self, name: str) -> bool:
+        """Whether ``name`` is a peer this agent can reach: added, and not failed (``peers``
+        lists failed ones too, until removed). False: ``connect`` to it again."""
+        return self._core.peer_alive(name)
+
     def remove_peer(self, name: str) -> None:
         """Fails the peer's pending transfers and streams (``PeerError``), then closes its
         endpoint after flushing what is already posted."""

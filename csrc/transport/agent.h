@@ -94,6 +94,8 @@ public:
     // How transfers with the peer move: "mapped" (memcpy into its mapped memory, same host)
     // or "ucx" (Path::kind).
     std::string peer_path(const std::string& name) const;
+    // Whether name is a peer this agent can reach: added, and not failed.
+    bool peer_is_alive(const std::string& name) const;
 
     // One-sided put (write) or get (read) of local_ids[i] <-> remote_ids[i] in the given
     // layers (all when nullopt); notify is delivered to the peer once the data is in place.

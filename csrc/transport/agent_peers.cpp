@@ -170,6 +170,11 @@ std::string Agent::peer_path(const std::string& name) const {
     return it->second->path->kind();
 }
 
+bool Agent::peer_is_alive(const std::string& name) const {
+    WorkerLock lock(*this);
+    return peer_alive(name);
+}
+
 // A peer whose process is known dead (a mapped peer's pidfd) fails at once, as UCX's error
 // callback would fail it.
 void Agent::check_peers() {

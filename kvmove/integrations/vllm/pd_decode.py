@@ -6,9 +6,10 @@ A load (``_Incoming``) runs in a pool thread, one state after the other::
     CONNECTING --offered--> OFFERED --ended--> ENDED
         \\__________________ended______________/^
 
-CONNECTING: finding the prefill's agent (connected on first use, again after a failure: the
-prefill may have restarted). OFFERED: the blocks are leased (an epoch and the ``load_timeout``
-deadline) and the lease was offered to the prefill, which streams into it. ENDED: the load
+CONNECTING: finding the prefill's agent (connected on first use, and again whenever it is no
+live peer: it failed, restarted, or this side cut it off). OFFERED: the blocks are leased (an
+epoch and the ``load_timeout`` deadline) and the lease was offered to the prefill, which
+streams into it. ENDED: the load
 completed or failed; on failure its blocks are load errors (vLLM recomputes them), reported
 only once no byte of the prefill's can land in them any more. A load with no blocks (the
 request was aborted before vLLM allocated any, or the decode has the whole prompt) offers
@@ -121,7 +122,6 @@ class PDDecodeWorker:
             logger.warning("kvmove: load of %s: %s", spec.req_id, error)
         except Exception as error:  # noqa: BLE001 - any failure: recompute, never hang
             errors = list(spec.blocks)
-            self._forget_peer(spec)
             logger.warning("kvmove: load of %s from %s:%d failed after %.1f s: %s",
                            spec.req_id, spec.remote_host, spec.remote_port,
                            time.monotonic() - started, error)
@@ -172,14 +172,12 @@ class PDDecodeWorker:
     # ---- peers ------------------------------------------------------------------------------
 
     def _peer(self, host: str, port: int) -> str:
+        """The prefill agent at ``host:port``, connected to again when it is no live peer (it
+        failed or restarted, or this side cut it off). A live one is kept: a connect makes
+        fresh endpoints both ways, which would fail the loads in flight from it."""
         with self._connect_lock:
             name = self._peers.get((host, port))
-            if name is None or name not in self.agent.peers:
+            if name is None or not self.agent.peer_alive(name):
                 name = self.agent.connect(host, port, timeout=self.timeout)
                 self._peers[(host, port)] = name
             return name
-
-    def _forget_peer(self, spec: LoadSpec) -> None:
-        """Connect afresh next time: the prefill may have restarted."""
-        with self._connect_lock:
-            self._peers.pop((spec.remote_host, spec.remote_port), None)
