@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from kvmove import _C
 from kvmove.auth import DeploymentKey, resolve_key
-from kvmove.bootstrap import MetadataServer, exchange, is_loopback, net_devices_for
+from kvmove.bootstrap import ListenerStats, MetadataServer, exchange, is_loopback, net_devices_for
 from kvmove.errors import ConfigError, PeerError
 from kvmove.kv_cache import KVCache, block_shape
 from kvmove.stream import LoadStream, Offer, SaveStream
@@ -89,13 +89,12 @@ class AgentStats:
 def _weak_add_peer(agent: Agent) -> Callable[[bytes], str]:
     ref = weakref.ref(agent)
 
-    def add_peer(metadata: bytes) -> str:
+    def add_peer(verified: bytes) -> str:
         target = ref()
         if target is None:
             raise PeerError("the listening agent is gone")
         # A connecting agent we have as a peer asks for fresh endpoints (it may have dropped
         # ours, or its earlier connect timed out before it saw our answer): take it again.
-        verified = target.key.verify(metadata)
         return target._core.add_peer(verified, rejoin=True)  # type: ignore[arg-type]
 
     return add_peer
@@ -345,7 +344,8 @@ class Agent:
             raise ConfigError(f"agent {self.name!r} already listens on {self._server.address}")
         # The listener thread holds the agent only weakly, and is closed when the agent is
         # collected: an agent dropped without close() must not live on through its listener.
-        self._server = MetadataServer(self.metadata(), _weak_add_peer(self), host, port)
+        self._server = MetadataServer(self.metadata(), self.key.verify, _weak_add_peer(self),
+                                      host, port)
         weakref.finalize(self, self._server.close)
         return self._server.address
 
@@ -353,6 +353,11 @@ class Agent:
     def listen_address(self) -> tuple[str, int] | None:
         """Where ``listen()`` serves metadata exchange, or None."""
         return None if self._server is None else self._server.address
+
+    def listener_stats(self) -> ListenerStats | None:
+        """What ``listen()``'s listener received (``ListenerStats``: exchanges, refusals,
+        unsigned input and how much of it went unanswered), or None when not listening."""
+        return None if self._server is None else self._server.stats()
 
     def connect(self, host: str, port: int, timeout: float = 10.0) -> str:
         """Exchanges metadata with an agent listening at ``host:port``; returns its name.

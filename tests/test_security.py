@@ -15,8 +15,11 @@ from __future__ import annotations
 import gc
 import math
 import secrets
+import select
 import stat
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +33,13 @@ from hypothesis import strategies as st
 import kvmove
 from kvmove import _C, StreamState
 from kvmove.auth import DeploymentKey, resolve_key
-from kvmove.bootstrap import MAX_EXCHANGES_PER_SECOND, MAX_MESSAGE_BYTES, MetadataServer
+from kvmove.bootstrap import (
+    MAX_EXCHANGES_PER_SECOND,
+    MAX_MESSAGE_BYTES,
+    MAX_REFUSALS_PER_SECOND,
+    ListenerStats,
+    MetadataServer,
+)
 from kvmove.errors import ConfigError, MetadataError, PeerError
 
 from helpers.checks import listening_addresses, names
@@ -42,6 +51,7 @@ LAYOUT = dict(num_layers=4, num_kv_heads=2, head_dim=16, dtype="float16", block_
 NUM_BLOCKS = 16
 WAIT = 10.0
 TCP = {"transports": "tcp"}
+FLOOD = Path(__file__).parent / "helpers" / "flood.py"
 
 
 def agent(name: str, **kwargs) -> kvmove.Agent:
@@ -256,7 +266,7 @@ def test_finding_3_a_listener_whose_add_peer_breaks_still_answers_and_keeps_serv
             raise RuntimeError("a bug")
         return "peer"
 
-    server = MetadataServer(b"own", add_peer)
+    server = MetadataServer(b"own", lambda signed: signed, add_peer)
     try:
         first = zmq_request(server.address, b"first", int(WAIT * 1000))
         assert first is not None and first.startswith(b"ER internal error: RuntimeError"), first
@@ -422,27 +432,100 @@ def test_finding_8_an_agent_takes_at_most_max_peers():
 
 
 def test_finding_8_the_side_channel_bounds_message_size_and_rate(pair):
-    """Over MAX_MESSAGE_BYTES, ZeroMQ drops the message (no answer, nothing read); past
-    MAX_EXCHANGES_PER_SECOND the listener answers "busy" without reading; it serves a real
-    connect afterwards."""
+    """Over MAX_MESSAGE_BYTES, ZeroMQ drops the message (no answer, nothing read). From one
+    source, signed exchanges past MAX_EXCHANGES_PER_SECOND are answered "busy" before
+    add_peer, and unsigned ones past MAX_REFUSALS_PER_SECOND go unanswered; the listener
+    counts each kind, and serves a real connect afterwards."""
     address = pair.a.listen()
     assert zmq_request(address, b"\0" * (MAX_MESSAGE_BYTES + 1), 1000) is None
-    # Three seconds' worth of exchanges at once, from as many sockets.
-    ctx = zmq.Context()
-    try:
-        socks = [ctx.socket(zmq.REQ) for _ in range(3 * MAX_EXCHANGES_PER_SECOND)]
-        for sock in socks:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"tcp://{address[0]}:{address[1]}")
-            sock.send(b"junk")
-        replies = [sock.recv() if sock.poll(int(WAIT * 1000)) else None for sock in socks]
-    finally:
-        ctx.destroy(linger=0)
+    # Three seconds' worth of each at once, from as many sockets.
+    signed = pair.a.key.sign(b"junk")  # passes the signature, then add_peer refuses it
+    replies = zmq_burst(address, [signed] * (3 * MAX_EXCHANGES_PER_SECOND), WAIT)
     busy = sum(r is not None and r.startswith(b"ER busy") for r in replies)
     assert None not in replies and 0 < busy < len(replies), (busy, replies[:2])
+    # Another source (127.0.0.2 is loopback too) has a whole budget of its own.
+    other = zmq_burst(address, [signed] * len(replies), WAIT, source="127.0.0.2")
+    other_busy = sum(r is not None and b"busy" in r for r in other)
+    assert None not in other and len(other) - other_busy >= MAX_EXCHANGES_PER_SECOND, other_busy
+    junk = zmq_burst(address, [b"junk"] * (3 * MAX_REFUSALS_PER_SECOND), 1.0)
+    answered = [r for r in junk if r is not None]
+    assert 0 < len(answered) < len(junk), answered
+    assert all(b"not signed kvmove metadata" in r for r in answered), answered
+    assert pair.a.listener_stats() == ListenerStats(
+        joined=0, refused=2 * len(replies) - busy - other_busy, busy=busy + other_busy,
+        unsigned=len(junk),
+        dropped=len(junk) - len(answered))
     time.sleep(1.1)
     with agent("late") as late:
         assert late.connect(*address, timeout=WAIT) == "a"
+    assert pair.a.listener_stats().joined == 1
+
+
+def zmq_burst(address: tuple[str, int], messages: list[bytes], seconds: float,
+              source: str = "127.0.0.1") -> list[bytes | None]:
+    """Each message from a REQ socket of its own (from the address ``source``), all sent
+    before any answer is read; the answers, None for those not answered within ``seconds``."""
+    ctx = zmq.Context()
+    try:
+        socks = [ctx.socket(zmq.REQ) for _ in messages]
+        for sock, message in zip(socks, messages):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{source}:0;{address[0]}:{address[1]}")
+            sock.send(message)
+        deadline = time.monotonic() + seconds
+        return [sock.recv() if sock.poll(max(0, int((deadline - time.monotonic()) * 1000)))
+                else None for sock in socks]
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_issue_28_a_keyless_flood_leaves_keyed_peers_a_way_in(pair):
+    """Issue 28, row 3: a keyless flood (975k junk messages in 12 s) spent the listener's one
+    budget of 100 exchanges a second, and 0 of 10 keyed connects got in. Input without the
+    key is now refused by its signature before it costs an exchange, and budgets are per
+    source: while another process floods the listener as fast as it takes messages, at least
+    9 of 10 keyed connects get in, and the flood is counted and all but a trickle of it left
+    unanswered."""
+    address = pair.a.listen()
+    flood = subprocess.Popen([sys.executable, str(FLOOD), *map(str, address)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert flood.stdout is not None and flood.stdin is not None
+        ready = select.select([flood.stdout], [], [], WAIT)[0]
+        assert ready and flood.stdout.readline() == "flooding\n", "the flood never began"
+        wait_until(lambda: pair.a.listener_stats().unsigned >= 1000, WAIT,
+                   lambda: f"the flood has not reached the listener: {pair.a.listener_stats()}")
+        started = time.monotonic()
+        joined = 0
+        with agent("keyed") as keyed:
+            for _ in range(10):
+                time.sleep(0.2)  # spread over 2 s of flood: more than one second's budget
+                try:
+                    joined += keyed.connect(*address, timeout=WAIT) == "a"
+                except PeerError as error:
+                    print(f"a keyed connect failed during the flood: {error}")
+        seconds = time.monotonic() - started
+        assert flood.poll() is None, "the flood ended before the connects did"
+        flood.stdin.write("stop\n")
+        flood.stdin.flush()
+        assert select.select([flood.stdout], [], [], WAIT)[0], "the flood did not stop"
+        sent = int(flood.stdout.readline())
+        assert joined >= 9, f"{joined} of 10 keyed connects got in during the flood"
+        # the flood holds its connections open until the listener has read all it sent
+        wait_until(lambda: pair.a.listener_stats().unsigned >= sent, WAIT,
+                   lambda: f"{sent} sent, {pair.a.listener_stats()}")
+        flood.communicate(timeout=WAIT)
+    finally:
+        if flood.poll() is None:
+            flood.kill()
+            flood.wait(WAIT)
+    stats = pair.a.listener_stats()
+    print(f"flood: {sent} messages sent; 10 connects took {seconds:.1f} s; {stats}")
+    assert stats.unsigned == sent, (sent, stats)
+    answered = stats.unsigned - stats.dropped
+    assert answered <= MAX_REFUSALS_PER_SECOND * (seconds + WAIT + 1), (seconds, stats)
+    assert (stats.joined, stats.busy, stats.refused) == (joined, 0, 0), stats
+    pair.assert_serving()
 
 
 # --- 10: unkeyed block hashes could be engineered to collide ----------------------------------

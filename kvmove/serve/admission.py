@@ -1,5 +1,6 @@
 """Which HTTP requests get in, decided before the API sees them: the Host header, the body's
-size and the number of completions in flight. Each refusal is OpenAI's error body.
+size and arrival, and the number of completions in flight. Each refusal is OpenAI's error
+body.
 
 * **Host** (421): only the names in ``ServeConfig.hosts()`` (by default the loopback names and
   the address the server is bound to). A web page can make a browser send requests to
@@ -7,16 +8,23 @@ size and the number of completions in flight. Each refusal is OpenAI's error bod
   ``Host`` and are refused. A request without a Host header is refused with 400.
 * **Body** (413): at most ``max_body_bytes``; a ``Content-Length`` over it is refused before a
   byte is read, a body without one (chunked) once it passes the limit.
+* **Arrival** (408): a completion's body is read whole here, within ``body_timeout`` seconds
+  of its headers, before it counts as pending. A request used to count from its headers on,
+  with no deadline on its body: ``--max-pending`` connections that never finished their
+  bodies turned every completion away with 429 (issue 28). The 408 closes the connection.
 * **Pending** (429 with ``Retry-After``): at most ``max_pending`` completions admitted and not
   finished (streams included, until their last byte); ``/health``, ``/metrics`` and
   ``/v1/models`` are never refused for it, so an overloaded server can still be watched.
 
-A pure ASGI middleware rather than a FastAPI dependency: the size check has to sit between the
-socket and FastAPI's body parsing, and the count has to last until a stream's end.
+A pure ASGI middleware rather than a FastAPI dependency: the size check and the body's
+deadline have to sit between the socket and FastAPI's body parsing, and the count has to last
+until a stream's end. (Headers that never finish never reach ASGI: ``connections.py`` bounds
+those.)
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -57,14 +65,16 @@ class Admission:
         app: the ASGI app it guards.
         hosts: Host names served (lower case, no port); None: any.
         max_body_bytes: the largest request body.
+        body_timeout: seconds a completion's body may take to arrive, from its headers.
         max_pending: completions admitted at once.
         metrics: where refusals and the pending count are recorded.
     """
 
     def __init__(self, app: ASGIApp, *, hosts: frozenset[str] | None, max_body_bytes: int,
-                 max_pending: int, metrics: AdmissionMetrics) -> None:
+                 body_timeout: float, max_pending: int, metrics: AdmissionMetrics) -> None:
         self.app, self.hosts, self.metrics = app, hosts, metrics
-        self.max_body_bytes, self.max_pending = max_body_bytes, max_pending
+        self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
+        self.max_pending = max_pending
         self.pending = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -72,22 +82,57 @@ class Admission:
             await self.app(scope, receive, send)
             return
         refusal = self._host_refusal(scope) or self._length_refusal(scope)
-        if refusal is None and scope["path"] in COMPLETION_PATHS and \
-                self.pending >= self.max_pending:
-            refusal = APIError(429, f"{self.pending} requests are in progress, the limit "
-                                    f"(--max-pending) is {self.max_pending}: retry later",
-                               kind="requests", code="rate_limit_exceeded")
         if refusal is not None:
             await self._refuse(refusal, scope, receive, send)
             return
         if scope["path"] not in COMPLETION_PATHS:
             await self.app(scope, self._bounded(receive), send)
             return
+        try:
+            body = await self._body(receive)
+        except APIError as error:
+            await self._refuse(error, scope, receive, send)
+            return
+        if body is None:
+            return  # the client went away before its body was complete: no one to answer
+        if self.pending >= self.max_pending:
+            await self._refuse(APIError(
+                429, f"{self.pending} requests are in progress, the limit (--max-pending) is "
+                     f"{self.max_pending}: retry later", kind="requests",
+                code="rate_limit_exceeded"), scope, receive, send)
+            return
         self._count(+1)
         try:
-            await self.app(scope, self._bounded(receive), send)
+            await self.app(scope, _replay(body, receive), send)
         finally:
             self._count(-1)
+
+    async def _body(self, receive: Receive) -> bytes | None:
+        """A completion's whole body, read within ``body_timeout`` seconds; None when the
+        client disconnected first.
+
+        Raises:
+            APIError: 413 past ``max_body_bytes`` (a chunked body announces no length), 408
+                past the deadline.
+        """
+        chunks: list[bytes] = []
+        nbytes = 0
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return None
+                    chunks.append(message.get("body", b""))
+                    nbytes += len(chunks[-1])
+                    if nbytes > self.max_body_bytes:
+                        raise _too_large(nbytes, self.max_body_bytes, "at least")
+                    if not message.get("more_body", False):
+                        return b"".join(chunks)
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.body_timeout:g} "
+                                f"s of its headers (--body-timeout); {nbytes} bytes came",
+                           code="request_timeout") from None
 
     def _count(self, step: int) -> None:
         self.pending += step
@@ -97,6 +142,8 @@ class Admission:
                       send: Send) -> None:
         self.metrics.rejected.labels(status=str(error.status)).inc()
         headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if error.status == 429 else None
+        if error.status in (408, 413):  # the rest of the body is not read: no next request
+            headers = {"Connection": "close"}
         await error_response(error, headers)(scope, receive, send)
 
     def _host_refusal(self, scope: Scope) -> APIError | None:
@@ -136,6 +183,16 @@ class Admission:
             return message
 
         return bounded
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """``receive``, handing out ``body`` (read already) first: the app reads it as it came."""
+    unread = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> Message:
+        return unread.pop() if unread else await receive()
+
+    return replay
 
 
 def _too_large(nbytes: int, limit: int, qualifier: str = "") -> APIError:

@@ -220,6 +220,7 @@ def create_app(router: Router, tokenizer: Any, model_name: str, max_positions: i
     app = FastAPI(title="kvmove-serve", lifespan=lifespan)
     config = router.config
     app.add_middleware(Admission, hosts=config.hosts(), max_body_bytes=config.max_body_bytes,
+                       body_timeout=config.connections.body_timeout,
                        max_pending=config.max_pending, metrics=router.metrics)
     install_error_handlers(app)
     model = Model(model_name, tokenizer, load_chat_template(tokenizer_dir), max_positions)

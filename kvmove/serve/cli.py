@@ -32,7 +32,7 @@ import kvmove
 from kvmove import _log
 from kvmove.errors import ConfigError, KVMoveError
 from kvmove.integrations.vllm.params import TransferMode
-from kvmove.serve.config import MODES, ROUTINGS, Mode, ServeConfig
+from kvmove.serve.config import MODES, ROUTINGS, ConnectionLimits, Mode, ServeConfig
 from kvmove.serve.planner import Bounds, parse_bounds
 from kvmove.serve.vllm.pools import KV_MODES, ProxyConfig
 
@@ -45,6 +45,7 @@ _UNSET = object()
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _DEFAULTS = ServeConfig()
+_LIMITS = ConnectionLimits()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -121,6 +122,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=_DEFAULTS.max_body_bytes,
                    help="the largest request body; larger ones are refused with 413 (default "
                    f"{_DEFAULTS.max_body_bytes})")
+    p.add_argument("--body-timeout", type=float, default=_LIMITS.body_timeout,
+                   help="seconds a completion's body may take to arrive after its headers; "
+                   "later is a 408. A request counts against --max-pending only once its "
+                   f"body is in (default {_LIMITS.body_timeout:g})")
+    p.add_argument("--header-timeout", type=float, default=_LIMITS.header_timeout,
+                   help="seconds a request's headers may take to arrive, from the connection "
+                   "or the previous response; then the connection is closed (default "
+                   f"{_LIMITS.header_timeout:g})")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="HTTP connections held at once; past it, the one that has waited "
+                   "longest for its request is closed (default: the file-descriptor limit, "
+                   "its soft value raised to the hard one at start, less an eighth of it, at "
+                   "least 64: 896 of 1,024)")
     p.add_argument("--allowed-hosts", default=None,
                    help="comma-separated Host header names served, '*' for any (default: "
                    "localhost, 127.0.0.1, ::1 and --host); others are refused with 421, "
@@ -218,7 +232,7 @@ async def _serve(config: ServeConfig) -> int:
                      tokenizer_dir=getattr(tokenizer, "path", None))
     roles = ", ".join(f"{n} ({r})" for n, r in config.roles())
     # streams in flight get an error event instead of a long wait
-    return await _run(app, listener, config.log_level,
+    return await _run(app, listener, config.log_level, config.connections,
                       lambda: router.abort_all("the server is shutting down"),
                       f"mode {config.mode}, model {name}, workers: {roles}")
 
@@ -231,19 +245,22 @@ async def _serve_proxy(config: ProxyConfig) -> int:
     listener = _listen(config.host, config.port)
     about = (f"vLLM proxy, kv-mode {config.kv_mode}, prefill: {' '.join(config.prefill)}, "
              f"decode: {' '.join(config.decode)}")
-    return await _run(create_app(Proxy(config)), listener, config.log_level, lambda: None,
-                      about)
+    return await _run(create_app(Proxy(config)), listener, config.log_level,
+                      config.connections, lambda: None, about)
 
 
 async def _run(app: Callable[..., Any], listener: socket.socket, level: str,
-               abort: Callable[[], None], about: str) -> int:
+               limits: ConnectionLimits, abort: Callable[[], None], about: str) -> int:
     """Serves ``app`` on ``listener`` until SIGINT or SIGTERM (``abort()`` first), printing
     the ready line (``about`` in its parentheses) once it listens."""
     import uvicorn
 
+    from kvmove.serve.connections import guarded_h11
+
     # log_config None: uvicorn's loggers keep their level (ours) and use our handler and format
-    server = _server_class()(uvicorn.Config(app, log_config=None, log_level=level,
-                                            lifespan="on", timeout_graceful_shutdown=5))
+    server = _server_class()(uvicorn.Config(
+        app, log_config=None, log_level=level, lifespan="on", timeout_graceful_shutdown=5,
+        http=guarded_h11(limits)))
 
     def shut_down() -> None:
         abort()
@@ -260,6 +277,11 @@ async def _run(app: Callable[..., Any], listener: socket.socket, level: str,
         print(f"kvmove-serve ready on http://{host}:{port} ({about})", flush=True)
     await serving
     return 0 if server.started else 1
+
+
+def _connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    return ConnectionLimits(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                            max_connections=args.max_connections)
 
 
 def _proxy_config(parser: argparse.ArgumentParser, args: argparse.Namespace,
@@ -283,7 +305,8 @@ def _proxy_config(parser: argparse.ArgumentParser, args: argparse.Namespace,
         prefill=tuple(args.vllm_prefill), decode=tuple(args.vllm_decode),
         kv_mode=TransferMode(args.kv_mode or TransferMode.PUSH), host=args.host, port=args.port,
         request_timeout=args.request_timeout, max_pending=args.max_pending,
-        max_body_bytes=args.max_body_bytes, log_level=log_level(args.log_level),
+        max_body_bytes=args.max_body_bytes, connections=_connection_limits(args),
+        log_level=log_level(args.log_level),
         allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(","))
         if args.allowed_hosts is not None else None)
 
@@ -330,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
             store_host_gb=args.store_host_gb, store_disk_gb=args.store_disk_gb,
             checksums=not args.no_checksums, restart=not args.no_restart,
             log_level=log_level(args.log_level), max_pending=args.max_pending,
-            max_body_bytes=args.max_body_bytes, planner=args.planner,
+            max_body_bytes=args.max_body_bytes, connections=_connection_limits(args),
+            planner=args.planner,
             prefill_bounds=_pair(args.prefill_workers), decode_bounds=_pair(args.decode_workers),
             planner_interval=args.planner_interval,
             allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(","))

@@ -13,7 +13,7 @@ from kvmove.engine.role import Role
 from kvmove.errors import ConfigError
 from kvmove.serve.planner import Bounds
 
-__all__ = ["LOOPBACK_HOSTS", "MODES", "ROUTINGS", "Mode", "ServeConfig"]
+__all__ = ["LOOPBACK_HOSTS", "MODES", "ROUTINGS", "ConnectionLimits", "Mode", "ServeConfig"]
 
 
 class Mode(enum.StrEnum):
@@ -29,6 +29,34 @@ class Mode(enum.StrEnum):
 MODES: tuple[str, ...] = tuple(mode.value for mode in Mode)  # as Role's ROLES
 ROUTINGS = ("kv", "least-loaded")
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """How long a request may take to arrive, and how many connections the HTTP server holds
+    (``connections.py``; the body's deadline is ``admission.py``'s).
+
+    Attributes:
+        header_timeout: seconds for a request's headers (``--header-timeout``).
+        body_timeout: seconds for a completion's body, from its headers (``--body-timeout``).
+        max_connections: connections held at once (``--max-connections``); None: from the
+            file-descriptor limit (``connections.max_connections_for``: 896 of 1,024).
+    """
+
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    max_connections: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("header_timeout", "body_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or \
+                    not 0 < value < 1e6:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        value = self.max_connections
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or
+                                  value < 1):
+            raise ConfigError(f"max_connections must be a positive int, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +93,7 @@ class ServeConfig:
     log_level: str = "info"       # the router's, uvicorn's and every worker's
     max_pending: int = 256        # completions admitted at once (more: 429)
     max_body_bytes: int = 4 * 2**20  # a request body (more: 413)
+    connections: ConnectionLimits = ConnectionLimits()  # deadlines, and how many are held
     allowed_hosts: tuple[str, ...] | None = None  # Host headers served (None: loopback + host)
     # Workers as Ray actors (ray_workers.py): None, the local launcher (child processes);
     # "local", a Ray started here; else the address of a Ray cluster to connect to.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import queue
+import resource
 import signal
 import subprocess
 import sys
@@ -73,15 +74,18 @@ class Server:
     """One ``kvmove-serve`` process (and, through it, its workers)."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None,
-                 engine: bool = True) -> None:
-        """``engine`` False: a vLLM proxy (``--vllm-*`` in ``args``), no model, no workers."""
+                 engine: bool = True, max_fds: int | None = None) -> None:
+        """``engine`` False: a vLLM proxy (``--vllm-*`` in ``args``), no model, no workers.
+        ``max_fds``: the server's (and its workers') file-descriptor limit, soft and hard."""
         self.args = ["--port", "0", *(["--model", "tiny"] if engine else []), *args]
         self.tag = uuid.uuid4().hex
         self.stderr = tempfile.TemporaryFile(mode="w+")  # a file: a full pipe cannot block it
         self.process = subprocess.Popen(
             [sys.executable, "-m", "kvmove.serve.cli", *self.args], cwd=WORKDIR, text=True,
             stdout=subprocess.PIPE, stderr=self.stderr,
-            env={**os.environ, **(env or {}), TAG_VARIABLE: self.tag, "PYTHONUNBUFFERED": "1"})
+            env={**os.environ, **(env or {}), TAG_VARIABLE: self.tag, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=None if max_fds is None else lambda: resource.setrlimit(
+                resource.RLIMIT_NOFILE, (max_fds, max_fds)))
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read_stdout, daemon=True).start()
         self.worker_pids: list[int] = []

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvmove.errors import ConfigError
 from kvmove.integrations.vllm.params import KVTransferParams, TransferMode
-from kvmove.serve.config import LOOPBACK_HOSTS
+from kvmove.serve.config import LOOPBACK_HOSTS, ConnectionLimits
 
 __all__ = ["KV_MODES", "Instance", "Pool", "ProxyConfig", "ProxyMetrics"]
 
@@ -39,6 +39,7 @@ class ProxyConfig:
     request_timeout: float = 120.0  # seconds: any upstream call, and a stream's gap
     max_pending: int = 256
     max_body_bytes: int = 4 * 2**20
+    connections: ConnectionLimits = ConnectionLimits()
     allowed_hosts: tuple[str, ...] | None = None
     log_level: str = "info"
 

@@ -267,6 +267,7 @@ def create_app(proxy: Proxy) -> FastAPI:
     config = proxy.config
     app = FastAPI(title="kvmove-serve (vLLM proxy)", lifespan=lifespan)
     app.add_middleware(Admission, hosts=config.hosts(), max_body_bytes=config.max_body_bytes,
+                       body_timeout=config.connections.body_timeout,
                        max_pending=config.max_pending, metrics=proxy.metrics)
     install_error_handlers(app)
 
