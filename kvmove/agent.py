@@ -242,13 +242,15 @@ class Agent:
 
         A peer of that name that comes back with new metadata (it restarted) replaces the
         old one: the old connection is closed first (its remote key dropped before it), and
-        whatever was in flight with it fails with ``PeerError``.
+        whatever was in flight with it fails with ``PeerError``. A new run is told by its
+        incarnation alone (one this agent has not seen under the name), never by the clock of
+        its host; a run that another replaced is refused as a replay.
 
         Raises:
             MetadataError: not signed with this deployment's key; truncated, corrupted or
                 foreign metadata.
-            PeerError: the same peer is already added, an earlier run of it (a replay), the
-                agent has ``max_peers`` already, or the peer cannot be reached.
+            PeerError: the same peer is already added, a run of it that another replaced (a
+                replay), the agent has ``max_peers`` already, or the peer cannot be reached.
         """
         return self._core.add_peer(self.key.verify(metadata))  # type: ignore[arg-type]
 

@@ -38,6 +38,7 @@
 #include "transport/faults.h"
 #include "transport/metadata.h"
 #include "transport/path.h"
+#include "transport/peer_runs.h"
 #include "transport/transfer.h"
 #include "transport/ucx.h"
 
@@ -250,6 +251,7 @@ private:
         const Agent& agent_;
     };
     std::map<std::string, std::unique_ptr<Peer>> peers_;
+    PeerRuns runs_;  // each peer name's current and retired runs: a restart or a replay
     // Each peer by its endpoint: how an incoming message is attributed (never by a name in it).
     std::unordered_map<ucp_ep_h, Peer*> by_ep_;
     std::unordered_map<Transfer*, std::unique_ptr<InFlight>> in_flight_;

@@ -19,10 +19,18 @@ constexpr double kDropSeconds = 2.0;  // how long a dropped peer's connection ma
 
 }  // namespace
 
+// A run of a peer is told from another by its incarnation, never by its clock
+// (transport/peer_runs.h): metadata of a run this agent saw replaced is a replay, refused;
+// any incarnation not seen under the name is a new run, which replaces the known one.
 std::string Agent::add_peer(const std::vector<uint8_t>& metadata, bool rejoin) {
     AgentMetadata meta = decode(metadata);
     WorkerLock lock(*this);
     check_open();
+    KVMOVE_CHECK(!runs_.retired(meta.name, meta.incarnation), Peer,
+                 "metadata of '" << meta.name << "' is a replay: its run (incarnation "
+                                 << meta.incarnation << ") was replaced by incarnation "
+                                 << runs_.current(meta.name) << ", and agent '" << name_
+                                 << "' refuses a retired run");
     auto old = peers_.find(meta.name);
     if (old != peers_.end()) {
         const AgentMetadata& known = old->second->meta;
@@ -33,11 +41,11 @@ std::string Agent::add_peer(const std::vector<uint8_t>& metadata, bool rejoin) {
         // alive here, and messages between an old endpoint and a new one are nobody's.
         KVMOVE_CHECK(rejoin || !old->second->failure.empty() || !same, Peer,
                      "peer '" << meta.name << "' is already added to agent '" << name_ << "'");
-        // An earlier run's metadata (a replay, or a stale copy) never displaces a later one.
-        KVMOVE_CHECK(same || meta.started_ns > known.started_ns, Peer,
-                     "metadata of '" << meta.name << "' is of a run that started before the one "
-                                     << "agent '" << name_ << "' knows (incarnation "
-                                     << meta.incarnation << " vs " << known.incarnation << ")");
+        // One run has one worker address: the same incarnation elsewhere is no run of it.
+        KVMOVE_CHECK(same || meta.incarnation != known.incarnation, Peer,
+                     "metadata of '" << meta.name << "' names the run agent '" << name_
+                                     << "' knows (incarnation " << meta.incarnation
+                                     << ") with another worker address");
         // It came back (a new incarnation), or reconnects: its old connection goes first, and
         // everything of the old one fails.
         drop_peer(old, true, ErrorKind::Peer,
@@ -56,6 +64,8 @@ std::string Agent::add_peer(const std::vector<uint8_t>& metadata, bool rejoin) {
     std::string peer_name = peer->meta.name;
     by_ep_[peer->path->endpoint()] = peer.get();
     peers_.emplace(peer_name, std::move(peer));
+    runs_.added(peer_name, meta.incarnation,
+                [this](const std::string& name) { return peers_.count(name) > 0; });
     return peer_name;
 }
 

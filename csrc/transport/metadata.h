@@ -33,9 +33,11 @@
 //
 // incarnation: a random nonzero number an agent picks when it starts, the high 32 bits of the
 // epochs of the leases it grants. A peer that comes back under the same name has another, so
-// its survivors tell a restart from a duplicate, and a lease of the old run from one of the
-// new (stream/stream_protocol.h). started_ns (the agent's start, wall clock) orders two runs of
-// one name: a survivor takes a newer run's metadata and refuses an older one's (a replay).
+// its survivors tell a restart from a duplicate, a new run from a replay of a run it replaced
+// (transport/peer_runs.h), and a lease of the old run from one of the new
+// (stream/stream_protocol.h). started_ns (the agent's start, wall clock) is informational
+// only: nothing orders runs by it, since a host's clock may be behind another's or step back
+// (issue 27). It stays on the wire so that version 5 peers keep reading each other.
 //
 // decode() checks every length against what is left, every count against its limit, the
 // checksum and that nothing trails, and throws MetadataError naming the field. The checksum
