@@ -28,6 +28,7 @@ from kvmove.serve import cli
 from kvmove.serve.config import ConnectionLimits
 from kvmove.serve.connections import max_connections_for
 
+from helpers.checks import WORKDIR
 from helpers.serve import HTTP_SECONDS, Server
 
 MODEL = "tiny"
@@ -194,5 +195,5 @@ def test_the_soft_fd_limit_is_raised_to_the_hard_one() -> None:
               "resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))\n"
               "print(raise_fd_limit() == hard == resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=HTTP_SECONDS)
+                            timeout=HTTP_SECONDS, cwd=WORKDIR)
     assert result.stdout.strip() == "True", result.stderr
