@@ -133,6 +133,17 @@ void StreamProtocol::post_layer(const std::shared_ptr<SaveStream>& s, int64_t la
         layer_result(s, layer, {false, ErrorKind::Transfer, "cancelled by the receiver"});
         return;
     }
+    auto it = sending_.find({s->peer(), s->epoch()});
+    if (it == sending_.end() || it->second.stream != s) {
+        // It ended (failed: its peer was dropped or replaced) after this layer was saved. A
+        // peer of that name now is a new connection, maybe a new run: nothing of this stream
+        // may reach it, and its receiver may have been told nothing of it is in flight.
+        layer_result(
+            s, layer,
+            {false, ErrorKind::Peer,
+             describe(s->request_id(), s->peer()) + " ended before this layer was posted"});
+        return;
+    }
     if (!port_.peer_alive(s->peer())) {
         layer_result(s, layer, {false, ErrorKind::Peer, "peer '" + s->peer() + "' is gone"});
         return;
