@@ -2,9 +2,10 @@
 worker stalls (SIGSTOP) in the middle of a hand-off, long enough that the decode worker gives
 up its lease, cancels and, unanswered, cuts the prefill off. Once the prefill runs again the
 next requests are served (they all got HTTP 500, "unknown peer 'prefill-0'", and the decode's
-free blocks leaked): the decode worker connects to it again on fresh endpoints and retries its
-offer, and the cut-off lease's quarantine ends with the prefill's Abort over the new
-connection. A real kvmove-serve and the official client; every wait has a deadline."""
+free blocks leaked): the decode worker connects to it again on fresh endpoints by itself
+(``kvmove/serve/peer_links.py``), and the cut-off lease's quarantine ends with the prefill's
+Abort over the new connection. A real kvmove-serve and the official client; every wait has a
+deadline."""
 
 from __future__ import annotations
 
@@ -56,14 +57,16 @@ def test_after_a_stalled_prefill_is_cut_off_the_next_requests_are_served() -> No
         finally:
             os.kill(prefill, signal.SIGCONT)
         thread.join(60.0)
+        # With no request to make it, the decode worker connects to the prefill again, and the
+        # cut-off lease's quarantine ends with the prefill's Abort over the new connection.
+        wait_until(lambda: _metric(server, "kvmove_worker_free_blocks", "decode-0") == NUM_BLOCKS
+                   and _metric(server, "kvmove_agent_blocks_quarantined", "decode-0") == 0,
+                   15.0, lambda: f"decode-0's blocks all back: {server.health()}")
         for i in range(4):
             response = client.completions.create(model="tiny", prompt=f"after {i} " * 8,
                                                  max_tokens=MAX_TOKENS, temperature=0.0,
                                                  extra_body={"ignore_eos": True})
             assert response.usage.completion_tokens == MAX_TOKENS
-        wait_until(lambda: _metric(server, "kvmove_worker_free_blocks", "decode-0") == NUM_BLOCKS
-                   and _metric(server, "kvmove_agent_blocks_quarantined", "decode-0") == 0,
-                   10.0, lambda: f"decode-0's blocks all back: {server.health()}")
         assert server.health()["status"] == "ok"
     finally:
         server.close()

@@ -63,6 +63,7 @@ from kvmove.serve.messages import (
     encode,
     parse_command,
 )
+from kvmove.serve.peer_links import PeerLinks
 from kvmove.serve.workers import LINE_FORMAT
 from kvmove.store import DiskTier, HostTier, KVStore
 
@@ -75,7 +76,6 @@ IDLE_POLL_MS = 20
 # threads moving that very KV (kvmove's, unpinned) and the other workers could use. A
 # transfer that ends is seen within this.
 TRANSFER_POLL_MS = 1
-RECONNECT_SECONDS = 5.0  # a decode worker connecting again to a prefill worker it lost
 
 
 def load_model(name: str, seed: int = 0) -> tuple[LlamaForCausalLM, str | None]:
@@ -159,9 +159,9 @@ class WorkerServer:
         self.running = True
         self._last_stats = 0.0
         self.notifications_dropped = 0
-        # Where each peer's agent listens (the router's Connect commands): a decode worker
-        # that lost a prefill peer (it cut off a stalled one) connects to it again by itself.
-        self.peer_addresses: dict[str, tuple[str, int]] = {}
+        # Its peers kept connected (a decode worker that lost a prefill peer connects to it
+        # again by itself).
+        self.links = PeerLinks(self.worker.agent) if self.worker.agent is not None else None
 
     def send(self, event: Any) -> None:
         self.socket.send(encode(event))
@@ -178,6 +178,8 @@ class WorkerServer:
         agent = self.worker.agent
         with unpinned():  # its listener thread, like the agent's others
             address = agent.listen() if agent is not None else None
+            if self.links is not None and self.args.role == Role.DECODE:
+                self.links.start()
         self.send(Ready(name=self.args.name, role=self.args.role, agent=address,
                         num_blocks=self.worker.cache.num_blocks,
                         block_size=self.args.block_size, pid=os.getpid()))
@@ -287,23 +289,19 @@ class WorkerServer:
                 self.worker.start_load(request, peer)  # frees the blocks if it fails
                 return blocks
             except PeerError as error:
-                address = self.peer_addresses.get(peer)
-                if attempt or address is None:
-                    raise
                 logger.warning("offer to %s failed (%s): connecting to it again", peer, error)
-                assert self.worker.agent is not None  # start_load needs one
-                self.worker.agent.connect(*address, timeout=RECONNECT_SECONDS)
+                if attempt or self.links is None or not self.links.reconnect(peer):
+                    raise
         raise AssertionError("unreachable")
 
     def connect(self, command: Connect) -> None:
-        if self.worker.agent is None:
+        if self.links is None:
             raise KVMoveError(f"worker {self.args.name} ({self.args.role}) has no kvmove agent")
         try:
-            peer = self.worker.agent.connect(command.host, command.port)
+            peer = self.links.connect(command.host, command.port)
         except KVMoveError as error:  # the router tries again
             self.send(Connected(peer=None, error=str(error)))
         else:
-            self.peer_addresses[peer] = (command.host, command.port)
             self.send(Connected(peer=peer))
 
     def _request(self, command: Add | Reserve) -> Request:
@@ -312,6 +310,8 @@ class WorkerServer:
         return request
 
     def close(self) -> None:
+        if self.links is not None:
+            self.links.stop()
         self.worker.close()
         if self.store is not None:
             self.store.close()
