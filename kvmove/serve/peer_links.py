@@ -23,21 +23,25 @@ __all__ = ["PeerLinks"]
 logger = logging.getLogger(__name__)
 
 RECONNECT_INTERVAL = 1.0  # seconds between tries to reach a lost peer
-CONNECT_SECONDS = 5.0     # one try's deadline
+CONNECT_SECONDS = 2.0     # one try's deadline (an exchange takes milliseconds)
 
 
 class PeerLinks:
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
         self._addresses: dict[str, tuple[str, int]] = {}
-        self._lock = threading.Lock()  # one connect at a time: each makes fresh endpoints
+        # One connect at a time per address (each makes fresh endpoints), and only per
+        # address: a try at a dead peer's old address must not hold up the router's Connect
+        # to its new run.
+        self._locks: dict[tuple[str, int], threading.Lock] = {}
+        self._locks_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def connect(self, host: str, port: int) -> str:
         """Connects to the agent at ``host:port`` (the router's Connect) and remembers where
         it is; returns its name."""
-        with self._lock:
+        with self._lock_of((host, port)):
             name = self.agent.connect(host, port)
             self._addresses[name] = (host, port)
         return name
@@ -48,7 +52,7 @@ class PeerLinks:
         address = self._addresses.get(name)
         if address is None:
             return False
-        with self._lock:
+        with self._lock_of(address):
             if self.agent.peer_alive(name):
                 return True  # another thread did it meanwhile
             try:
@@ -58,6 +62,10 @@ class PeerLinks:
                 return False
         logger.info("connected again to %s at %s:%d", name, *address)
         return True
+
+    def _lock_of(self, address: tuple[str, int]) -> threading.Lock:
+        with self._locks_lock:
+            return self._locks.setdefault(address, threading.Lock())
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._keep, name="peer-links", daemon=True)
