@@ -181,6 +181,19 @@ CUT_OFF_PATHS = [
 ]
 
 
+def _engaged_then_stopped(pair: Pair) -> tuple[kvmove.LoadStream, list[int]]:
+    """A lease of 4 blocks (0.3 s), engaged: the sender streamed 2 of its layers into it and
+    is then stopped (SIGSTOP) with the rest to save. Its load, and the blocks."""
+    old, ids = pair.lease("frozen", 4, timeout=0.3)
+    src = pair.sender_blocks(4)
+    pair.far.call("stream_to", "dec", src, ids, "frozen", old.epoch)
+    pair.far.call("write_layers", 5005, list(range(L)), src)
+    pair.far.call("save_layers", "frozen", [0, 1])
+    old.wait_for_layer(1, WAIT)
+    pair.far.pause()
+    return old, ids
+
+
 @pytest.mark.parametrize("path", CUT_OFF_PATHS)
 def test_a_silent_sender_is_cut_off_and_its_blocks_stay_quarantined_while_it_lives(path):
     """The sender engaged the lease and is then stopped (SIGSTOP) mid-stream, layers still
@@ -191,13 +204,7 @@ def test_a_silent_sender_is_cut_off_and_its_blocks_stay_quarantined_while_it_liv
     process exited they are released, and a new owner's bytes are never touched."""
     pair = Pair(sender_kwargs=path, receiver_kwargs=path)
     try:
-        old, ids = pair.lease("frozen", 4, timeout=0.3)
-        src = pair.sender_blocks(4)
-        pair.far.call("stream_to", "dec", src, ids, "frozen", old.epoch)
-        pair.far.call("write_layers", 5005, list(range(L)), src)
-        pair.far.call("save_layers", "frozen", [0, 1])
-        old.wait_for_layer(1, WAIT)
-        pair.far.pause()
+        old, ids = _engaged_then_stopped(pair)
         try:
             with pytest.raises(TimeoutError, match="expired"):
                 old.wait_all(WAIT)
@@ -232,13 +239,7 @@ def test_a_cut_off_sender_that_reconnects_ends_the_quarantine_with_its_abort(pat
     lives. The pair then serves a new stream exactly."""
     pair = Pair(sender_kwargs=path, receiver_kwargs=path)
     try:
-        old, ids = pair.lease("frozen", 4, timeout=0.3)
-        src = pair.sender_blocks(4)
-        pair.far.call("stream_to", "dec", src, ids, "frozen", old.epoch)
-        pair.far.call("write_layers", 5005, list(range(L)), src)
-        pair.far.call("save_layers", "frozen", [0, 1])
-        old.wait_for_layer(1, WAIT)
-        pair.far.pause()
+        old, ids = _engaged_then_stopped(pair)
         try:
             wait_until(lambda: pair.dec.stats().senders_disconnected == 1, WAIT,
                        "the silent sender cut off")
