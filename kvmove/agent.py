@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from kvmove import _C
+from kvmove.agent_stats import AgentStats
 from kvmove.auth import DeploymentKey, resolve_key
 from kvmove.bootstrap import ListenerStats, MetadataServer, exchange, is_loopback, net_devices_for
 from kvmove.errors import ConfigError, PeerError
@@ -38,52 +38,6 @@ def peer_mode_ucx_env() -> dict[str, str]:
     transports as the agents. Why each: ``peer_error_settings`` in csrc/transport/ucx.cpp."""
     settings = {f"UCX_{key}": value for key, value in _C.peer_error_settings()}
     return {name: value for name, value in settings.items() if name not in os.environ}
-
-
-@dataclass(frozen=True, slots=True)
-class AgentStats:
-    """What an agent's layer streams and leases did (counters since it started, unless said).
-
-    Attributes:
-        leases_granted: ``expect`` calls.
-        leases_active: now: leases granted and not yet released.
-        blocks_quarantined: now: blocks of cancelled or expired leases whose sender has not
-            answered yet, or was cut off while it could still write them: not reusable until
-            it answers, or its process exited (docs/streaming.md, "Quarantine").
-        leases_quarantined: leases whose sender was cut off (disconnected, removed, replaced
-            by a new run, or its endpoint failed) while it could still write them.
-        leases_expired: leases whose deadline passed before they completed.
-        cancels_sent: Cancels sent to senders (a cancel or an expiry of an engaged lease).
-        senders_disconnected: senders cut off for not answering a Cancel in time.
-        messages_refused: stream messages refused: for no lease, from another sender than the
-            lease's, for other blocks, or in a state that does not allow them.
-        begins_refused: of those, senders told no (they wrote nothing).
-        checksum_mismatches: received blocks (per layer) whose bytes did not match.
-        acks_missed: sent Finals not acknowledged in time (those streams failed).
-        unknown_senders: messages and notifications from an endpoint that is no peer's
-            (dropped: an agent must be added as a peer before it is heard).
-        messages_dropped: messages dropped for their form: rendezvous (too large to arrive
-            eagerly), over the size bound, or over a peer's notification queue cap.
-
-    Example:
-        >>> stats = agent.stats()
-        >>> stats.leases_active, stats.blocks_quarantined    # both 0 when the agent is idle
-        (0, 0)
-    """
-
-    leases_granted: int
-    leases_active: int
-    blocks_quarantined: int
-    leases_quarantined: int
-    leases_expired: int
-    cancels_sent: int
-    senders_disconnected: int
-    messages_refused: int
-    begins_refused: int
-    checksum_mismatches: int
-    acks_missed: int
-    unknown_senders: int
-    messages_dropped: int
 
 
 def _weak_add_peer(agent: Agent) -> Callable[[bytes], str]:

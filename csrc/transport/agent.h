@@ -14,8 +14,9 @@
 // progress thread sleeps on the worker's event fd (ucp_worker_arm), and posting threads wake
 // it with ucp_worker_signal.
 //
-// Files: agent.cpp (life cycle, transfers, notification order, progress), agent_peers.cpp
-// (peers and their paths), agent_stream_port.cpp (the StreamPort).
+// Files: agent.cpp (life cycle, transfers, notification order), agent_progress.cpp (the
+// progress thread), agent_peers.cpp (peers and their paths), agent_stream_port.cpp (the
+// StreamPort).
 #pragma once
 
 #include <atomic>
