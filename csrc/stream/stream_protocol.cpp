@@ -178,8 +178,11 @@ void StreamProtocol::on_message(const std::string& sender, const void* data, siz
 // ---- both -----------------------------------------------------------------------------
 
 void StreamProtocol::tick(double now) {
-    end_quarantines();
-    cancel_quarantined(now);
+    if (!quarantined_.empty() && now >= next_quarantine_check_) {  // ticks come every 1 ms
+        next_quarantine_check_ = now + kQuarantinePollSeconds;
+        end_quarantines();
+        cancel_quarantined(now);
+    }
     send_held_aborts();
     std::vector<uint64_t> expired;
     std::vector<std::string> silent;

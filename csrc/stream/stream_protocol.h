@@ -235,6 +235,7 @@ private:
     std::vector<std::shared_ptr<SaveStream>> ending_;  // Final/Abort due, sent by drain()
     std::map<uint64_t, Lease> leases_;                 // by epoch
     std::map<uint64_t, Quarantined> quarantined_;      // by epoch
+    double next_quarantine_check_ = 0;                 // tick(): its senders polled then
     std::vector<std::pair<std::string, StreamMessage>> outbox_;  // sent by drain()
     // Aborts that answer a Cancel for a lease with nothing in flight here, held until the
     // peer's old connection has no copy left (StreamPort::peer_quiet).
