@@ -22,7 +22,7 @@ import pytest
 import zmq
 
 from kvmove.engine.request import SamplingParams
-from kvmove.errors import ConfigError
+from kvmove.errors import ConfigError, KVMoveError
 from kvmove.serve.config import ServeConfig
 from kvmove.serve.control import IDENTITY_VARIABLE, MAX_MESSAGE_BYTES, ControlEndpoint
 from kvmove.serve.messages import Tokens, encode
@@ -157,6 +157,66 @@ def _router_with_worker() -> tuple[Router, WorkerInfo, Handle]:
     router.handles[handle.rid] = handle
     worker.requests.add(handle.rid)
     return router, worker, handle
+
+
+class _Exiting:
+    """A worker process (Popen-like) that takes ``seconds`` to exit once asked."""
+
+    pid, returncode = 1 << 22, None
+
+    def __init__(self, seconds: float) -> None:
+        self.ends = time.monotonic() + seconds
+
+    def poll(self) -> int | None:
+        if time.monotonic() >= self.ends:
+            self.returncode = 0
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        return self.poll()
+
+    def terminate(self) -> None:
+        self.ends = 0.0
+
+    kill = terminate
+
+
+class _Recording:
+    """A launcher that starts nothing: it records what it was asked to start."""
+
+    local, control_host = True, None
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+
+    def start(self, name: str, role: str, command: list[str], env: dict[str, str]) -> _Exiting:
+        self.started.append(name)
+        return _Exiting(0.0)
+
+    def close(self) -> None:
+        pass
+
+
+def test_no_worker_is_started_while_the_server_stops() -> None:
+    """While workers exit, their pools look short of workers: the planner must not start one
+    then (it would outlive the server; CI found one left running). ``stop`` ends the planner
+    first, and ``add`` is refused from then on."""
+
+    async def scenario() -> list[str]:
+        router = Router(ServeConfig(mode="disagg", planner=True, prefill_bounds=(1, 1),
+                                    planner_interval=0.01))
+        launcher = _Recording()
+        router.launcher = router.supervisor.launcher = launcher
+        worker = router.pool.add(WorkerInfo("decode-0", "decode", [], launcher,
+                                            process=_Exiting(0.5), alive=True))
+        worker.identity = b"decode-0/live"
+        router.tasks.loop("planner", router.planner.run())
+        await router.stop()
+        with pytest.raises(KVMoveError, match="stopping"):
+            router.supervisor.add("prefill")
+        return launcher.started
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 30)) == []
 
 
 MALFORMED = {  # id: frames after the identity

@@ -114,6 +114,9 @@ class Router:
         if self._stopped:
             return
         self._stopped = True
+        # the planner first: while workers exit, their pools look short of workers, and a
+        # worker it started then would be left running (CI saw one)
+        self.tasks.cancel_loop("planner")
         await self.supervisor.stop()
         self.tasks.cancel()
         for handle in list(self.handles.values()):

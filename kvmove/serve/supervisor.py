@@ -179,7 +179,10 @@ class Supervisor:
 
     def add(self, pool: Role) -> WorkerInfo:
         """Starts one more worker of ``pool``, as any is started; it takes requests once ready
-        (disaggregated: once a peer of the other pool)."""
+        (disaggregated: once a peer of the other pool). Refused once the server stops: a
+        worker started then would outlive it."""
+        if self.stopping:
+            raise KVMoveError(f"no {pool} worker is added: the server is stopping")
         name = self.pool.next_name(pool)
         command = worker_command(self.config, name, pool, [], self.channel.address)
         worker = self.pool.add(WorkerInfo(name, pool, command, self.launcher))

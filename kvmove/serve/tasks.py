@@ -31,6 +31,12 @@ class Tasks:
         return ", ".join(f"{name} loop ({_why(task)})" for name, task in self._loops.items()
                          if task.done())
 
+    def cancel_loop(self, name: str) -> None:
+        """Ends the loop ``name`` (if started)."""
+        task = self._loops.get(name)
+        if task is not None:
+            task.cancel()
+
     def cancel(self) -> None:
         for task in [*self._spawned, *self._loops.values()]:
             task.cancel()

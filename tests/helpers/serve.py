@@ -70,6 +70,14 @@ def tagged_pids(tag: str) -> list[int]:
     return pids
 
 
+def _command_line(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"
+
+
 class Server:
     """One ``kvmove-serve`` process (and, through it, its workers)."""
 
@@ -205,7 +213,8 @@ class Server:
 
     def wait_gone(self, seconds: float = GONE_SECONDS) -> None:
         wait_until(lambda: not self.left_behind(), seconds,
-                   lambda: f"{self}: every process gone (still running: {self.left_behind()})")
+                   lambda: f"{self}: every process gone (still running: "
+                           f"{[(pid, _command_line(pid)) for pid in self.left_behind()]})")
 
     def close(self) -> None:
         """Stops the server if it runs (SIGTERM); fails if it had to be killed or left a
