@@ -120,6 +120,23 @@ def test_health_is_degraded_while_each_role_has_a_live_worker() -> None:
                                                "workers": []}
 
 
+def test_health_is_degraded_while_a_worker_has_lost_a_peer() -> None:
+    """A decode worker cut off from its prefill serves no hand-off until they connect again:
+    ``/health`` does not say ok meanwhile (it did: issue 28, row 1)."""
+    decode, prefill = _worker("decode-0", Role.DECODE), _worker("prefill-0", Role.PREFILL)
+    pool = _pool(decode, prefill)
+    decode.stats = Stats(free_blocks=8, waiting=0, running=0, loading=0, sending=0, store=None,
+                         agent=None, faults=None, notifications_dropped=0)
+    assert pool.health()["status"] == "ok"
+    decode.stats = decode.stats.model_copy(update={"lost_peers": ["prefill-0"]})
+    health = pool.health()
+    assert health["status"] == "degraded"
+    assert health["workers"][0]["lost_peers"] == ["prefill-0"]
+    prefill.alive = prefill.ready = False
+    prefill.retired = True  # drained and ended: a peer lost for good is no fault of decode-0
+    assert pool.health()["status"] == "ok"
+
+
 def test_blocks_taken_since_the_last_stats_count_against_a_decode_worker() -> None:
     """A burst of reservations between two stats spreads: each one's blocks count at once
     (asked: the router's estimate; granted: the worker's count), until stats show them."""

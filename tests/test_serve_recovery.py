@@ -54,6 +54,10 @@ def test_after_a_stalled_prefill_is_cut_off_the_next_requests_are_served() -> No
             wait_until(lambda: _metric(server, "kvmove_agent_senders_disconnected_total",
                                        "decode-0") >= 1,
                        STALL_SECONDS, "the decode worker cut the silent prefill off")
+            # cut off, the pair serves no hand-off: /health says so (it said ok)
+            wait_until(lambda: server.worker("decode-0").get("lost_peers") == ["prefill-0"]
+                       and server.health()["status"] == "degraded", 5.0,
+                       lambda: f"/health naming the lost peer: {server.health()}")
         finally:
             os.kill(prefill, signal.SIGCONT)
         thread.join(60.0)

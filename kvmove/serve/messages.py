@@ -25,8 +25,8 @@ from kvmove.errors import PeerError
 from kvmove.store.store import StoreStats
 
 __all__ = ["HANDOFF_STAGES", "Abort", "Add", "Command", "Connect", "Connected", "Ended",
-           "Event", "Failed", "HandoffStage", "KVEvents", "MAX_KV_HASHES", "Medium", "Ready",
-           "Reserve", "Reserved", "Shutdown", "Stats", "Timeline", "Tokens", "encode",
+           "Event", "Failed", "Forget", "HandoffStage", "KVEvents", "MAX_KV_HASHES", "Medium",
+           "Ready", "Reserve", "Reserved", "Shutdown", "Stats", "Timeline", "Tokens", "encode",
            "parse_command", "parse_event"]
 
 Count = Annotated[int, Field(ge=0)]
@@ -83,11 +83,20 @@ class Connect(_Message):
     port: Annotated[int, Field(ge=1, le=65535)]
 
 
+class Forget(_Message):
+    """Decode: the worker ``peer`` is gone for good (drained, or not restarted): stop
+    connecting to it again."""
+
+    op: Literal["forget"] = "forget"
+    peer: str
+
+
 class Shutdown(_Message):
     op: Literal["shutdown"] = "shutdown"
 
 
-Command = Annotated[Add | Reserve | Abort | Connect | Shutdown, Field(discriminator="op")]
+Command = Annotated[Add | Reserve | Abort | Connect | Forget | Shutdown,
+                    Field(discriminator="op")]
 
 
 # --- events: worker -> router -----------------------------------------------------------------
@@ -118,6 +127,7 @@ class Stats(_Message):
     agent: AgentStats | None
     faults: dict[str, int] | None
     notifications_dropped: Count  # the agent's notifications, drained unread (serve uses none)
+    lost_peers: list[str] = []  # peers it was connected to and is not now (being reconnected)
 
 
 class Connected(_Message):

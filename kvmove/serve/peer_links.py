@@ -63,6 +63,17 @@ class PeerLinks:
         logger.info("connected again to %s at %s:%d", name, *address)
         return True
 
+    def forget(self, name: str) -> None:
+        """``name`` is gone for good: it is not connected to again."""
+        self._addresses.pop(name, None)
+
+    def lost(self) -> list[str]:
+        """The peers this worker knows where to reach and is not connected to now (``/health``
+        says so: until they connect again, no hand-off between them works)."""
+        if self.agent.closed:
+            return []
+        return sorted(name for name in list(self._addresses) if not self.agent.peer_alive(name))
+
     def _lock_of(self, address: tuple[str, int]) -> threading.Lock:
         with self._locks_lock:
             return self._locks.setdefault(address, threading.Lock())

@@ -139,8 +139,8 @@ class WorkerPool(Mapping[str, WorkerInfo]):
         return min(members, key=lambda w: (w.load, w.stat("waiting")))
 
     def health(self) -> dict[str, Any]:
-        """``/health``'s status (ok: every current worker alive; degraded: each role still has
-        one; down) and its workers."""
+        """``/health``'s status (ok: every current worker alive and connected to every peer it
+        had; degraded: each role still has a live worker; down) and its workers."""
         current = self.current()
         workers = [{"name": w.name, "role": w.role, "alive": w.alive, "ready": w.ready,
                     "draining": w.draining, "pid": w.pid, "node": w.node,
@@ -148,6 +148,9 @@ class WorkerPool(Mapping[str, WorkerInfo]):
                    for w in current]
         # a retired worker is never alive: alive(role) holds only current ones
         serving = all(self.alive(role) for role in {w.role for w in current})
-        everyone = all(w.alive for w in current)
+        # a peer lost is one that lives and cannot be reached (a dead one is counted dead)
+        live = {w.name for w in current if w.alive}
+        everyone = all(w.alive and not (w.stats and live.intersection(w.stats.lost_peers))
+                       for w in current)
         status = "ok" if everyone else ("degraded" if serving else "down")
         return {"status": status, "mode": self.config.mode, "workers": workers}

@@ -30,7 +30,7 @@ from kvmove.engine.role import Role
 from kvmove.errors import KVMoveError
 from kvmove.serve.channel import Channel
 from kvmove.serve.config import ServeConfig
-from kvmove.serve.messages import Connect, Shutdown
+from kvmove.serve.messages import Connect, Forget, Shutdown
 from kvmove.serve.planner import PoolSample
 from kvmove.serve.pool import WorkerPool
 from kvmove.serve.server_metrics import ServerMetrics
@@ -103,10 +103,13 @@ class Supervisor:
                 await end_process(worker.process, deadline)
 
     def _shutdown(self, worker: WorkerInfo) -> None:
+        self._send(worker, Shutdown())
+
+    def _send(self, worker: WorkerInfo, command: Shutdown | Forget) -> None:
         try:
-            self.channel.send(worker, Shutdown())
+            self.channel.send(worker, command)
         except zmq.ZMQError:
-            pass  # gone already: its process is ended below
+            pass  # gone already: its process is ended (or seen dead) by the monitor
 
     # --- watch -----------------------------------------------------------------------------
 
@@ -136,6 +139,10 @@ class Supervisor:
             self.metrics.restarts.labels(worker=worker.name).inc()
             worker.restarts += 1
             worker.start()
+        if not worker.alive:  # gone for good: its peers stop trying to reach it
+            for other in self.pool.alive():
+                if other.role != worker.role:
+                    self._send(other, Forget(peer=worker.name))
 
     def _retire(self, worker: WorkerInfo) -> None:
         worker.retired = True

@@ -52,6 +52,7 @@ from kvmove.serve.messages import (
     Connected,
     Ended,
     Failed,
+    Forget,
     HandoffStage,
     Ready,
     Reserve,
@@ -218,7 +219,8 @@ class WorkerServer:
                         store=self.store.stats() if self.store is not None else None,
                         agent=agent.stats() if agent is not None else None,
                         faults=agent.faults_injected() if agent is not None else None,
-                        notifications_dropped=self.notifications_dropped))
+                        notifications_dropped=self.notifications_dropped,
+                        lost_peers=self.links.lost() if self.links is not None else []))
 
     def report(self, ended: list[Request]) -> None:
         if self.tokens:
@@ -273,6 +275,9 @@ class WorkerServer:
                 self.requests.pop(command.rid, None)
             case Connect():
                 self.connect(command)
+            case Forget():
+                if self.links is not None:
+                    self.links.forget(command.peer)
             case Shutdown():
                 self.running = False
 
