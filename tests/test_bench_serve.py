@@ -34,7 +34,7 @@ from kvmove.bench.serve_report import (
     percentile,
     plot_serve,
 )
-from kvmove.bench.serve_server import ServerProcess
+from kvmove.bench.serve_server import ServerProcess, serve_arguments
 from kvmove.bench.serve_trace import make_trace
 from kvmove.errors import ConfigError
 
@@ -446,7 +446,7 @@ def test_a_running_server_by_url_and_nothing_left_after_an_error() -> None:
                               long_prompt_bytes=100, long_output_tokens=3, short_prompt_bytes=10,
                               short_output_tokens=5, chunk_size=32, timeout=60)
     with pytest.raises(RuntimeError, match="stop here"):
-        with ServerProcess(config, "chunked") as server:
+        with ServerProcess(serve_arguments(config, "chunked"), config.timeout) as server:
             pid = server.proc.pid
             report = serve.run(replace(config, url=server.url + "/"))
             (mode,) = report.modes

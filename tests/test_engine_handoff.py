@@ -48,11 +48,12 @@ def reference(model: LlamaForCausalLM) -> list[int]:
 
 
 class Pair:
-    def __init__(self, model: LlamaForCausalLM, timeout: float = 10.0) -> None:
-        kwargs = dict(num_blocks=NUM_BLOCKS, block_size=BLOCK, agent_kwargs=TCP,
-                      transfer_timeout=timeout)
-        self.prefill = EngineWorker(model, role="prefill", name="p", **kwargs)
-        self.decode = EngineWorker(model, role="decode", name="d", **kwargs)
+    def __init__(self, model: LlamaForCausalLM, timeout: float = 10.0,
+                 prefill_faults: str = "") -> None:
+        kwargs = dict(num_blocks=NUM_BLOCKS, block_size=BLOCK, transfer_timeout=timeout)
+        self.prefill = EngineWorker(model, role="prefill", name="p", **kwargs,
+                                    agent_kwargs={**TCP, "faults": prefill_faults})
+        self.decode = EngineWorker(model, role="decode", name="d", agent_kwargs=TCP, **kwargs)
         self.decode.agent.add_peer(self.prefill.agent.metadata())
         self.prefill.agent.add_peer(self.decode.agent.metadata())
 
@@ -127,6 +128,26 @@ def test_a_request_whose_offer_never_comes_fails_and_frees_its_blocks(model):
             pair.prefill.step()
         assert sent.finish_reason is FinishReason.ABORT
         assert "no offer" in sent.error and "0.5 s" in sent.error
+        pair.idle()
+    finally:
+        pair.close()
+
+
+def test_a_hand_off_past_its_deadline_is_aborted_once_not_at_every_step(model, caplog):
+    """Each layer waits 0.5 s before it is posted: the stream is still open well past the
+    0.3 s transfer_timeout while the prefill steps as fast as it can. It is aborted (and logged)
+    once; the soak saw the abort and its warning repeated at every 1 ms poll until the stream
+    ended, ~1,600 lines a second."""
+    pair = Pair(model, timeout=0.3, prefill_faults="delay_post_us=500000")
+    try:
+        received = reserve(pair, "r")
+        sent = Request("r", PROMPT, params())
+        pair.prefill.add_request(sent, decode_peer="d")
+        with caplog.at_level("WARNING", logger="kvmove.engine.prefill_handoff"):
+            pair.step_until(lambda: sent.finished and received.finished, "both ended")
+        aborts = [r for r in caplog.records if "passed transfer_timeout" in r.getMessage()]
+        assert len(aborts) == 1, len(aborts)
+        assert sent.finish_reason is FinishReason.ABORT
         pair.idle()
     finally:
         pair.close()

@@ -1,7 +1,7 @@
 """A worker's kvmove peers kept connected (``kvmove/serve/peer_links.py``), over two real
 agents: a peer lost is named (``/health`` reports it), connected to again, and forgotten once
-the router says it is gone for good (a drained or not restarted worker: it was tried every
-second, and reported lost, forever)."""
+the router says its process died (its old address was tried every second, forever, and an
+offer's reconnect spent 2 s of the worker's loop on it)."""
 
 from __future__ import annotations
 

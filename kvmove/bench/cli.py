@@ -13,6 +13,8 @@ Subcommands:
               time to first token of a repeated prompt: recompute vs host hit vs disk hit.
     serve     one seeded request trace against kvmove-serve in each mode (colocated, chunked,
               disagg): TTFT, ITL, throughput, goodput (needs kvmove[serve] and openai).
+    soak      kvmove-serve disaggregated under steady load with faults, stalls and kills:
+              requests served, errors by kind, wrong answers, blocks leaked, memory over time.
     plan      what moving one prompt's KV cache costs on each link, and whether to disaggregate
               (arithmetic from the model's layout; nothing is sent).
 
@@ -34,11 +36,11 @@ import sys
 
 import kvmove
 from kvmove import _log
-from kvmove.bench import engine, plan, serve, store, stream, transfer
+from kvmove.bench import engine, plan, serve, soak, store, stream, transfer
 from kvmove.errors import ConfigError, KVMoveError
 
 # In the order ``--help`` lists them.
-SUBCOMMANDS = (transfer, stream, engine, store, serve, plan)
+SUBCOMMANDS = (transfer, stream, engine, store, serve, soak, plan)
 
 # The subcommand that runs when none is given.
 DEFAULT_COMMAND = "transfer"

@@ -63,7 +63,7 @@ from kvmove.bench.progress import Progress, bar
 from kvmove.bench.serve_config import MODES, PLANNERS, ROUTINGS, ServeBenchConfig
 from kvmove.bench.serve_load import replay
 from kvmove.bench.serve_report import ModeResult, ServeReport, format_serve, plot_serve
-from kvmove.bench.serve_server import ServerProcess
+from kvmove.bench.serve_server import ServerProcess, serve_arguments
 from kvmove.bench.serve_trace import TraceRequest, make_trace
 from kvmove.errors import ConfigError
 from kvmove.serve.config import Mode
@@ -82,7 +82,8 @@ def _run_mode(config: ServeBenchConfig, mode: str, routing: str, planner: str,
         result = asyncio.run(replay(config, trace, config.url.rstrip("/"), mode, progress))
         progress(f"{mode}: done")
         return result
-    with ServerProcess(config, mode, routing, planner == "on") as server:
+    with ServerProcess(serve_arguments(config, mode, routing, planner == "on"),
+                       config.timeout) as server:
         logger.info("kvmove-serve %s ready on %s in %.1f s", mode, server.url,
                     server.startup_seconds)
         progress(f"{mode}: server ready")

@@ -23,7 +23,7 @@ from kvmove.bench.report import BenchError
 if TYPE_CHECKING:
     from kvmove.bench.serve_config import ServeBenchConfig
 
-__all__ = ["READY", "ServerProcess"]
+__all__ = ["READY", "ServerProcess", "serve_arguments"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,25 +36,33 @@ def _free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-class ServerProcess:
-    """``kvmove-serve`` for one mode, in its own session (so that it and every worker it
-    starts can be killed as a group), on a free port of 127.0.0.1. A context manager:
-    entering waits for the ready line, leaving stops it."""
+def serve_arguments(config: ServeBenchConfig, mode: str, routing: str = "kv",
+                    planner: bool = False) -> list[str]:
+    """kvmove-serve's options for the serving benchmark's run of ``mode``."""
+    arguments = ["--mode", mode, "--routing", routing, "--model", config.model,
+                 "--chunk-size", str(config.chunk_size)]
+    for option, count in config.instances(mode).items():
+        arguments += [f"--{option}", str(count)]
+    if planner:
+        arguments += ["--planner"]
+        for option in ("prefill_workers", "decode_workers"):
+            if getattr(config, option) is not None:
+                arguments += [f"--{option.replace('_', '-')}", getattr(config, option)]
+    return arguments
 
-    def __init__(self, config: ServeBenchConfig, mode: str, routing: str = "kv",
-                 planner: bool = False) -> None:
-        self.command = [sys.executable, "-m", "kvmove.serve.cli", "--mode", mode,
-                        "--routing", routing,
-                        "--model", config.model, "--chunk-size", str(config.chunk_size),
+
+class ServerProcess:
+    """``kvmove-serve`` with ``arguments``, in its own session (so that it and every worker it
+    starts can be killed as a group), on a free port of 127.0.0.1, ``env`` added to its
+    environment. A context manager: entering waits for the ready line, leaving stops it;
+    every wait has ``timeout``."""
+
+    def __init__(self, arguments: list[str], timeout: float,
+                 env: dict[str, str] | None = None) -> None:
+        self.command = [sys.executable, "-m", "kvmove.serve.cli", *arguments,
                         "--host", "127.0.0.1", "--port", str(_free_port("127.0.0.1"))]
-        for option, count in config.instances(mode).items():
-            self.command += [f"--{option}", str(count)]
-        if planner:
-            self.command += ["--planner"]
-            for option in ("prefill_workers", "decode_workers"):
-                if getattr(config, option) is not None:
-                    self.command += [f"--{option.replace('_', '-')}", getattr(config, option)]
-        self.timeout = config.timeout
+        self.env = env or {}
+        self.timeout = timeout
         self.url = ""
         self.startup_seconds = math.nan
         self.exit_code: int | None = None
@@ -68,7 +76,8 @@ class ServerProcess:
             self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL,
                                          stdout=subprocess.PIPE, stderr=self._stderr,
                                          text=True, start_new_session=True,
-                                         env={**os.environ, "PYTHONSAFEPATH": "1"})
+                                         env={**os.environ, "PYTHONSAFEPATH": "1",
+                                              **self.env})
         except BaseException:
             self._stderr.close()
             raise

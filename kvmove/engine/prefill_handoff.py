@@ -64,6 +64,7 @@ class PrefillHandoffs:
         self._expected: dict[str, str] = {}          # request id -> its decode worker
         self._offers: dict[tuple[str, str], tuple[Offer, float]] = {}  # (peer, rid) -> since
         self._late: dict[str, _Late] = {}
+        self._timed_out: set[str] = set()  # aborted at transfer_timeout, not ended yet
 
     @property
     def has_work(self) -> bool:
@@ -195,13 +196,17 @@ class PrefillHandoffs:
     def _ended(self, request: Request, stream: SaveStream, now: float) -> bool:
         """Whether the stream ended (the request then finished, handed off or aborted)."""
         state, started = stream.state, request.timings.kv_start  # set as it opened (_stream)
-        if state == StreamState.OPEN and started is not None and now - started > self.timeout:
-            logger.warning("request %r: its KV hand-off passed transfer_timeout (%g s); "
-                           "aborting it", request.id, self.timeout)
-            stream.abort(wait=False)
-            return False
         if state == StreamState.OPEN:
+            # aborted once: it ends when its posted layers landed or its Final's wait ends (the
+            # soak logged and aborted it again at every 1 ms poll, ~1,600 lines a second)
+            if started is not None and now - started > self.timeout and \
+                    request.id not in self._timed_out:
+                self._timed_out.add(request.id)
+                logger.warning("request %r: its KV hand-off passed transfer_timeout (%g s); "
+                               "aborting it", request.id, self.timeout)
+                stream.abort(wait=False)
             return False
+        self._timed_out.discard(request.id)
         request.timings.kv_end = now
         request.kv_bytes = len(request.blocks) * self.bytes_per_block
         times = [t for t in stream.layer_times() if None not in t]

@@ -84,8 +84,8 @@ class Connect(_Message):
 
 
 class Forget(_Message):
-    """Decode: the worker ``peer`` is gone for good (drained, or not restarted): stop
-    connecting to it again."""
+    """Decode: the worker ``peer`` died (a new run of it comes with a Connect of its own):
+    stop connecting to its old address."""
 
     op: Literal["forget"] = "forget"
     peer: str

@@ -64,7 +64,8 @@ class PeerLinks:
         return True
 
     def forget(self, name: str) -> None:
-        """``name`` is gone for good: it is not connected to again."""
+        """``name``'s process is gone: its address is not connected to again (its next run,
+        if any, comes with the router's Connect)."""
         self._addresses.pop(name, None)
 
     def lost(self) -> list[str]:

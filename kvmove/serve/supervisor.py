@@ -132,6 +132,11 @@ class Supervisor:
         self.channel.fail(worker.name)
         for other in self.pool.values():
             other.peers = {p for p in other.peers if p[0] != worker.name}
+        # its peers stop trying to reach its old address: the soak saw a decode worker's loop
+        # spend 2 s a command on it while the router's Connect to the new run waited behind
+        for other in self.pool.alive():
+            if other.role != worker.role:
+                self._send(other, Forget(peer=worker.name))
         self.pool.update_ready()
         if worker.draining:  # the planner ended it (or it died draining): not started again
             self._retire(worker)
@@ -139,10 +144,6 @@ class Supervisor:
             self.metrics.restarts.labels(worker=worker.name).inc()
             worker.restarts += 1
             worker.start()
-        if not worker.alive:  # gone for good: its peers stop trying to reach it
-            for other in self.pool.alive():
-                if other.role != worker.role:
-                    self._send(other, Forget(peer=worker.name))
 
     def _retire(self, worker: WorkerInfo) -> None:
         worker.retired = True

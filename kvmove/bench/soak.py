@@ -1,0 +1,438 @@
+"""Soak: ``kvmove-serve`` disaggregated under steady load for a while, with faults injected in
+every worker's kvmove agent (``KVMOVE_FAULTS``), workers stalled (SIGSTOP, then SIGCONT) and
+killed (SIGKILL; the server starts them again). What a long run under trouble leaves behind is
+what it reports: requests served, errors by kind, wrong answers, requests that hung, blocks
+leaked, and memory over time.
+
+* **Load**: a seeded Poisson stream of completions (greedy, ``ignore_eos``) from the official
+  ``openai`` client, over a fixed set of prompts of mixed lengths.
+* **Wrong answers**: every answer is compared with the colocated engine's greedy output for its
+  prompt, computed in this process from the same weights (the preset's, seed 0) with no
+  kvmove hand-off: a hand-off that delivered wrong KV changes the text.
+* **Hung**: no answer within ``request_timeout``, the client's deadline.
+* **Leaked**: once the load, the stalls and the kills stop and every worker is back, the
+  server is given ``settle`` seconds; a block still not free then (or quarantined) is leaked.
+* **Memory**: every ``sample_every`` seconds the resident set (``/proc/PID/status`` VmRSS) of
+  the server and the sum over each pool's worker processes. A killed worker restarts small, so
+  a pool's curve drops at a kill; the server's is never restarted.
+
+Exits 1 when an answer was wrong, a request hung, or a block leaked (errors are allowed: a
+request in a killed worker fails, with a clear error, by design). ``tests/test_bench_soak.py``
+runs a short one; docs/serving.md has a 10-minute table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvmove.bench.progress import Progress, bar
+from kvmove.bench.report import BenchError
+from kvmove.bench.serve_server import ServerProcess
+from kvmove.errors import ConfigError
+
+__all__ = ["SoakConfig", "SoakReport", "add_parser", "format_soak", "greedy_answers",
+           "greedy_tokens", "run",
+           "run_command"]
+
+# the chaos test's mix (tests/test_chaos.py): a failed post, dropped and late messages and a
+# corrupted block now and then, in every worker's agent
+DEFAULT_FAULTS = "fail_post=45,drop_message=0.01,delay_message_ms=1,corrupt_every=37,seed=11"
+NUM_PROMPTS = 12
+MAX_CLIENTS = 16  # requests in flight at most (arrivals past it wait)
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    duration: float = 60.0      # seconds of load
+    rate: float = 4.0           # requests per second (Poisson)
+    max_tokens: int = 10
+    faults: str = DEFAULT_FAULTS
+    stall_every: float = 20.0   # seconds between stalls (0: none)
+    stall_seconds: float = 8.0  # past the transfer deadline and the Cancel's: a cut-off
+    kill_every: float = 30.0    # seconds between kills (0: none)
+    sample_every: float = 5.0
+    num_blocks: int = 256
+    transfer_timeout: float = 2.0
+    request_timeout: float = 30.0
+    settle: float = 60.0
+    model: str = "tiny"
+    seed: int = 0
+
+    def check(self) -> None:
+        for name in ("duration", "rate", "max_tokens", "stall_seconds", "sample_every",
+                     "num_blocks", "transfer_timeout", "request_timeout", "settle"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"soak {name} must be positive, got {getattr(self, name)!r}")
+        for name in ("stall_every", "kill_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"soak {name} must be 0 (never) or positive, got "
+                                  f"{getattr(self, name)!r}")
+
+    def server_arguments(self) -> list[str]:
+        return ["--mode", "disagg", "--prefill", "1", "--decode", "1", "--model", self.model,
+                "--chunk-size", "32", "--num-blocks", str(self.num_blocks),
+                "--transfer-timeout", str(self.transfer_timeout),
+                "--request-timeout", str(self.request_timeout)]
+
+
+@dataclass
+class Sample:
+    at: float  # seconds since the load began
+    server_mib: float
+    pool_mib: dict[str, float]
+    ok: int
+    errors: int
+
+
+@dataclass
+class SoakReport:
+    config: SoakConfig
+    sent: int = 0
+    outcomes: Counter = field(default_factory=Counter)  # ok, error, wrong, hung
+    errors: Counter = field(default_factory=Counter)    # by kind
+    wrong: list[str] = field(default_factory=list)      # the first few, for the report
+    stalls: list[str] = field(default_factory=list)
+    kills: list[str] = field(default_factory=list)
+    faults: dict[str, int] = field(default_factory=dict)  # injected, summed over processes
+    samples: list[Sample] = field(default_factory=list)
+    leaked_blocks: int = 0
+    quarantined_blocks: int = 0
+    settle_seconds: float | None = None  # None: not settled within config.settle
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return not (self.outcomes["wrong"] or self.outcomes["hung"] or self.leaked_blocks or
+                    self.quarantined_blocks or self.settle_seconds is None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "outcomes": dict(self.outcomes), "errors": dict(self.errors),
+                "passed": self.passed}
+
+
+def greedy_answers(model: str, prompts: list[str], max_tokens: int) -> dict[str, str]:
+    """Each prompt's greedy text (``ignore_eos``) from a colocated engine here: the preset's
+    weights every kvmove-serve worker builds (seed 0), no prefix caching, no hand-off."""
+    from kvmove.engine.model import MODEL_PRESETS
+    from kvmove.engine.tokenizer import ByteTokenizer
+
+    preset = MODEL_PRESETS.get(model)
+    if preset is None:
+        raise ConfigError(f"soak --model must be a preset ({', '.join(MODEL_PRESETS)}), "
+                          f"got {model!r}")
+    tokenizer = ByteTokenizer(preset.bos_token_id, preset.eos_token_id)
+    return {p: tokenizer.decode(tokens)
+            for p, tokens in greedy_tokens(model, prompts, max_tokens).items()}
+
+
+def greedy_tokens(model: str, prompts: list[str], max_tokens: int) -> dict[str, list[int]]:
+    """``greedy_answers``, as token ids."""
+    from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
+    from kvmove.engine.request import Request, SamplingParams
+    from kvmove.engine.scheduler import SchedulerConfig
+    from kvmove.engine.tokenizer import ByteTokenizer
+    from kvmove.engine.worker import EngineWorker
+
+    preset = MODEL_PRESETS[model]
+    tokenizer = ByteTokenizer(preset.bos_token_id, preset.eos_token_id)
+    worker = EngineWorker(LlamaForCausalLM.random(preset, seed=0), num_blocks=256, block_size=16,
+                          scheduler=SchedulerConfig(chunk_size=None, prefix_caching=False))
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    requests = {p: Request(f"r{i}", tokenizer.encode(p), params) for i, p in enumerate(prompts)}
+    for request in requests.values():
+        worker.add_request(request)
+    worker.run()
+    return {p: r.output for p, r in requests.items()}
+
+
+def _prompts(seed: int) -> list[str]:
+    rng = random.Random(seed)
+    lengths = [1, 13, 40, 90, 150, 240, *(rng.randint(2, 300) for _ in range(NUM_PROMPTS - 6))]
+    return [f"{i}:" + "".join(rng.choice("abcdefghij klmnop") for _ in range(n))
+            for i, n in enumerate(lengths)]
+
+
+def _rss_mib(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:  # gone meanwhile
+        pass
+    return 0.0
+
+
+def _error_kind(error: Exception) -> str:
+    """The error's status and message with what varies (names in quotes, numbers) blanked:
+    "500 decode: the lease of request '…' with '…' expired: not complete by its deadline"."""
+    status = getattr(error, "status_code", None)
+    message = str(getattr(error, "message", "") or error)
+    message = re.sub(r"^Error code: \d+ - ", "", message)
+    message = re.sub(r"\d+(\.\d+)?", "N", re.sub(r"'[^']*'", "'…'", message))
+    message = re.sub(r"(decode|prefill)-N", r"\1", message)
+    return f"{status or type(error).__name__} {message[:110]}"
+
+
+class _Soak:
+    """One run: the load, the trouble makers and the sampler, on threads, against one
+    server."""
+
+    def __init__(self, config: SoakConfig, server: ServerProcess, answers: dict[str, str],
+                 progress: Progress) -> None:
+        import httpx
+        import openai
+
+        self.config, self.server, self.answers, self.progress = config, server, answers, progress
+        self.openai = openai
+        # the server ends a request at request_timeout with an error; past that, no answer is
+        # a hang
+        self.client = openai.OpenAI(base_url=server.url + "/v1", api_key="soak",
+                                    timeout=config.request_timeout + 15, max_retries=0)
+        self.http = httpx.Client(base_url=server.url, timeout=10.0)
+        self.report = SoakReport(config)
+        self.rng = random.Random(config.seed)
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.faults: dict[tuple[str, int], dict[str, int]] = {}  # the last count per process
+
+    def health(self) -> dict[str, Any]:
+        return self.http.get("/health").json()
+
+    def ask(self, prompt: str) -> None:
+        try:
+            answer = self.client.completions.create(
+                model=self.config.model, prompt=prompt, max_tokens=self.config.max_tokens,
+                temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+        except self.openai.APITimeoutError:
+            kind, detail = "hung", ""
+        except self.openai.APIError as error:
+            kind, detail = "error", _error_kind(error)
+        else:
+            kind = "ok" if answer == self.answers[prompt] else "wrong"
+            detail = f"{prompt[:20]!r}: {answer!r} != {self.answers[prompt]!r}"
+        with self.lock:
+            self.report.outcomes[kind] += 1
+            if kind == "error":
+                self.report.errors[detail] += 1
+            elif kind == "wrong" and len(self.report.wrong) < 5:
+                self.report.wrong.append(detail)
+
+    def load(self) -> None:
+        prompts = list(self.answers)
+        pending: list[Future] = []
+        end = time.monotonic() + self.config.duration
+        with ThreadPoolExecutor(MAX_CLIENTS) as pool:
+            while time.monotonic() < end:
+                pending.append(pool.submit(self.ask, self.rng.choice(prompts)))
+                self.report.sent += 1
+                time.sleep(self.rng.expovariate(self.config.rate))
+            for future in pending:
+                future.result()
+
+    def _every(self, seconds: float, action: Any) -> None:
+        while seconds and not self.stop.wait(seconds):
+            try:
+                action()
+            except Exception:  # noqa: BLE001 - a busy server or a worker mid-restart: later
+                pass
+
+    def _victim(self) -> dict[str, Any] | None:
+        workers = [w for w in self.health()["workers"] if w["alive"] and w["ready"]]
+        return self.rng.choice(workers) if workers else None
+
+    def stall(self) -> None:
+        victim = self._victim()
+        if victim is None:
+            return
+        os.kill(victim["pid"], signal.SIGSTOP)
+        self.report.stalls.append(victim["name"])
+        try:
+            self.stop.wait(self.config.stall_seconds)
+        finally:
+            os.kill(victim["pid"], signal.SIGCONT)  # ProcessLookupError: killed meanwhile
+
+    def kill(self) -> None:
+        victim = self._victim()
+        if victim is not None:
+            os.kill(victim["pid"], signal.SIGKILL)
+            self.report.kills.append(victim["name"])
+
+    def sample(self, started: float) -> None:
+        workers = self.health()["workers"]
+        pools: dict[str, float] = {}
+        for w in workers:
+            pools[w["role"]] = pools.get(w["role"], 0.0) + _rss_mib(w["pid"])
+            if w.get("faults") is not None:
+                self.faults[w["name"], w["pid"]] = w["faults"]
+        assert self.server.proc is not None
+        with self.lock:
+            self.report.samples.append(Sample(
+                round(time.monotonic() - started, 1), round(_rss_mib(self.server.proc.pid), 1),
+                {role: round(mib, 1) for role, mib in sorted(pools.items())},
+                self.report.outcomes["ok"], self.report.outcomes["error"]))
+        self.progress(f"{time.monotonic() - started:.0f} s")
+
+    def settle(self) -> None:
+        """Every worker back and ready, then the blocks free: what is not, after
+        ``config.settle`` seconds, is leaked."""
+        start = time.monotonic()
+        deadline = start + self.config.settle
+        while time.monotonic() < deadline:
+            workers = self.health()["workers"]
+            held = sum(self.config.num_blocks - w.get("free_blocks", 0) for w in workers)
+            quarantined = sum((w.get("agent") or {}).get("blocks_quarantined", 0)
+                              for w in workers)
+            ready = all(w["alive"] and w["ready"] for w in workers)
+            self.report.leaked_blocks, self.report.quarantined_blocks = held, quarantined
+            if ready and not held and not quarantined:
+                self.report.settle_seconds = round(time.monotonic() - start, 1)
+                return
+            time.sleep(0.5)
+
+    def run(self) -> SoakReport:
+        started = time.monotonic()
+        threads = [threading.Thread(target=self._every, args=args, daemon=True) for args in (
+            (self.config.stall_every, self.stall), (self.config.kill_every, self.kill),
+            (self.config.sample_every, lambda: self.sample(started)))]
+        for thread in threads:
+            thread.start()
+        try:
+            self.load()
+        finally:
+            self.stop.set()
+            for thread in threads:
+                thread.join(self.config.stall_seconds + 15)
+        self.sample(started)
+        self.settle()
+        self.sample(started)
+        for counts in self.faults.values():
+            for kind, n in counts.items():
+                self.report.faults[kind] = self.report.faults.get(kind, 0) + n
+        self.report.seconds = round(time.monotonic() - started, 1)
+        self.http.close()
+        return self.report
+
+
+def run(config: SoakConfig, progress: Progress | None = None) -> SoakReport:
+    """One soak (a fresh server).
+
+    Raises:
+        BenchError: the server did not start in time.
+    """
+    config.check()
+    answers = greedy_answers(config.model, _prompts(config.seed), config.max_tokens)
+    with ServerProcess(config.server_arguments(), config.request_timeout + 90,
+                       env={"KVMOVE_FAULTS": config.faults}) as server:
+        report = _Soak(config, server, answers, progress or (lambda label: None)).run()
+    if server.exit_code != 0:
+        raise BenchError(f"kvmove-serve exited with status {server.exit_code} when stopped")
+    return report
+
+
+def format_soak(report: SoakReport) -> str:
+    c, o = report.config, report.outcomes
+    lines = [
+        f"kvmove-bench soak: kvmove-serve disagg, 1 prefill + 1 decode worker ({c.model}), "
+        f"{c.duration:g} s at {c.rate:g} requests/s, {c.max_tokens} tokens each",
+        f"trouble:  faults {c.faults!r} (injected: {report.faults or 'none seen'}); "
+        f"{len(report.stalls)} stalls of {c.stall_seconds:g} s {report.stalls}; "
+        f"{len(report.kills)} kills {report.kills}",
+        f"requests: {report.sent} sent: {o['ok']} ok, {o['error']} failed with an error, "
+        f"{o['wrong']} wrong, {o['hung']} hung (no answer in {c.request_timeout:g} s)",
+    ]
+    lines += [f"  error   {n:5d} x {kind}" for kind, n in report.errors.most_common()]
+    lines += [f"  WRONG   {detail}" for detail in report.wrong]
+    settled = (f"settled {report.settle_seconds:g} s after the load" if
+               report.settle_seconds is not None else f"NOT settled after {c.settle:g} s")
+    lines.append(f"blocks:   {report.leaked_blocks} leaked, {report.quarantined_blocks} "
+                 f"quarantined ({settled}; {c.num_blocks} per worker)")
+    roles = sorted({role for s in report.samples for role in s.pool_mib})
+    lines.append("memory (RSS, MiB):")
+    lines.append(f"  {'at s':>7}  {'server':>7}  " + "  ".join(f"{r:>8}" for r in roles) +
+                 f"  {'ok':>6}  {'errors':>6}")
+    for s in report.samples:
+        lines.append(f"  {s.at:7.1f}  {s.server_mib:7.1f}  " +
+                     "  ".join(f"{s.pool_mib.get(r, 0.0):8.1f}" for r in roles) +
+                     f"  {s.ok:6d}  {s.errors:6d}")
+    lines.append(f"verdict:  {'PASS' if report.passed else 'FAIL'} (0 wrong, 0 hung, 0 leaked "
+                 f"needed) in {report.seconds:g} s")
+    return "\n".join(lines)
+
+
+# --- the subcommand -------------------------------------------------------------------------
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    d = SoakConfig()
+    sub = commands.add_parser(
+        "soak", help="kvmove-serve disaggregated under load with faults, stalls and kills",
+        description="Runs kvmove-serve (1 prefill + 1 decode worker) under a steady Poisson "
+        "load with KVMOVE_FAULTS in every worker's agent, a worker stalled (SIGSTOP) and one "
+        "killed now and then; reports requests served, errors by kind, wrong answers (against "
+        "the colocated engine), hung requests, blocks leaked and memory over time. Exits 1 on "
+        "a wrong answer, a hung request or a leaked block.")
+    sub.add_argument("--duration", type=float, default=d.duration,
+                     help="seconds of load (default %(default)g)")
+    sub.add_argument("--rate", type=float, default=d.rate,
+                     help="requests per second (default %(default)g)")
+    sub.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                     help="tokens per answer (default %(default)d)")
+    sub.add_argument("--faults", default=d.faults,
+                     help="KVMOVE_FAULTS of every worker ('' for none; default %(default)s)")
+    sub.add_argument("--stall-every", type=float, default=d.stall_every,
+                     help="seconds between stalls of a random worker, 0: none (default "
+                     "%(default)g)")
+    sub.add_argument("--stall-seconds", type=float, default=d.stall_seconds,
+                     help="how long a stall lasts (default %(default)g)")
+    sub.add_argument("--kill-every", type=float, default=d.kill_every,
+                     help="seconds between SIGKILLs of a random worker, 0: none (default "
+                     "%(default)g)")
+    sub.add_argument("--sample-every", type=float, default=d.sample_every,
+                     help="seconds between memory samples (default %(default)g)")
+    sub.add_argument("--num-blocks", type=int, default=d.num_blocks,
+                     help="KV blocks per worker (default %(default)d)")
+    sub.add_argument("--request-timeout", type=float, default=d.request_timeout,
+                     help="a request's deadline, the server's and the client's (default "
+                     "%(default)g)")
+    sub.add_argument("--settle", type=float, default=d.settle,
+                     help="seconds after the load for every block to be free (default "
+                     "%(default)g)")
+    sub.add_argument("--model", default=d.model, help="engine preset (default %(default)s)")
+    sub.add_argument("--seed", type=int, default=d.seed, help="seed (default %(default)d)")
+    sub.add_argument("--json", action="store_true", help="print the report as JSON only")
+    sub.set_defaults(run=run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    config = SoakConfig(
+        duration=args.duration, rate=args.rate, max_tokens=args.max_tokens, faults=args.faults,
+        stall_every=args.stall_every, stall_seconds=args.stall_seconds,
+        kill_every=args.kill_every, sample_every=args.sample_every, num_blocks=args.num_blocks,
+        request_timeout=args.request_timeout, settle=args.settle, model=args.model,
+        seed=args.seed)
+    config.check()
+    try:
+        import httpx  # noqa: F401
+        import openai  # noqa: F401
+    except ImportError:
+        raise ConfigError("kvmove-bench soak needs the openai client: pip install openai "
+                          "kvmove[serve]") from None
+    steps = int(config.duration / config.sample_every) + 3
+    with bar(args, steps) as progress:
+        report = run(config, progress)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_soak(report))
+    return 0 if report.passed else 1
