@@ -112,7 +112,9 @@ def test_an_offer_later_than_the_prompt_streams_every_layer_when_it_comes(pair, 
         pair.prefill.step()
     assert sent.output and not sent.finished and pair.prefill.has_work
     received = reserve(pair, "r")
-    pair.step_until(lambda: received.finished, "the request decoded")
+    # both sides: the prefill's request ends once the decode acknowledged the Final, which
+    # may come after the decode finished (CI, loaded, saw it still handing off)
+    pair.step_until(lambda: received.finished and sent.finished, "the request decoded")
     assert sent.finish_reason is FinishReason.HANDED_OFF
     assert received.output == reference
     pair.idle()
