@@ -48,3 +48,12 @@ def test_a_wrong_answer_fails_the_soak(monkeypatch) -> None:
     assert report.outcomes["wrong"] > 0 and report.outcomes["ok"] > 0, report.outcomes
     assert not report.passed
     assert "WRONG" in soak.format_soak(report) and "FAIL" in soak.format_soak(report)
+
+
+def test_bad_options_are_refused_naming_the_value() -> None:
+    for option, value, words in (("--rate", "-1", "rate must be positive, got -1.0"),
+                                 ("--kill-every", "-2", "kill_every must be 0 (never) or"),
+                                 ("--model", "huge", "'huge'")):
+        result = subprocess.run([sys.executable, "-m", "kvmove.bench.cli", "soak", option, value],
+                                capture_output=True, text=True, cwd=WORKDIR, timeout=120)
+        assert result.returncode == 2 and words in result.stderr, (option, result.stderr)

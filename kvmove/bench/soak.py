@@ -376,8 +376,26 @@ def format_soak(report: SoakReport) -> str:
 # --- the subcommand -------------------------------------------------------------------------
 
 
+# SoakConfig's fields the command line sets: (field, help); each flag is the field's name
+# with dashes, its type and default the field's
+OPTIONS = (
+    ("duration", "seconds of load"),
+    ("rate", "requests per second"),
+    ("max_tokens", "tokens per answer"),
+    ("faults", "KVMOVE_FAULTS of every worker ('' for none)"),
+    ("stall_every", "seconds between stalls (SIGSTOP) of a random worker, 0: none"),
+    ("stall_seconds", "how long a stall lasts"),
+    ("kill_every", "seconds between SIGKILLs of a random worker, 0: none"),
+    ("sample_every", "seconds between memory samples"),
+    ("num_blocks", "KV blocks per worker"),
+    ("request_timeout", "a request's deadline on the server (the client waits 15 s more)"),
+    ("settle", "seconds after the load for every block to be free"),
+    ("model", "engine preset"),
+    ("seed", "the load's and the prompts' seed"),
+)
+
+
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    d = SoakConfig()
     sub = commands.add_parser(
         "soak", help="kvmove-serve disaggregated under load with faults, stalls and kills",
         description="Runs kvmove-serve (1 prefill + 1 decode worker) under a steady Poisson "
@@ -385,45 +403,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "killed now and then; reports requests served, errors by kind, wrong answers (against "
         "the colocated engine), hung requests, blocks leaked and memory over time. Exits 1 on "
         "a wrong answer, a hung request or a leaked block.")
-    sub.add_argument("--duration", type=float, default=d.duration,
-                     help="seconds of load (default %(default)g)")
-    sub.add_argument("--rate", type=float, default=d.rate,
-                     help="requests per second (default %(default)g)")
-    sub.add_argument("--max-tokens", type=int, default=d.max_tokens,
-                     help="tokens per answer (default %(default)d)")
-    sub.add_argument("--faults", default=d.faults,
-                     help="KVMOVE_FAULTS of every worker ('' for none; default %(default)s)")
-    sub.add_argument("--stall-every", type=float, default=d.stall_every,
-                     help="seconds between stalls of a random worker, 0: none (default "
-                     "%(default)g)")
-    sub.add_argument("--stall-seconds", type=float, default=d.stall_seconds,
-                     help="how long a stall lasts (default %(default)g)")
-    sub.add_argument("--kill-every", type=float, default=d.kill_every,
-                     help="seconds between SIGKILLs of a random worker, 0: none (default "
-                     "%(default)g)")
-    sub.add_argument("--sample-every", type=float, default=d.sample_every,
-                     help="seconds between memory samples (default %(default)g)")
-    sub.add_argument("--num-blocks", type=int, default=d.num_blocks,
-                     help="KV blocks per worker (default %(default)d)")
-    sub.add_argument("--request-timeout", type=float, default=d.request_timeout,
-                     help="a request's deadline, the server's and the client's (default "
-                     "%(default)g)")
-    sub.add_argument("--settle", type=float, default=d.settle,
-                     help="seconds after the load for every block to be free (default "
-                     "%(default)g)")
-    sub.add_argument("--model", default=d.model, help="engine preset (default %(default)s)")
-    sub.add_argument("--seed", type=int, default=d.seed, help="seed (default %(default)d)")
+    defaults = SoakConfig()
+    for name, text in OPTIONS:
+        default = getattr(defaults, name)
+        sub.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default,
+                         help=f"{text} (default {default!r})")
     sub.add_argument("--json", action="store_true", help="print the report as JSON only")
     sub.set_defaults(run=run_command)
 
 
 def run_command(args: argparse.Namespace) -> int:
-    config = SoakConfig(
-        duration=args.duration, rate=args.rate, max_tokens=args.max_tokens, faults=args.faults,
-        stall_every=args.stall_every, stall_seconds=args.stall_seconds,
-        kill_every=args.kill_every, sample_every=args.sample_every, num_blocks=args.num_blocks,
-        request_timeout=args.request_timeout, settle=args.settle, model=args.model,
-        seed=args.seed)
+    config = SoakConfig(**{name: getattr(args, name) for name, _ in OPTIONS})
     config.check()
     try:
         import httpx  # noqa: F401
