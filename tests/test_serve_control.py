@@ -22,10 +22,10 @@ import pytest
 import zmq
 
 from kvmove.engine.request import SamplingParams
-from kvmove.errors import ConfigError, KVMoveError
+from kvmove.errors import ConfigError, KVMoveError, PeerError
 from kvmove.serve.config import ServeConfig
 from kvmove.serve.control import IDENTITY_VARIABLE, MAX_MESSAGE_BYTES, ControlEndpoint
-from kvmove.serve.messages import Tokens, encode
+from kvmove.serve.messages import Abort, Tokens, encode
 from kvmove.serve.router import Handle, Router
 from kvmove.serve.workers import WorkerInfo
 
@@ -252,6 +252,22 @@ def test_finding_6_a_malformed_message_from_a_live_worker_is_dropped(
     finally:
         router.control.close()
         router.context.term()
+
+
+def test_a_command_to_a_worker_that_is_gone_fails_naming_the_worker() -> None:
+    """Its request then ends with this error (a client saw ZeroMQ's bare "ZMQError: Host
+    unreachable" in the soak)."""
+
+    async def scenario() -> None:
+        router, worker, _ = _router_with_worker()  # live to the router; nobody is connected
+        try:
+            with pytest.raises(PeerError, match="worker worker-0 is unreachable"):
+                router.channel.send(worker, Abort(rid="req-0"))
+        finally:
+            worker.alive = False
+            await router.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
 def test_finding_6_health_says_down_when_the_receive_loop_ends() -> None:

@@ -57,12 +57,18 @@ class Channel:
     # --- out: commands, and the answers awaited -------------------------------------------
 
     def send(self, worker: WorkerInfo, message: Command) -> None:
-        """Sends now or raises (ZMQError: a worker that is gone is unreachable)."""
-        # pyzmq types this Awaitable; zmq.asyncio's socket returns an asyncio.Future
-        sent = cast("asyncio.Future[Any]", self.socket.send_multipart(
-            [worker.identity, encode(message)], flags=zmq.NOBLOCK))
-        if sent.done() and (error := sent.exception()) is not None:
-            raise error
+        """Sends now or raises ``PeerError`` (a worker that is gone is unreachable; a client
+        whose request it ends sees this error, not ZeroMQ's "Host unreachable")."""
+        try:
+            # pyzmq types this Awaitable; zmq.asyncio's socket returns an asyncio.Future
+            sent = cast("asyncio.Future[Any]", self.socket.send_multipart(
+                [worker.identity, encode(message)], flags=zmq.NOBLOCK))
+            error = sent.exception() if sent.done() else None
+        except zmq.ZMQError as raised:
+            error = raised
+        if error is not None:
+            raise PeerError(f"worker {worker.name} is unreachable (it exited?): {error}") \
+                from error
 
     def expect(self, worker: str, key: str) -> asyncio.Future:
         """A future for ``worker``'s answer about ``key`` (a request id, or "connect")."""

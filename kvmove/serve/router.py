@@ -31,7 +31,7 @@ import zmq.asyncio
 
 from kvmove.engine.request import SamplingParams
 from kvmove.engine.role import Role
-from kvmove.errors import KVMoveError
+from kvmove.errors import KVMoveError, PeerError
 from kvmove.serve.channel import Channel
 from kvmove.serve.config import Mode, ServeConfig
 from kvmove.serve.control import ControlEndpoint
@@ -226,7 +226,7 @@ class Router:
             if worker.alive:
                 try:
                     self.channel.send(worker, Abort(rid=handle.rid))
-                except zmq.ZMQError:
+                except PeerError:
                     pass  # gone: the monitor will notice
 
     def abort_all(self, reason: str) -> None:

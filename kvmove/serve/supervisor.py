@@ -24,10 +24,8 @@ import logging
 import time
 from collections.abc import Callable
 
-import zmq
-
 from kvmove.engine.role import Role
-from kvmove.errors import KVMoveError
+from kvmove.errors import KVMoveError, PeerError
 from kvmove.serve.channel import Channel
 from kvmove.serve.config import ServeConfig
 from kvmove.serve.messages import Connect, Forget, Shutdown
@@ -108,7 +106,7 @@ class Supervisor:
     def _send(self, worker: WorkerInfo, command: Shutdown | Forget) -> None:
         try:
             self.channel.send(worker, command)
-        except zmq.ZMQError:
+        except PeerError:
             pass  # gone already: its process is ended (or seen dead) by the monitor
 
     # --- watch -----------------------------------------------------------------------------
@@ -162,7 +160,7 @@ class Supervisor:
                         continue
                     try:
                         await self._connect(decode, prefill)
-                    except (TimeoutError, KVMoveError, zmq.ZMQError):
+                    except (TimeoutError, KVMoveError):
                         continue  # one of them died meanwhile: the next round sees it
             self.pool.update_ready()
             await asyncio.sleep(RECONCILE_SECONDS)
