@@ -15,7 +15,15 @@ from collections.abc import Callable, Sequence
 from kvmove import _C
 from kvmove.agent_stats import AgentStats
 from kvmove.auth import DeploymentKey, resolve_key
-from kvmove.bootstrap import ListenerStats, MetadataServer, exchange, is_loopback, net_devices_for
+from kvmove.bootstrap import (
+    WILDCARDS,
+    ListenerStats,
+    MetadataServer,
+    advertised_host,
+    exchange,
+    is_loopback,
+    net_devices_for,
+)
 from kvmove.errors import ConfigError, PeerError
 from kvmove.kv_cache import KVCache, block_shape
 from kvmove.stream import LoadStream, Offer, SaveStream
@@ -90,6 +98,8 @@ class Agent:
             ``"0.0.0.0"`` leaves every interface to UCX.
         net_devices: UCX's device list (``UCX_NET_DEVICES`` syntax, e.g. ``"mlx5_0:1"`` for an
             InfiniBand port), instead of the interface of ``host``; ``"all"`` for every one.
+            Default: ``$UCX_NET_DEVICES`` when set (an RDMA host keeps its devices), else the
+            interface of ``host``.
         max_peers: peers this agent accepts at most (each holds a UCX endpoint).
         same_host: ``"map"`` (default): a peer on this host (same boot, network and pid
             namespace, same user) maps this agent's cache and this agent maps the peer's, so a
@@ -134,7 +144,10 @@ class Agent:
         require_positive_int("max_peers", max_peers)
         self.key: DeploymentKey = resolve_key(key)
         self.host = host
-        devices = net_devices_for(host) if net_devices is None else net_devices
+        if net_devices is None:  # the user's UCX_NET_DEVICES wins over host's interface
+            devices = "all" if os.environ.get("UCX_NET_DEVICES") else net_devices_for(host)
+        else:
+            devices = net_devices
         shape = block_shape(cache.layout, cache.order, kv_heads)
         self._core = _C.Agent(name, cache._core, shape, transports or "", error_mode == "peer",
                               float(peer_timeout), float(cancel_timeout), float(ack_timeout),
@@ -143,6 +156,7 @@ class Agent:
         self.cache = cache
         self.checksums = bool(checksums)
         self._server: MetadataServer | None = None
+        self._advertised: tuple[str, int] | None = None  # what listen() told
 
     @property
     def name(self) -> str:
@@ -278,16 +292,22 @@ class Agent:
         """
         return self._core.wait_notification(timeout)
 
-    def listen(self, host: str | None = None, port: int = 0) -> tuple[str, int]:
+    def listen(self, host: str | None = None, port: int = 0,
+               advertise: str | None = None) -> tuple[str, int]:
         """Serves metadata exchange on ``host:port`` (default: the agent's ``host``; port 0 =
-        any free port) until ``close()``.
+        any free port) until ``close()``; returns the address peers connect to.
 
         Each agent that ``connect``s with metadata signed by this deployment's key becomes a
         peer here, and receives this agent's metadata.
 
+        ``advertise``: the host peers are told (default: ``host``; for a wildcard such as
+        ``"0.0.0.0"``, this host's address on its default route: a wildcard is never
+        advertised).
+
         Raises:
-            ConfigError: closed, already listening, or a non-loopback address with only the
-                host key (it proves nothing to another host: give a deployment key).
+            ConfigError: closed, already listening, a non-loopback address with only the host
+                key (it proves nothing to another host: give a deployment key), or a wildcard
+                with no route to tell an address by and no ``advertise``.
         """
         host = self.host if host is None else host
         if self.closed:
@@ -298,17 +318,22 @@ class Agent:
                               "(Agent(key=...), KVMOVE_KEY or KVMOVE_KEY_FILE)")
         if self._server is not None:
             raise ConfigError(f"agent {self.name!r} already listens on {self._server.address}")
+        shown = advertised_host(host) if advertise is None else advertise
+        if shown in WILDCARDS:
+            raise ConfigError(f"agent {self.name!r} cannot advertise the wildcard {shown!r}: "
+                              "give an address of this host")
         # The listener thread holds the agent only weakly, and is closed when the agent is
         # collected: an agent dropped without close() must not live on through its listener.
         self._server = MetadataServer(self.metadata(), self.key.verify, _weak_add_peer(self),
                                       host, port)
         weakref.finalize(self, self._server.close)
-        return self._server.address
+        self._advertised = (shown, self._server.address[1])
+        return (shown, self._server.address[1])
 
     @property
     def listen_address(self) -> tuple[str, int] | None:
-        """Where ``listen()`` serves metadata exchange, or None."""
-        return None if self._server is None else self._server.address
+        """The address ``listen()`` returned (peers connect there), or None."""
+        return self._advertised
 
     def listener_stats(self) -> ListenerStats | None:
         """What ``listen()``'s listener received (``ListenerStats``: exchanges, refusals,
@@ -446,7 +471,7 @@ class Agent:
         """Stops listening and progress, fails pending transfers, releases UCX. Idempotent."""
         if self._server is not None:
             self._server.close()
-            self._server = None
+            self._server, self._advertised = None, None
         self._core.close()
 
     def __enter__(self) -> Agent:

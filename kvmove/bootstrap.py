@@ -44,8 +44,8 @@ from kvmove.errors import ConfigError, KVMoveError, PeerError
 from kvmove.rate_limit import PerSource
 
 __all__ = ["ListenerStats", "MAX_EXCHANGES_PER_SECOND", "MAX_MESSAGE_BYTES",
-           "MAX_REFUSALS_PER_SECOND", "MetadataServer", "exchange", "is_loopback",
-           "net_devices_for"]
+           "MAX_REFUSALS_PER_SECOND", "MetadataServer", "WILDCARDS", "advertised_host",
+           "exchange", "is_loopback", "net_devices_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,30 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def advertised_host(host: str) -> str:
+    """What peers are told to connect to for a listener bound to ``host``: ``host`` itself,
+    or for a wildcard the address this host sends from on its default route (an agent that
+    advertised "0.0.0.0" had its peers connect to themselves).
+
+    Raises:
+        ConfigError: a wildcard, and no route to tell an address by: name one.
+    """
+    if host not in WILDCARDS:
+        return host
+    family, probe = ((socket.AF_INET6, "2001:db8::1") if host == "::" else
+                     (socket.AF_INET, "192.0.2.1"))  # documentation ranges: nothing is sent
+    with socket.socket(family, socket.SOCK_DGRAM) as udp:
+        try:
+            udp.connect((probe, 9))
+            return str(udp.getsockname()[0])
+        except OSError as error:
+            raise ConfigError(f"listening on {host!r}, this host has no route to tell peers an "
+                              f"address by ({error}): give the address to advertise") from None
+
+
 def net_devices_for(host: str) -> str:
     """The UCX device list that keeps UCX's network transports on ``host``'s interface: "lo"
     for loopback, the interface holding ``host`` otherwise, "" (every device) for the wildcard
@@ -75,7 +99,7 @@ def net_devices_for(host: str) -> str:
     Raises:
         ConfigError: no interface holds ``host``.
     """
-    if host in ("0.0.0.0", "::", ""):
+    if host in WILDCARDS:
         return ""
     if is_loopback(host):
         return "lo"

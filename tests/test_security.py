@@ -149,7 +149,22 @@ def test_finding_1_listening_beyond_loopback_needs_a_deployment_key(monkeypatch,
             wide.listen()
         names(excinfo, "'0.0.0.0'", "KVMOVE_KEY")
     with agent("wide-keyed", host="0.0.0.0", key=secrets.token_bytes(16)) as keyed:
-        assert keyed.listen(port=0)[0] == "0.0.0.0"
+        # bound to every interface, it tells peers an address they can reach, never the
+        # wildcard (peers told "0.0.0.0" connected to themselves); tests/test_two_hosts.py
+        # checks it is the one reached, and the refusal without a route
+        host, port = keyed.listen(port=0)
+        assert host not in ("0.0.0.0", "") and keyed.listen_address == (host, port)
+        assert ("0.0.0.0", port) in listening_addresses()
+
+
+def test_the_advertised_address_is_the_one_named_and_never_a_wildcard():
+    key = secrets.token_bytes(16)
+    with agent("named", host="0.0.0.0", key=key) as named:
+        assert named.listen(advertise="10.1.2.3")[0] == "10.1.2.3"
+    with agent("wild", host="0.0.0.0", key=key) as wild:
+        with pytest.raises(ConfigError, match="cannot advertise the wildcard '0.0.0.0'"):
+            wild.listen(advertise="0.0.0.0")
+        assert wild.listen_address is None
 
 
 def test_finding_1_the_host_key_is_private_to_its_user(monkeypatch, tmp_path):

@@ -195,3 +195,57 @@ def test_write_between_two_namespaces_over_veth(namespaces):
     assert field(receiver.lines, "LISTENING") == ns.addr_b, "a socket open to other networks"
     # Everything crossed the veth: B received at least the KV bytes (plus headers).
     assert ns.rx_bytes_b() - rx_before >= nbytes
+
+
+def test_a_receiver_on_the_wildcard_advertises_the_address_peers_reach(namespaces):
+    """Bound to 0.0.0.0, the receiver tells its peers an address of its own (its default
+    route's: the veth's), and the sender in the other namespace reaches it there (an agent
+    used to advertise "0.0.0.0", and its peers connected to themselves). With no route to
+    tell an address by, listening refuses, saying so, instead of advertising a wildcard."""
+    ns = namespaces
+    deadline = time.monotonic() + DEADLINE
+    receive = ("receive", "--host", "0.0.0.0", "--port", "47002", "--timeout", "20")
+    refused = NsProcess(ns.ns_b, *receive)
+    with pytest.raises(AssertionError, match="no route to tell peers an address by"):
+        refused.finish(deadline)
+    _ip("-n", ns.ns_b, "route", "add", "default", "via", ns.addr_a)
+    receiver = NsProcess(ns.ns_b, *receive)
+    sender = None
+    try:
+        host, port = receiver.read_line("READY", deadline).split()
+        assert host == ns.addr_b
+        sender = NsProcess(ns.ns_a, "send", "--host", host, "--port", port, "--bind",
+                           ns.addr_a, "--seed", "3", "--remote-ids", "5,6,7", "--timeout", "15")
+        sender.finish(deadline)
+        receiver.finish(deadline)
+    finally:
+        for process in (refused, receiver, sender):
+            if process is not None:
+                process.kill()
+    assert field(receiver.lines, "NOTIFY") == "host-a two-hosts"
+
+
+def test_the_users_ucx_net_devices_wins_over_the_agents_host(namespaces):
+    """An agent on loopback (the default ``host``) keeps UCX on "lo"; with the user's
+    ``UCX_NET_DEVICES`` naming the veth, UCX's tcp transport listens on the veth's address
+    instead: the user's devices win (it used to be overridden, which on an RDMA host left
+    out the RDMA devices)."""
+    ns = namespaces
+    script = ("import kvmove, sys\n"
+              "from helpers.checks import listening_addresses\n"
+              "from helpers.kv import make_cache\n"
+              "layout = dict(num_layers=1, num_kv_heads=1, head_dim=8, dtype='float16',"
+              " block_size=4)\n"
+              "with kvmove.Agent('a', make_cache(layout, 4), transports='tcp') as agent:\n"
+              "    print(sorted({h for h, _ in listening_addresses()}))\n")
+    hosts = {}
+    for devices in ("", ns.dev_b):
+        env = {**os.environ, "UCX_NET_DEVICES": devices} if devices else \
+            {k: v for k, v in os.environ.items() if k != "UCX_NET_DEVICES"}
+        result = subprocess.run(["ip", "netns", "exec", ns.ns_b, sys.executable, "-c", script],
+                                capture_output=True, text=True, env=env, cwd=TESTS,
+                                timeout=DEADLINE)
+        assert result.returncode == 0, result.stderr[-3000:]
+        hosts[devices] = result.stdout.strip()
+    assert hosts[""] == "['127.0.0.1']", hosts
+    assert ns.addr_b in hosts[ns.dev_b] and "127.0.0.1" not in hosts[ns.dev_b], hosts

@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.logger import init_logger
 
-from kvmove.integrations.vllm.config import ConnectorConfig
+from kvmove.bootstrap import advertised_host
+from kvmove.integrations.vllm.config import ConnectorConfig, KVRole
 from kvmove.integrations.vllm.params import KVTransferParams, TransferMode, mark_handed_off
 from kvmove.integrations.vllm.pd_specs import LoadSpec, PushSpec, SendSpec
 
@@ -65,6 +66,10 @@ class PDScheduler:
 
     def __init__(self, vllm_config: Any, config: ConnectorConfig, kv_cache_config: Any) -> None:
         self.config = config
+        # what decodes are told to connect to: the prefill agents' host, never a wildcard
+        # (each worker's agent listens on host; a decode told "0.0.0.0" reached itself)
+        self.advertised_host = (advertised_host(config.host)
+                                if config.role is KVRole.PRODUCER else config.host)
         self.block_size = vllm_config.cache_config.block_size
         self.num_groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config else 1
         self._loads: list[LoadSpec] = []
@@ -187,7 +192,7 @@ class PDScheduler:
         return KVTransferParams(
             do_remote_prefill=True, do_remote_decode=False, remote_block_ids=tuple(block_ids),
             remote_engine_id=cfg.engine_id, remote_request_id=request.request_id,
-            remote_host=cfg.host, remote_port=cfg.port, tp_size=cfg.tp_size,
+            remote_host=self.advertised_host, remote_port=cfg.port, tp_size=cfg.tp_size,
             remote_num_tokens=request.num_computed_tokens, transfer_mode=mode)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
