@@ -152,3 +152,20 @@ def test_blocks_taken_since_the_last_stats_count_against_a_decode_worker() -> No
     assert first.free_blocks == 97
     first.reported(_stats(free_blocks=97))  # stats that count them
     assert (first.free_blocks, first.granted_blocks) == (97, 0)
+
+
+def test_net_devices_reach_each_workers_agent() -> None:
+    """``kvmove-serve --net-devices`` (an RDMA host's devices) is on every worker's command
+    line, and the worker's parser takes it for its agent; absent, the agent's default."""
+    from kvmove.serve import cli, worker_main
+    from kvmove.serve.workers import worker_command
+
+    args = cli._parser().parse_args(["--net-devices", "mlx5_0:1"])
+    assert args.net_devices == "mlx5_0:1"
+    command = worker_command(ServeConfig(net_devices="mlx5_0:1"), "worker-0", Role.COLOCATED,
+                             [], "ipc://x")
+    assert command[command.index("--net-devices") + 1] == "mlx5_0:1"
+    parsed = worker_main._parser().parse_args(command[command.index("--name"):])
+    assert parsed.net_devices == "mlx5_0:1"
+    assert "--net-devices" not in worker_command(ServeConfig(), "worker-0", Role.COLOCATED, [],
+                                                 "ipc://x")

@@ -178,3 +178,13 @@ def test_load_rule_is_an_enum() -> None:
     with pytest.raises(ConfigError, match=r"'load_rule'\] must be one of \['measured', "
                                           r"'always', 'never'\], got 'sometimes'"):
         ConnectorConfig.from_vllm(_vllm_config("kv_both", load_rule="sometimes"))
+
+
+def test_net_devices_is_a_setting_of_its_own() -> None:
+    """UCX's devices (an RDMA host's ``mlx5_0:1``), passed to each rank's agent; default None:
+    ``$UCX_NET_DEVICES``, else the interface of ``host``."""
+    assert ConnectorConfig.from_vllm(_vllm_config("kv_consumer")).net_devices is None
+    config = ConnectorConfig.from_vllm(_vllm_config("kv_producer", net_devices="mlx5_0:1"))
+    assert config.net_devices == "mlx5_0:1"
+    with pytest.raises(ConfigError, match=r"'net_devices'\] must be"):
+        ConnectorConfig.from_vllm(_vllm_config("kv_producer", net_devices=1))

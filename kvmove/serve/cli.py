@@ -38,7 +38,8 @@ from kvmove.serve.vllm.pools import KV_MODES, ProxyConfig
 
 # Flags that configure kvmove's own engine workers: meaningless in front of vLLM.
 _ENGINE_ONLY = ("mode", "workers", "prefill", "decode", "chunk_size", "model", "num_blocks",
-                "block_size", "max_num_seqs", "agent_host", "key_file", "transports",
+                "block_size", "max_num_seqs", "agent_host", "net_devices", "key_file",
+                "transports",
                 "no_pin_cpus", "transfer_timeout", "store_dir", "store_host_gb",
                 "store_disk_gb", "no_checksums", "no_restart", "ray", "ray_resources")
 _UNSET = object()
@@ -87,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="HTTP port, 0 for any (default 8000)")
     p.add_argument("--agent-host", default="127.0.0.1",
                    help="address the workers' kvmove agents serve on (default 127.0.0.1)")
+    p.add_argument("--net-devices", default=None,
+                   help="UCX devices the workers' agents use (UCX_NET_DEVICES syntax, e.g. "
+                   "mlx5_0:1; 'all'). Default: $UCX_NET_DEVICES, else --agent-host's interface")
     p.add_argument("--key-file", default=None,
                    help="the deployment key the workers' agents share (docs/security.md; it "
                    "also keys the prefix cache's block hashes). Default: KVMOVE_KEY_FILE or "
@@ -346,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
             decode=args.decode,
             model=args.model, chunk_size=args.chunk_size, num_blocks=args.num_blocks,
             block_size=args.block_size, max_num_seqs=args.max_num_seqs, host=args.host,
-            port=args.port, agent_host=args.agent_host, key_file=args.key_file,
+            port=args.port, agent_host=args.agent_host, net_devices=args.net_devices,
+            key_file=args.key_file,
             transports=args.transports, request_timeout=args.request_timeout,
             transfer_timeout=args.transfer_timeout,
             pin_cpus=not args.no_pin_cpus, store_dir=args.store_dir,

@@ -79,6 +79,7 @@ class ServeConfig:
     host: str = "127.0.0.1"          # the HTTP server
     port: int = 8000
     agent_host: str = "127.0.0.1"    # where workers' kvmove agents listen
+    net_devices: str | None = None   # UCX devices of their agents (None: Agent's default)
     key_file: str | None = None      # the deployment key (docs/security.md); None: host key
     transports: str | None = None
     request_timeout: float = 120.0

@@ -99,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--agent-host", default="127.0.0.1")
+    p.add_argument("--net-devices", default=None)
     p.add_argument("--key-file", default=None, help="the deployment key (else as kvmove.auth "
                    "resolves it)")
     p.add_argument("--transports", default=None)
@@ -144,7 +145,7 @@ class WorkerServer:
             agent_kwargs={"transports": args.transports, "error_mode": args.error_mode,
                           "checksums": args.checksums,
                           "key": None if key.host_only else key.secret,
-                          "host": args.agent_host},
+                          "host": args.agent_host, "net_devices": args.net_devices},
             transfer_timeout=args.transfer_timeout,
             on_token=self._on_token,
             store=self.store)

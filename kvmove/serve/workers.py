@@ -188,6 +188,8 @@ def worker_command(config: ServeConfig, name: str, role: Role, cpus: list[int],
                "--log-level", c.log_level]
     if c.transports:
         command += ["--transports", c.transports]
+    if c.net_devices:
+        command += ["--net-devices", c.net_devices]
     if c.key_file:
         command += ["--key-file", os.path.abspath(c.key_file)]
     if c.checksums and role == Role.PREFILL:

@@ -31,6 +31,7 @@ class LoadRule(enum.StrEnum):
 # kv_connector_extra_config keys, their types and defaults (docs/vllm.md explains each).
 EXTRA_KEYS: dict[str, tuple[type | tuple[type, ...], Any]] = {
     "host": (str, "127.0.0.1"),         # the address this instance's kvmove agents serve on
+    "net_devices": ((str, type(None)), None),  # UCX devices (None: $UCX_NET_DEVICES, else host's)
     "lease_seconds": ((int, float), 60.0),   # P holds finished blocks this long for D at most
     "load_timeout": ((int, float), 30.0),    # D gives a hand-off up after this long
     "checksums": (bool, False),         # per-block XXH64, verified by the receiver

@@ -99,7 +99,7 @@ class PDWorker:
         key = key_from_file(cfg.key_file).secret if cfg.key_file else None
         agent = kvmove.Agent(f"vllm-{self._side}-{cfg.engine_id}-{cfg.tp_rank}", cache,
                              transports=cfg.transports, checksums=cfg.checksums, key=key,
-                             host=cfg.host)
+                             host=cfg.host, net_devices=cfg.net_devices)
         if cfg.role is KVRole.PRODUCER:
             agent.listen(cfg.host, cfg.port + cfg.tp_rank)
         return agent
