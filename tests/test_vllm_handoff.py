@@ -272,3 +272,55 @@ def test_a_transition_from_the_wrong_state_is_refused(transition: str) -> None:
         out.send = Send.WAITING
     with pytest.raises(AssertionError, match="t1"):
         getattr(out, transition)(*([L] if transition == "computed" else []))
+
+
+def _two_prefill_ranks() -> tuple[list[Side], list[PDPrefillWorker], int]:
+    """Prefill ranks 0 and 1 (other KV in each, as other heads), listening on ``port`` and
+    ``port + 1`` as vLLM's ranks do on ``kv_port + rank``."""
+    for _ in range(20):
+        sides = [Side(f"prefill-r{r}", seed=7 + r) for r in (0, 1)]
+        port = sides[0].agent.listen("127.0.0.1", 0)[1]
+        try:
+            sides[1].agent.listen("127.0.0.1", port + 1)
+        except kvmove.PeerError:  # taken: another pair
+            for side in sides:
+                side.close()
+            continue
+        parts = [PDPrefillWorker(s.agent, L, LEASE, TIMEOUT, s.lock, s.pool) for s in sides]
+        for part in parts:
+            part.start()
+        return sides, parts, port
+    raise AssertionError("no two free ports in a row")
+
+
+def test_a_decode_rank_loads_from_the_prefill_rank_of_its_own() -> None:
+    """Tensor parallelism 2 on both sides: decode rank 1 loads rank 1's KV (every decode rank
+    loaded from rank 0's port: rank 1 got rank 0's heads). A prefill of another tensor
+    parallelism is refused at once, naming both, and the blocks are recomputed."""
+    sides, parts, port = _two_prefill_ranks()
+    decode = Side("decode-r1", seed=None)
+    rank1 = PDDecodeWorker(decode.agent, TIMEOUT, decode.lock, decode.pool, tp_rank=1,
+                           tp_size=2)
+    single = PDDecodeWorker(decode.agent, TIMEOUT, decode.lock, decode.pool)  # TP 1
+    try:
+        for part in parts:  # each prefill rank holds the same request's same blocks
+            part.hold(SendSpec("r1", None, [1, 2, 3], time.monotonic() + LEASE))
+        rank1.start([LoadSpec("d1", "r1", TransferMode.PULL, [8, 9, 10], "127.0.0.1", port,
+                              12, remote_tp_size=2)])
+        wait_until(lambda: "d1" in rank1.take_received(), WAIT, "rank 1's load ended")
+        assert rank1.take_load_errors() == set()
+        np.testing.assert_array_equal(decode.raw[:, [8, 9, 10]], sides[1].raw[:, [1, 2, 3]])
+        assert (decode.raw[:, [8, 9, 10]] != sides[0].raw[:, [1, 2, 3]]).any()
+
+        started = time.monotonic()
+        single.start([LoadSpec("d2", "r1", TransferMode.PULL, [11, 12, 13], "127.0.0.1",
+                               port, 12, remote_tp_size=2)])
+        wait_until(lambda: "d2" in single.take_received(), WAIT, "the refused load ended")
+        assert single.take_load_errors() == {11, 12, 13}
+        assert time.monotonic() - started < TIMEOUT / 2, "refused, not timed out"
+        assert not decode.raw[:, [11, 12, 13]].any()
+    finally:
+        for part in parts:
+            part.close()
+        for side in (*sides, decode):
+            side.close()

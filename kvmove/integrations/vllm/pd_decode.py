@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import kvmove
-from kvmove.errors import ChecksumError
+from kvmove.errors import ChecksumError, ConfigError
 from kvmove.integrations.vllm.pd_specs import LoadSpec
 
 __all__ = ["Load", "PDDecodeWorker"]
@@ -62,8 +62,9 @@ class PDDecodeWorker:
     """Loads requests' prompt KV from their prefills; reports what arrived and what failed."""
 
     def __init__(self, agent: kvmove.Agent, timeout: float, lock: threading.Condition,
-                 pool: ThreadPoolExecutor) -> None:
+                 pool: ThreadPoolExecutor, tp_rank: int = 0, tp_size: int = 1) -> None:
         self.agent = agent
+        self.tp_rank, self.tp_size = tp_rank, tp_size  # this decode rank's
         self.timeout = timeout     # load_timeout: every step of a load
         self._lock = lock          # the PDWorker's: notified when a load ends
         self._pool = pool
@@ -109,7 +110,7 @@ class PDDecodeWorker:
         spec = incoming.spec
         started = time.monotonic()
         try:
-            peer = self._peer(spec.remote_host, spec.remote_port)
+            peer = self._peer(spec.remote_host, self._remote_port(spec))
             logger.debug("kvmove: load %s: peer %s after %.1f ms", spec.req_id, peer,
                          1e3 * (time.monotonic() - started))
             stream = self._offer(incoming, peer)
@@ -170,6 +171,21 @@ class PDDecodeWorker:
             self._load_errors.update(errors)
 
     # ---- peers ------------------------------------------------------------------------------
+
+    def _remote_port(self, spec: LoadSpec) -> int:
+        """The prefill rank this decode rank loads from: the same rank (its agent listens on
+        ``remote_port + rank``), which holds the same KV heads. Every decode rank loaded from
+        rank 0's port: rank 1 got rank 0's heads.
+
+        Raises:
+            ConfigError: the prefill's tensor parallelism is not this side's (its ranks hold
+                other heads; converting them is not done): the blocks are recomputed.
+        """
+        remote = self.tp_size if spec.remote_tp_size is None else spec.remote_tp_size
+        if remote != self.tp_size:
+            raise ConfigError(f"the prefill runs tensor parallelism {remote}, this decode "
+                              f"{self.tp_size}: kvmove pairs equal ranks only (recomputing)")
+        return spec.remote_port + self.tp_rank
 
     def _peer(self, host: str, port: int) -> str:
         """The prefill agent at ``host:port``, connected to again when it is no live peer (it

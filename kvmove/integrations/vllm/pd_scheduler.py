@@ -119,7 +119,7 @@ class PDScheduler:
             logger.warning("kvmove: request %s has no remote_request_id; not loading", req_id)
             return
         self._loads.append(LoadSpec(req_id, params.key, params.mode, blocks, address[0],
-                                    address[1], num_tokens))
+                                    address[1], num_tokens, params.tp_size))
 
     # ---- both ------------------------------------------------------------------------------
 

@@ -21,8 +21,9 @@ class LoadSpec:
     mode: TransferMode
     blocks: list[int]          # local blocks; empty: nothing to load, only release the prefill
     remote_host: str
-    remote_port: int
+    remote_port: int           # the prefill's rank 0 agent; its rank r listens on + r
     num_tokens: int
+    remote_tp_size: int | None = None  # the prefill's tensor parallelism (None: not said)
 
 
 @dataclass

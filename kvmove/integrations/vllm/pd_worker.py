@@ -83,7 +83,8 @@ class PDWorker:
             self.agent = self._start_agent(cache)
             self._prefill = PDPrefillWorker(self.agent, len(kv_caches), cfg.lease_seconds,
                                             cfg.load_timeout, self._lock, self._pool)
-            self._decode = PDDecodeWorker(self.agent, cfg.load_timeout, self._lock, self._pool)
+            self._decode = PDDecodeWorker(self.agent, cfg.load_timeout, self._lock, self._pool,
+                                          tp_rank=cfg.tp_rank, tp_size=cfg.tp_size)
             self._prefill.start()
         listening = cfg.role is KVRole.PRODUCER
         logger.info("kvmove: %s agent %s over %d layers of %s (%s)%s", self._side,
