@@ -188,3 +188,15 @@ def test_net_devices_is_a_setting_of_its_own() -> None:
     assert config.net_devices == "mlx5_0:1"
     with pytest.raises(ConfigError, match=r"'net_devices'\] must be"):
         ConnectorConfig.from_vllm(_vllm_config("kv_producer", net_devices=1))
+
+
+def test_vllms_kv_ip_is_the_host_unless_the_extra_config_names_one() -> None:
+    """As NixlConnector users write it: ``kv_ip`` (vLLM's field) is where the agents serve; it
+    was ignored, and the agents stayed on loopback."""
+    config = _vllm_config("kv_producer")
+    config.kv_transfer_config.kv_ip = "10.0.0.5"
+    assert ConnectorConfig.from_vllm(config).host == "10.0.0.5"
+    config = _vllm_config("kv_producer", host="10.0.0.6")
+    config.kv_transfer_config.kv_ip = "10.0.0.5"
+    assert ConnectorConfig.from_vllm(config).host == "10.0.0.6"
+    assert ConnectorConfig.from_vllm(_vllm_config("kv_consumer")).host == "127.0.0.1"

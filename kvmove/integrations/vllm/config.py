@@ -30,7 +30,7 @@ class LoadRule(enum.StrEnum):
 
 # kv_connector_extra_config keys, their types and defaults (docs/vllm.md explains each).
 EXTRA_KEYS: dict[str, tuple[type | tuple[type, ...], Any]] = {
-    "host": (str, "127.0.0.1"),         # the address this instance's kvmove agents serve on
+    "host": (str, "127.0.0.1"),         # where this instance's agents serve (default: kv_ip)
     "net_devices": ((str, type(None)), None),  # UCX devices (None: $UCX_NET_DEVICES, else host's)
     "lease_seconds": ((int, float), 60.0),   # P holds finished blocks this long for D at most
     "load_timeout": ((int, float), 30.0),    # D gives a hand-off up after this long
@@ -67,11 +67,14 @@ class ConnectorConfig:
         if kv.kv_role not in roles:
             raise ConfigError(f"kv_role must be one of {roles}, got {kv.kv_role!r}")
         parallel = vllm_config.parallel_config
+        extra = dict(kv.kv_connector_extra_config or {})
+        if "host" not in extra and getattr(kv, "kv_ip", None):
+            extra["host"] = kv.kv_ip  # vLLM's own field, as NixlConnector reads it
         config = cls(role=KVRole(kv.kv_role), engine_id=str(kv.engine_id), port=int(kv.kv_port),
                    tp_rank=int(getattr(parallel, "rank", 0) or 0) % max(
                        1, int(parallel.tensor_parallel_size)),
                    tp_size=int(parallel.tensor_parallel_size),
-                   settings=parse_extra(kv.kv_connector_extra_config or {}))
+                   settings=parse_extra(extra))
         if config.role is KVRole.PRODUCER:
             config.check_listen_address()
         return config
