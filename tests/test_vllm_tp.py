@@ -8,6 +8,8 @@ that text, with the KV moved: both decode ranks log a load per request.
 
 from __future__ import annotations
 
+from test_vllm_connector import BLOCK_SIZE, LOADED, PROMPTS, complete
+
 from helpers.serve import Server
 from helpers.vllm_servers import (
     VLLMServer,
@@ -16,7 +18,6 @@ from helpers.vllm_servers import (
     require_vllm,
     write_checkpoint,
 )
-from test_vllm_connector import BLOCK_SIZE, LOADED, PROMPTS, complete
 
 require_vllm()
 
