@@ -1,6 +1,6 @@
-"""The offload connector (``kv_role: kv_both``) inside a real vLLM: a repeated prompt is
-served from kvmove's store (host and disk tiers) and gives the text a vLLM without any
-connector gives; a corrupt disk block is recomputed, never served.
+"""The offload connector (``kv_role: kv_both``, ``offload: true``) inside a real vLLM: a
+repeated prompt is served from kvmove's store (host and disk tiers) and gives the text a vLLM
+without any connector gives; a corrupt disk block is recomputed, never served.
 
 Two servers, started together and shared by the tests: ``plain`` (no connector, the ground
 truth) and ``offload`` (a host tier of 3 blocks, so most of a prompt's blocks go to a disk
@@ -54,7 +54,7 @@ def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-offload")
     model = write_checkpoint(str(root / "model"))
     disk = str(root / "store")
-    config = kv_transfer_config("kv_both", kv_port=free_port(),
+    config = kv_transfer_config("kv_both", kv_port=free_port(), offload=True,
                                 store_host_gb=HOST_BLOCKS * _block_nbytes() / (1 << 30),
                                 store_disk_dir=disk, store_disk_gb=0.01)
     with VLLMServer(model, name="plain", args=SERVER_ARGS, log_dir=str(root)) as plain, \

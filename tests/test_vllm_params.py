@@ -172,7 +172,7 @@ def test_a_prefill_needs_a_host() -> None:
 
 
 def test_load_rule_is_an_enum() -> None:
-    config = ConnectorConfig.from_vllm(_vllm_config("kv_both", load_rule="never"))
+    config = ConnectorConfig.from_vllm(_vllm_config("kv_both", offload=True, load_rule="never"))
     assert config.load_rule is LoadRule.NEVER
     assert ConnectorConfig.from_vllm(_vllm_config("kv_both")).load_rule is LoadRule.MEASURED
     with pytest.raises(ConfigError, match=r"'load_rule'\] must be one of \['measured', "
@@ -200,3 +200,17 @@ def test_vllms_kv_ip_is_the_host_unless_the_extra_config_names_one() -> None:
     config.kv_transfer_config.kv_ip = "10.0.0.5"
     assert ConnectorConfig.from_vllm(config).host == "10.0.0.6"
     assert ConnectorConfig.from_vllm(_vllm_config("kv_consumer")).host == "127.0.0.1"
+
+
+def test_kv_both_is_either_role_as_nixlconnectors_and_offload_is_its_own_setting() -> None:
+    """A NixlConnector config with the connector's name changed (``kv_both`` on both sides):
+    P/D, serving prefills too (its agents listen); it silently meant offload. Offload is
+    ``"offload": true``, with kv_both only."""
+    both = ConnectorConfig.from_vllm(_vllm_config("kv_both"))
+    assert both.serves_prefill and not both.offload
+    assert not ConnectorConfig.from_vllm(_vllm_config("kv_consumer")).serves_prefill
+    assert ConnectorConfig.from_vllm(_vllm_config("kv_producer")).serves_prefill
+    offload = ConnectorConfig.from_vllm(_vllm_config("kv_both", offload=True))
+    assert offload.offload and not offload.serves_prefill
+    with pytest.raises(ConfigError, match="'offload'\\] needs kv_role 'kv_both'.*'kv_producer'"):
+        ConnectorConfig.from_vllm(_vllm_config("kv_producer", offload=True))

@@ -6,14 +6,15 @@
 
 ``kv_role`` picks what it does (docs/vllm.md):
 
-- ``kv_producer`` / ``kv_consumer``: prefill/decode disaggregation over kvmove agents,
+- ``kv_producer`` / ``kv_consumer`` / ``kv_both`` (either, per request, as NixlConnector's):
+  prefill/decode disaggregation over kvmove agents,
   speaking vLLM's P/D protocol (``kv_transfer_params``, ``params.py``), so proxies written
   for vLLM's own NixlConnector work unchanged: ``PDScheduler`` (``pd_scheduler.py``) and
   ``PDWorker`` (``pd_worker.py``, with its prefill and decode parts in ``pd_prefill.py`` and
   ``pd_decode.py``).
-- ``kv_both``: offload to a ``kvmove.KVStore`` (host and disk tiers) keyed by vLLM's block
-  hashes; a repeated prefix loads instead of being prefilled again: ``OffloadScheduler`` and
-  ``OffloadWorker`` (``offload.py``).
+- ``kv_both`` with ``"offload": true``: offload to a ``kvmove.KVStore`` (host and disk
+  tiers) keyed by vLLM's block hashes; a repeated prefix loads instead of being prefilled
+  again: ``OffloadScheduler`` and ``OffloadWorker`` (``offload.py``).
 
 The package imports lazily: ``KVMoveConnector`` (``connector.py``) needs vLLM, and is
 imported when vLLM asks for it (``getattr(module, "KVMoveConnector")``); ``params.py`` does

@@ -17,7 +17,7 @@ class KVRole(enum.StrEnum):
 
     PRODUCER = "kv_producer"   # a prefill instance: hands its requests' KV to decodes
     CONSUMER = "kv_consumer"   # a decode instance: receives a prompt's KV from a prefill
-    BOTH = "kv_both"           # offload: keeps KV blocks in a kvmove.KVStore
+    BOTH = "kv_both"           # either, per request (its kv_transfer_params), as NixlConnector
 
 
 class LoadRule(enum.StrEnum):
@@ -37,7 +37,8 @@ EXTRA_KEYS: dict[str, tuple[type | tuple[type, ...], Any]] = {
     "checksums": (bool, False),         # per-block XXH64, verified by the receiver
     "transports": ((str, type(None)), None),  # UCX transports (None: UCX's choice)
     "key_file": ((str, type(None)), None),    # the deployment key (docs/security.md)
-    # offload (kv_both)
+    # offload (kv_both with "offload": true): keeps KV blocks in a kvmove.KVStore
+    "offload": (bool, False),
     "store_host_gb": ((int, float), 1.0),
     "store_disk_dir": ((str, type(None)), None),
     "store_disk_gb": ((int, float), 16.0),
@@ -69,15 +70,24 @@ class ConnectorConfig:
         parallel = vllm_config.parallel_config
         extra = dict(kv.kv_connector_extra_config or {})
         if "host" not in extra and getattr(kv, "kv_ip", None):
-            extra["host"] = kv.kv_ip  # vLLM's own field, as NixlConnector reads it
+            extra["host"] = kv.kv_ip  # vLLM's own field where it has one (0.32 has not)
         config = cls(role=KVRole(kv.kv_role), engine_id=str(kv.engine_id), port=int(kv.kv_port),
                    tp_rank=int(getattr(parallel, "rank", 0) or 0) % max(
                        1, int(parallel.tensor_parallel_size)),
                    tp_size=int(parallel.tensor_parallel_size),
                    settings=parse_extra(extra))
-        if config.role is KVRole.PRODUCER:
+        if config.offload and config.role is not KVRole.BOTH:
+            raise ConfigError(f"kv_connector_extra_config['offload'] needs kv_role 'kv_both' "
+                              f"(an instance that both stores and loads), got {kv.kv_role!r}")
+        if config.serves_prefill:
             config.check_listen_address()
         return config
+
+    @property
+    def serves_prefill(self) -> bool:
+        """Its agents listen for decodes: a P/D producer, or kv_both (either role, per
+        request: NixlConnector's meaning) unless it offloads."""
+        return self.role is KVRole.PRODUCER or (self.role is KVRole.BOTH and not self.offload)
 
     def check_listen_address(self) -> None:
         """A prefill's agent listens on ``host:kv_port + tp_rank`` and tells decodes so in

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvmove.integrations.vllm.config import ConnectorConfig, KVRole
+from kvmove.integrations.vllm.config import ConnectorConfig
 from kvmove.integrations.vllm.sides import ConnectorScheduler, ConnectorWorker
 
 if TYPE_CHECKING:
@@ -35,7 +35,8 @@ __all__ = ["KVMoveConnector"]
 
 class KVMoveConnector(KVConnectorBase_V1):
     """vLLM's view of kvmove: one class, two sides (scheduler and worker), two jobs (P/D by
-    ``kv_producer``/``kv_consumer``, offload by ``kv_both``)."""
+    ``kv_producer``/``kv_consumer``/``kv_both``, as NixlConnector; offload by ``kv_both`` with
+    the ``offload`` setting)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
@@ -45,10 +46,9 @@ class KVMoveConnector(KVConnectorBase_V1):
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = _scheduler_class(config.role)(vllm_config, config,
-                                                            kv_cache_config)
+            self._scheduler = _scheduler_class(config)(vllm_config, config, kv_cache_config)
         else:
-            self._worker = _worker_class(config.role)(vllm_config, config, kv_cache_config)
+            self._worker = _worker_class(config)(vllm_config, config, kv_cache_config)
 
     @property
     def scheduler(self) -> ConnectorScheduler:
@@ -126,16 +126,16 @@ class KVMoveConnector(KVConnectorBase_V1):
 # Both sides are imported only for the role that uses them: offload's need no agent, P/D's no
 # store, and a scheduler process never imports a worker's. Each is built from
 # (vllm_config, config, kv_cache_config).
-def _scheduler_class(role: KVRole) -> Callable[..., ConnectorScheduler]:
-    if role is KVRole.BOTH:
+def _scheduler_class(config: ConnectorConfig) -> Callable[..., ConnectorScheduler]:
+    if config.offload:
         from kvmove.integrations.vllm.offload import OffloadScheduler
         return OffloadScheduler
     from kvmove.integrations.vllm.pd_scheduler import PDScheduler
     return PDScheduler
 
 
-def _worker_class(role: KVRole) -> Callable[..., ConnectorWorker]:
-    if role is KVRole.BOTH:
+def _worker_class(config: ConnectorConfig) -> Callable[..., ConnectorWorker]:
+    if config.offload:
         from kvmove.integrations.vllm.offload import OffloadWorker
         return OffloadWorker
     from kvmove.integrations.vllm.pd_worker import PDWorker

