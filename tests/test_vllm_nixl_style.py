@@ -12,11 +12,11 @@ import json
 
 from test_vllm_connector import COMMON, LOADED, PROMPTS, complete
 
-from helpers.serve import Server
 from helpers.vllm_servers import (
     CONNECTOR_MODULE,
     VLLMServer,
     free_port,
+    pd_behind_proxy,
     require_vllm,
     write_checkpoint,
 )
@@ -43,21 +43,8 @@ def test_kv_both_on_both_sides_is_pd_as_with_nixlconnector(tmp_path):
                         kv_config=nixl_style_config())
     single = VLLMServer(model, name="single", log_dir=logs,
                         args=(*COMMON, "--no-enable-prefix-caching"))
-    servers = [first, second, single]
-    proxy = None
-    try:
-        for server in servers:
-            server.wait_ready(START_SECONDS)
-        proxy = Server("--vllm-prefill", first.url, "--vllm-decode", second.url,
-                       "--kv-mode", "pull", engine=False)
+    with pd_behind_proxy(first, second, single, START_SECONDS) as proxy:
         expected = {prompt: complete(single.url, prompt) for prompt in PROMPTS}
         for prompt in PROMPTS:
             assert complete(proxy.url, prompt) == expected[prompt], prompt
         assert len(LOADED.findall(second.log_text())) == len(PROMPTS), second.log_tail()
-    finally:
-        if proxy is not None:
-            proxy.close()
-        for server in servers:
-            server.stop()
-        left = [pid for server in servers for pid in server.pids()]
-        assert not left, f"vLLM processes left behind: {left}"

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from test_vllm_connector import BLOCK_SIZE, LOADED, PROMPTS, complete
 
-from helpers.serve import Server
 from helpers.vllm_servers import (
     VLLMServer,
     free_port,
     kv_transfer_config,
+    pd_behind_proxy,
     require_vllm,
     write_checkpoint,
 )
@@ -38,13 +38,7 @@ def test_tp2_prefill_to_tp2_decode_pairs_rank_with_rank(tmp_path):
                                                      load_timeout=20.0))
     single = VLLMServer(model, name="single-tp2", log_dir=logs, env=ENV,
                         args=(*TP, "--no-enable-prefix-caching"))
-    servers = [prefill, decode, single]
-    proxy = None
-    try:
-        for server in servers:
-            server.wait_ready(START_SECONDS)
-        proxy = Server("--vllm-prefill", prefill.url, "--vllm-decode", decode.url,
-                       "--kv-mode", "pull", engine=False)
+    with pd_behind_proxy(prefill, decode, single, START_SECONDS) as proxy:
         expected = {prompt: complete(single.url, prompt) for prompt in PROMPTS}
         assert len(set(expected.values())) > 1
         for prompt in PROMPTS:
@@ -52,10 +46,3 @@ def test_tp2_prefill_to_tp2_decode_pairs_rank_with_rank(tmp_path):
         loads = LOADED.findall(decode.log_text())
         assert len(loads) == 2 * len(PROMPTS), loads  # each request, on each decode rank
         assert "refused" not in decode.log_text() and "differ" not in decode.log_text()
-    finally:
-        if proxy is not None:
-            proxy.close()
-        for server in servers:
-            server.stop()
-        left = [pid for server in servers for pid in server.pids()]
-        assert not left, f"vLLM processes left behind: {left}"

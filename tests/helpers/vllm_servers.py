@@ -17,13 +17,15 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
 
 from helpers.checks import WORKDIR
 from helpers.hf_checkpoint import write_bpe_tokenizer
-from helpers.serve import TAG_VARIABLE, tagged_pids
+from helpers.serve import TAG_VARIABLE, Server, tagged_pids
 
 START_SECONDS = 180.0    # import vllm + torch, load, profile: ~20 s alone, more when 3 start
 STOP_SECONDS = 20.0
@@ -163,3 +165,26 @@ class VLLMServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextmanager
+def pd_behind_proxy(prefill: VLLMServer, decode: VLLMServer, single: VLLMServer,
+                    start_seconds: float, mode: str = "pull") -> Iterator[Server]:
+    """Waits for the three servers, and yields a ``kvmove-serve`` proxy in front of
+    ``prefill`` and ``decode`` (``single``, no connector: the ground truth); then stops every
+    one, and fails if a vLLM process is left."""
+    servers = [prefill, decode, single]
+    proxy = None
+    try:
+        for server in servers:
+            server.wait_ready(start_seconds)
+        proxy = Server("--vllm-prefill", prefill.url, "--vllm-decode", decode.url,
+                       "--kv-mode", mode, engine=False)
+        yield proxy
+    finally:
+        if proxy is not None:
+            proxy.close()
+        for server in servers:
+            server.stop()
+        left = [pid for server in servers for pid in server.pids()]
+        assert not left, f"vLLM processes left behind: {left}"
