@@ -48,9 +48,8 @@ NUM_PROMPTS = 12
 MAX_CLIENTS = 16  # requests in flight at most (arrivals past it wait)
 
 
-def greedy_answers(model: str, prompts: list[str], max_tokens: int) -> dict[str, str]:
-    """Each prompt's greedy text (``ignore_eos``) from a colocated engine here: the preset's
-    weights every kvmove-serve worker builds (seed 0), no prefix caching, no hand-off."""
+def _preset(model: str) -> tuple[Any, Any]:
+    """The engine preset ``model`` and its byte tokenizer (torch is imported only here)."""
     from kvmove.engine.model import MODEL_PRESETS
     from kvmove.engine.tokenizer import ByteTokenizer
 
@@ -58,21 +57,25 @@ def greedy_answers(model: str, prompts: list[str], max_tokens: int) -> dict[str,
     if preset is None:
         raise ConfigError(f"soak --model must be a preset ({', '.join(MODEL_PRESETS)}), "
                           f"got {model!r}")
-    tokenizer = ByteTokenizer(preset.bos_token_id, preset.eos_token_id)
+    return preset, ByteTokenizer(preset.bos_token_id, preset.eos_token_id)
+
+
+def greedy_answers(model: str, prompts: list[str], max_tokens: int) -> dict[str, str]:
+    """Each prompt's greedy text (``ignore_eos``) from a colocated engine here: the preset's
+    weights every kvmove-serve worker builds (seed 0), no prefix caching, no hand-off."""
+    tokenizer = _preset(model)[1]
     return {p: tokenizer.decode(tokens)
             for p, tokens in greedy_tokens(model, prompts, max_tokens).items()}
 
 
 def greedy_tokens(model: str, prompts: list[str], max_tokens: int) -> dict[str, list[int]]:
     """``greedy_answers``, as token ids."""
-    from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
+    from kvmove.engine.model import LlamaForCausalLM
     from kvmove.engine.request import Request, SamplingParams
     from kvmove.engine.scheduler import SchedulerConfig
-    from kvmove.engine.tokenizer import ByteTokenizer
     from kvmove.engine.worker import EngineWorker
 
-    preset = MODEL_PRESETS[model]
-    tokenizer = ByteTokenizer(preset.bos_token_id, preset.eos_token_id)
+    preset, tokenizer = _preset(model)
     worker = EngineWorker(LlamaForCausalLM.random(preset, seed=0), num_blocks=256, block_size=16,
                           scheduler=SchedulerConfig(chunk_size=None, prefix_caching=False))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -114,6 +117,15 @@ def _error_kind(error: Exception) -> str:
     return f"{status or type(error).__name__} {message[:110]}"
 
 
+def _quietly(action: Any) -> None:
+    """``action()``; a failure is skipped (a busy server or a worker mid-restart: the next
+    sample, stall or kill comes anyway)."""
+    try:
+        action()
+    except Exception:  # noqa: BLE001
+        pass
+
+
 class _Soak:
     """One run: the load, the trouble makers and the sampler, on threads, against one
     server."""
@@ -138,6 +150,10 @@ class _Soak:
 
     def health(self) -> dict[str, Any]:
         return self.http.get("/health").json()
+
+    def close(self) -> None:
+        self.client.close()
+        self.http.close()
 
     def ask(self, prompt: str) -> None:
         try:
@@ -172,10 +188,7 @@ class _Soak:
 
     def _every(self, seconds: float, action: Any) -> None:
         while seconds and not self.stop.wait(seconds):
-            try:
-                action()
-            except Exception:  # noqa: BLE001 - a busy server or a worker mid-restart: later
-                pass
+            _quietly(action)
 
     def _victim(self) -> dict[str, Any] | None:
         workers = [w for w in self.health()["workers"] if w["alive"] and w["ready"]]
@@ -219,7 +232,11 @@ class _Soak:
         start = time.monotonic()
         deadline = start + self.config.settle
         while time.monotonic() < deadline:
-            workers = self.health()["workers"]
+            try:
+                workers = self.health()["workers"]
+            except Exception:  # noqa: BLE001 - the server busy with a restart: ask again
+                time.sleep(0.5)
+                continue
             held = sum(self.config.num_blocks - w.get("free_blocks", 0) for w in workers)
             quarantined = sum((w.get("agent") or {}).get("blocks_quarantined", 0)
                               for w in workers)
@@ -243,14 +260,13 @@ class _Soak:
             self.stop.set()
             for thread in threads:
                 thread.join(self.config.stall_seconds + 15)
-        self.sample(started)
+        _quietly(lambda: self.sample(started))
         self.settle()
-        self.sample(started)
+        _quietly(lambda: self.sample(started))
         for counts in self.faults.values():
             for kind, n in counts.items():
                 self.report.faults[kind] = self.report.faults.get(kind, 0) + n
         self.report.seconds = round(time.monotonic() - started, 1)
-        self.http.close()
         return self.report
 
 
@@ -264,7 +280,11 @@ def run(config: SoakConfig, progress: Progress | None = None) -> SoakReport:
     answers = greedy_answers(config.model, _prompts(config.seed), config.max_tokens)
     with ServerProcess(config.server_arguments(), config.request_timeout + 90,
                        env={"KVMOVE_FAULTS": config.faults}) as server:
-        report = _Soak(config, server, answers, progress or (lambda label: None)).run()
+        soak = _Soak(config, server, answers, progress or (lambda label: None))
+        try:
+            report = soak.run()
+        finally:
+            soak.close()
     if server.exit_code != 0:
         raise BenchError(f"kvmove-serve exited with status {server.exit_code} when stopped")
     return report
