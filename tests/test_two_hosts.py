@@ -145,6 +145,12 @@ class NsProcess:
             self.proc.wait(5)
 
 
+def kill_all(*processes: NsProcess | None) -> None:
+    for process in processes:
+        if process is not None:
+            process.kill()
+
+
 def field(lines: list[str], prefix: str) -> str:
     found = [line[len(prefix):].strip() for line in lines if line.startswith(prefix)]
     assert found, f"no {prefix!r} in {lines}"
@@ -179,9 +185,7 @@ def test_write_between_two_namespaces_over_veth(namespaces):
         sender.finish(deadline)
         receiver.finish(deadline)
     finally:
-        for process in (receiver, sender, stranger):
-            if process is not None:
-                process.kill()
+        kill_all(receiver, sender, stranger)
 
     assert field(sender.lines, "PEER") == "host-b"
     assert field(sender.lines, "STATE").endswith("DONE")
@@ -219,9 +223,7 @@ def test_a_receiver_on_the_wildcard_advertises_the_address_peers_reach(namespace
         sender.finish(deadline)
         receiver.finish(deadline)
     finally:
-        for process in (refused, receiver, sender):
-            if process is not None:
-                process.kill()
+        kill_all(refused, receiver, sender)
     assert field(receiver.lines, "NOTIFY") == "host-a two-hosts"
 
 

@@ -28,6 +28,7 @@ from helpers.vllm_servers import (
     free_port,
     kv_transfer_config,
     require_vllm,
+    stop_all,
     write_checkpoint,
 )
 
@@ -77,10 +78,7 @@ def fleet(tmp_path_factory):
     finally:
         for proxy in proxies.values():
             proxy.close()
-        for server in servers:
-            server.stop()
-        left = [pid for server in servers for pid in server.pids()]
-        assert not left, f"vLLM processes left behind: {left}"
+        stop_all(servers)
 
 
 def complete(url: str, prompt: str, **extra: object) -> str:

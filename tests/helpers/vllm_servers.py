@@ -184,7 +184,12 @@ def pd_behind_proxy(prefill: VLLMServer, decode: VLLMServer, single: VLLMServer,
     finally:
         if proxy is not None:
             proxy.close()
-        for server in servers:
-            server.stop()
-        left = [pid for server in servers for pid in server.pids()]
-        assert not left, f"vLLM processes left behind: {left}"
+        stop_all(servers)
+
+
+def stop_all(servers: list[VLLMServer]) -> None:
+    """Stops every one; fails if a vLLM process of theirs is left."""
+    for server in servers:
+        server.stop()
+    left = [pid for server in servers for pid in server.pids()]
+    assert not left, f"vLLM processes left behind: {left}"
