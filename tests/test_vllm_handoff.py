@@ -27,6 +27,7 @@ from kvmove.integrations.vllm.pd_decode import PDDecodeWorker
 from kvmove.integrations.vllm.pd_outgoing import Blocks, Outgoing, Send
 from kvmove.integrations.vllm.pd_prefill import PDPrefillWorker
 from kvmove.integrations.vllm.pd_specs import LoadSpec, PushSpec, SendSpec
+from kvmove.integrations.vllm.pd_worker import layer_ready_event
 
 from helpers.checks import within
 from helpers.kv import make_cache, pattern, raw_view
@@ -171,6 +172,51 @@ def test_push_an_offer_after_the_forward_gets_every_layer_at_once(link: Link) ->
     link.landed([5, 6], [8, 9])
     link.hold("r1", [5, 6], transfer_id="t1")
     link.wait_sent("r1")
+
+
+@pytest.mark.parametrize("offer_first", [True, False], ids=["offer-first", "offer-mid-forward"])
+def test_every_layer_is_posted_after_what_marks_it_written(
+        link: Link, monkeypatch: pytest.MonkeyPatch, offer_first: bool) -> None:
+    """The GPU ordering contract, on the CPU: each layer goes to the stream with the marker
+    (a CUDA event on a GPU) saved with it, whether the stream is open when the layer is saved
+    or opens later (a layer saved earlier is posted then, still waiting for its own marker).
+    The markers are taken off before the real post: this build has no CUDA."""
+    posted: dict[int, object] = {}
+    real = kvmove.SaveStream.save_layer
+
+    def save_layer(stream: kvmove.SaveStream, layer: int, event: object = None) -> None:
+        posted[layer] = event
+        real(stream, layer)
+
+    monkeypatch.setattr(kvmove.SaveStream, "save_layer", save_layer)
+    marks = {layer: object() for layer in range(L)}
+    step = Step([PushSpec("r1", "t1", [5, 6])])
+    link.prefill.begin_step(step)  # type: ignore[arg-type]
+    if offer_first:
+        link.load("d1", "t1", [8, 9], TransferMode.PUSH)
+        wait_until(lambda: link.prefill._out["t1"].send is Send.STREAMING, WAIT, "streaming")
+    for layer in range(L):
+        link.prefill.save_layer(step, layer, marks[layer])  # type: ignore[arg-type]
+        if not offer_first and layer == 1:
+            link.load("d1", "t1", [8, 9], TransferMode.PUSH)
+            wait_until(lambda: 1 in posted, WAIT, "the layers saved so far posted")
+            assert posted == {0: marks[0], 1: marks[1]}
+    link.prefill.end_forward()
+    assert link.wait_received("d1") == set()
+    link.landed([5, 6], [8, 9])
+    assert posted == marks
+    assert link.prefill._out["t1"].ready == {}, "no marker kept once its layer is posted"
+    link.hold("r1", [5, 6], transfer_id="t1")
+    link.wait_sent("r1")
+
+
+def test_a_host_layer_needs_no_event_and_a_cuda_one_gets_one() -> None:
+    torch = pytest.importorskip("torch")
+    assert layer_ready_event(torch.zeros(4)) is None
+    assert layer_ready_event([torch.zeros(4), torch.zeros(4)]) is None
+    if torch.cuda.is_available():    # bench/gpu_check.sh's machine
+        event = layer_ready_event(torch.zeros(4, device="cuda"))
+        assert isinstance(event, torch.cuda.Event) and event.cuda_event != 0
 
 
 def test_an_offer_of_nothing_lets_the_blocks_go_without_a_stream(link: Link) -> None:

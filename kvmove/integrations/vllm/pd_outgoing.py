@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import kvmove
 
@@ -61,6 +62,9 @@ class Outgoing:
     state: Blocks
     send: Send = Send.WAITING
     layers: set[int] = field(default_factory=set)  # in the blocks so far
+    # What marks a layer ready, until it is posted: the CUDA event recorded after the forward
+    # pass wrote it (pd_worker.layer_ready_event); a layer without one is ready when saved.
+    ready: dict[int, Any] = field(default_factory=dict)
     posted: set[int] = field(default_factory=set)  # streamed to the decode
     overlapped: int = 0            # layers posted before the forward pass ended
     stream: kvmove.SaveStream | None = None

@@ -109,12 +109,17 @@ class PDPrefillWorker:
                 self._step_meta = meta
                 self._step = [self._begin_push(p) for p in meta.pushes]
 
-    def save_layer(self, meta: PDMetadata, layer: int) -> None:
-        """Layer ``layer`` is in the blocks: post it to every decode already streaming."""
+    def save_layer(self, meta: PDMetadata, layer: int, ready: Any = None) -> None:
+        """Layer ``layer`` is in the blocks, or will be once ``ready`` (a CUDA event recorded
+        after the kernels that write it) completes: post it to every decode already streaming.
+        The post waits for ``ready`` (``SaveStream.save_layer``'s event), also when the stream
+        opens later."""
         with self._lock:
             self.begin_step(meta)
             for out in self._step:
                 out.layers.add(layer)
+                if ready is not None:
+                    out.ready[layer] = ready
                 self._post_ready(out)
 
     def end_forward(self) -> None:
@@ -248,7 +253,7 @@ class PDPrefillWorker:
             return
         assert out.stream is not None
         for layer in sorted(out.layers - out.posted):
-            self._guard(out, out.stream.save_layer, layer)
+            self._guard(out, out.stream.save_layer, layer, out.ready.pop(layer, None))
             out.posted.add(layer)
         if out.state is not Blocks.COMPUTING and len(out.posted) == self.num_layers:
             self._guard(out, out.stream.finish)

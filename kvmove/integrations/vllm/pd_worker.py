@@ -39,7 +39,7 @@ from kvmove.runtime import unpin, unpinned
 if TYPE_CHECKING:
     from kvmove.integrations.vllm.pd_scheduler import PDMetadata
 
-__all__ = ["PDWorker"]
+__all__ = ["PDWorker", "layer_ready_event"]
 
 logger = logging.getLogger("vllm.kvmove.pd_worker")  # vLLM's handlers print "vllm.*"
 
@@ -47,6 +47,21 @@ logger = logging.getLogger("vllm.kvmove.pd_worker")  # vLLM's handlers print "vl
 # empty step after the other: an idle step's get_finished waits this long for a transfer to
 # end (it returns at once when one does), so the wait does not spin a core.
 IDLE_WAIT_SECONDS = 0.02
+
+
+def layer_ready_event(kv_layer: Any) -> Any:
+    """What marks ``kv_layer`` written: on a GPU, a CUDA event recorded now on the tensor's
+    device's current stream (the forward pass queued the kernels that write the layer there,
+    and may not have run them yet); None for host memory, written when vLLM calls us.
+    ``kv_layer`` is a tensor, or a sequence of tensors (K and V) for some backends."""
+    first = kv_layer[0] if isinstance(kv_layer, (list, tuple)) and kv_layer else kv_layer
+    if not getattr(first, "is_cuda", False):
+        return None
+    import torch  # only for CUDA tensors: vLLM loaded it already
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(first.device))
+    return event
 
 
 class PDWorker:
@@ -129,10 +144,13 @@ class PDWorker:
         return  # loads finish before vLLM schedules the request (asynchronous loading)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, meta: PDMetadata) -> None:
-        """Layer ``layer_name``'s KV is in vLLM's blocks: post it to every decode already
-        waiting for a request of this forward pass (the others get it once they ask)."""
+        """Layer ``layer_name``'s KV is in vLLM's blocks (on a GPU: once the kernels queued so
+        far ran): post it to every decode already waiting for a request of this forward pass
+        (the others get it once they ask). The post waits for the layer's CUDA event, never
+        this thread for the GPU."""
         if meta.pushes:
-            self.prefill.save_layer(meta, self.layer_index[layer_name])
+            self.prefill.save_layer(meta, self.layer_index[layer_name],
+                                    layer_ready_event(kv_layer))
 
     def wait_for_save(self) -> None:
         self.prefill.end_forward()
