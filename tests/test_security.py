@@ -13,6 +13,7 @@ never added by the agent it talks to.
 from __future__ import annotations
 
 import gc
+import json
 import math
 import secrets
 import select
@@ -695,3 +696,41 @@ def test_finding_13_the_metadata_decoder_is_reachable():
         assert decoded["incarnation"] == a.incarnation
     with pytest.raises(MetadataError, match="not kvmove metadata"):
         _C.decode_metadata(b"\0" * 40)
+
+
+_LISTENERS = """
+import json, sys
+import numpy as np
+import kvmove
+sys.path.insert(0, sys.argv[2])
+from helpers.checks import listening_addresses
+from helpers.kv import make_cache, raw_view
+layout = dict(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_size=4)
+a, b = (kvmove.Agent(n, make_cache(layout, 4), transports=sys.argv[1], same_host="ucx")
+        for n in "ab")
+a.add_peer(b.metadata()); b.add_peer(a.metadata())
+raw_view(a.cache)[...] = 7
+a.write("b", [1], [2], notify=b"n").wait(10.0)
+assert b.wait_notification(10.0) == ("a", b"n")
+assert (raw_view(b.cache)[:, 2] == 7).all()
+print(json.dumps({"listening": sorted(listening_addresses()),
+                  "lanes": sorted({t for t, _ in a.peer_transports("b")})}))
+a.close(); b.close()
+"""
+
+
+@pytest.mark.parametrize("transports", ["sm", "tcp"])
+def test_without_tcp_no_ucx_port_exists_to_reach(transports):
+    """docs/security.md's defence on one host: UCX's tcp interface applies puts from any
+    connection (below anything kvmove checks), and with ``transports="sm"`` the process has no
+    such interface at all (no listening socket), while shared memory still carries writes and
+    notifications between its agents. With tcp, the listener is there: the check can fail."""
+    out = subprocess.run([sys.executable, "-c", _LISTENERS, transports,
+                          str(Path(__file__).parent)],
+                         capture_output=True, text=True, timeout=60, check=True)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    if transports == "sm":
+        assert report["listening"] == [], report
+        assert "tcp" not in report["lanes"], report
+    else:
+        assert report["listening"], report
