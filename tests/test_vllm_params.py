@@ -138,12 +138,38 @@ def test_params_and_the_proxy_import_without_vllm() -> None:
 
 # ---- the connector's settings -----------------------------------------------------------------
 
-def _vllm_config(role: str, port: int = 5600, tp: int = 1, **extra: Any) -> Any:
-    """The parts of vLLM's ``VllmConfig`` that ``ConnectorConfig.from_vllm`` reads."""
+def _vllm_config(role: str, port: int = 5600, tp: int = 1, rank: int = 0,
+                 **extra: Any) -> Any:
+    """The parts of vLLM's ``VllmConfig`` that ``ConnectorConfig.from_vllm`` reads; a
+    ``data_parallel_rank`` (0.32) or ``data_parallel_index`` (newer) in ``extra`` goes to the
+    parallel config."""
+    parallel = {k: extra.pop(k) for k in ("data_parallel_rank", "data_parallel_index")
+                if k in extra}
     kv = SimpleNamespace(kv_role=role, engine_id="e0", kv_port=port,
                          kv_connector_extra_config=extra)
     return SimpleNamespace(kv_transfer_config=kv,
-                           parallel_config=SimpleNamespace(rank=0, tensor_parallel_size=tp))
+                           parallel_config=SimpleNamespace(rank=rank, tensor_parallel_size=tp,
+                                                           **parallel))
+
+
+@pytest.mark.parametrize("field", ["data_parallel_rank", "data_parallel_index"])
+def test_data_parallel_engines_listen_on_ports_of_their_own(field: str) -> None:
+    """NixlConnector's placement: engine ``d``'s rank ``r`` on ``kv_port + d * tp + r``, so
+    the ranks of two data-parallel engines on one host never share a port, and decodes are
+    told each engine's rank-0 port."""
+    ports = {}
+    for dp in (0, 1, 2):
+        for rank in (0, 1):
+            config = ConnectorConfig.from_vllm(
+                _vllm_config("kv_producer", port=5600, tp=2, rank=rank, **{field: dp}))
+            ports[dp, rank] = config.listen_port
+            assert config.engine_port == 5600 + 2 * dp
+    assert ports == {(0, 0): 5600, (0, 1): 5601, (1, 0): 5602, (1, 1): 5603,
+                     (2, 0): 5604, (2, 1): 5605}
+    with pytest.raises(ConfigError, match=r"2 tensor-parallel ranks of data-parallel rank 1 "
+                                          r"\(from 65535\), got 65533"):
+        ConnectorConfig.from_vllm(_vllm_config("kv_producer", port=65533, tp=2,
+                                               **{field: 1}))
 
 
 def test_kv_role_is_an_enum_of_vllms_strings() -> None:

@@ -53,6 +53,7 @@ class ConnectorConfig:
     port: int
     tp_rank: int = 0
     tp_size: int = 1
+    dp_rank: int = 0   # vLLM's data-parallel rank: each is an engine of its own
     settings: dict[str, Any] = field(default_factory=dict)
 
     def __getattr__(self, name: str) -> Any:
@@ -75,7 +76,7 @@ class ConnectorConfig:
                    tp_rank=int(getattr(parallel, "rank", 0) or 0) % max(
                        1, int(parallel.tensor_parallel_size)),
                    tp_size=int(parallel.tensor_parallel_size),
-                   settings=parse_extra(extra))
+                   dp_rank=_dp_rank(parallel), settings=parse_extra(extra))
         if config.offload and config.role is not KVRole.BOTH:
             raise ConfigError(f"kv_connector_extra_config['offload'] needs kv_role 'kv_both' "
                               f"(an instance that both stores and loads), got {kv.kv_role!r}")
@@ -89,15 +90,39 @@ class ConnectorConfig:
         request: NixlConnector's meaning) unless it offloads."""
         return self.role is KVRole.PRODUCER or (self.role is KVRole.BOTH and not self.offload)
 
+    @property
+    def engine_port(self) -> int:
+        """Where this engine's tensor-parallel rank 0 listens, as NixlConnector places its side
+        channel: ``kv_port + dp_rank * tp_size``, so data-parallel engines on one host never
+        collide; rank ``r`` listens on ``engine_port + r``, and decodes are told
+        ``engine_port``."""
+        return self.port + self.dp_rank * self.tp_size
+
+    @property
+    def listen_port(self) -> int:
+        return self.engine_port + self.tp_rank
+
     def check_listen_address(self) -> None:
-        """A prefill's agent listens on ``host:kv_port + tp_rank`` and tells decodes so in
-        every answer: refused here, at start, rather than in the first answer."""
+        """A prefill's agent listens on ``host:listen_port`` and tells decodes so in every
+        answer: refused here, at start, rather than in the first answer."""
         if not self.settings["host"]:
             raise ConfigError("kv_connector_extra_config['host'] must be an address, got ''")
-        last = self.port + self.tp_size - 1
+        last = self.engine_port + self.tp_size - 1
         if not (0 < self.port and last < 65536):
+            ranks = f"{self.tp_size} tensor-parallel ranks"
+            if self.dp_rank:
+                ranks += f" of data-parallel rank {self.dp_rank} (from {self.engine_port})"
             raise ConfigError(f"kv_port must leave a port in [1, 65535] for each of the "
-                              f"{self.tp_size} tensor-parallel ranks, got {self.port}")
+                              f"{ranks}, got {self.port}")
+
+
+def _dp_rank(parallel: Any) -> int:
+    """The engine's data-parallel rank (``data_parallel_index`` in newer vLLM)."""
+    for name in ("data_parallel_index", "data_parallel_rank"):
+        value = getattr(parallel, name, None)
+        if value is not None:
+            return int(value)
+    return 0
 
 
 def parse_extra(extra: dict[str, Any]) -> dict[str, Any]:

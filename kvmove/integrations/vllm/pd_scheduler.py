@@ -192,7 +192,7 @@ class PDScheduler:
         return KVTransferParams(
             do_remote_prefill=True, do_remote_decode=False, remote_block_ids=tuple(block_ids),
             remote_engine_id=cfg.engine_id, remote_request_id=request.request_id,
-            remote_host=self.advertised_host, remote_port=cfg.port, tp_size=cfg.tp_size,
+            remote_host=self.advertised_host, remote_port=cfg.engine_port, tp_size=cfg.tp_size,
             remote_num_tokens=request.num_computed_tokens, transfer_mode=mode)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:

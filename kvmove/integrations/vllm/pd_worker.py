@@ -2,8 +2,9 @@
 ``pd_scheduler.py``).
 
 One ``kvmove.Agent`` per worker wraps vLLM's own KV tensors (``KVCache.wrap``: no copy, each
-tensor registered once). The prefill's agent listens on ``kv_port`` (+ its tensor-parallel
-rank); a decode's agent connects to it the first time it loads from it.
+tensor registered once). The prefill's agent listens on ``kv_port`` + its tensor-parallel
+rank (+ ``dp_rank * tp_size`` for a data-parallel engine, as NixlConnector's side channel); a
+decode's agent connects to it the first time it loads from it.
 
 ``PDWorker`` composes the two parts and hands each of vLLM's calls to the part it concerns:
 ``PDPrefillWorker`` (``pd_prefill.py``: pushes, holds and sends) and ``PDDecodeWorker``
@@ -104,7 +105,7 @@ class PDWorker:
         listening = cfg.serves_prefill
         logger.info("kvmove: %s agent %s over %d layers of %s (%s)%s", self._side,
                     self.agent.name, len(kv_caches), self.layout, cache.device,
-                    f", listening on {cfg.host}:{cfg.port + cfg.tp_rank}" if listening else "")
+                    f", listening on {cfg.host}:{cfg.listen_port}" if listening else "")
 
     @property
     def _side(self) -> str:
@@ -114,11 +115,12 @@ class PDWorker:
     def _start_agent(self, cache: kvmove.KVCache) -> kvmove.Agent:
         cfg = self.config
         key = key_from_file(cfg.key_file).secret if cfg.key_file else None
-        agent = kvmove.Agent(f"vllm-{self._side}-{cfg.engine_id}-{cfg.tp_rank}", cache,
+        dp = f"dp{cfg.dp_rank}-" if cfg.dp_rank else ""
+        agent = kvmove.Agent(f"vllm-{self._side}-{cfg.engine_id}-{dp}{cfg.tp_rank}", cache,
                              transports=cfg.transports, checksums=cfg.checksums, key=key,
                              host=cfg.host, net_devices=cfg.net_devices)
         if cfg.serves_prefill:
-            agent.listen(cfg.host, cfg.port + cfg.tp_rank)
+            agent.listen(cfg.host, cfg.listen_port)
         return agent
 
     def shutdown(self) -> None:
