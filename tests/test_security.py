@@ -43,7 +43,7 @@ from kvmove.bootstrap import (
 )
 from kvmove.errors import ConfigError, MetadataError, PeerError
 
-from helpers.checks import listening_addresses, names
+from helpers.checks import WORKDIR, listening_addresses, names
 from helpers.kv import make_cache, raw_view
 from helpers.serve import wait_until
 from helpers.wire import build, parse
@@ -727,7 +727,8 @@ def test_without_tcp_no_ucx_port_exists_to_reach(transports):
     notifications between its agents. With tcp, the listener is there: the check can fail."""
     out = subprocess.run([sys.executable, "-c", _LISTENERS, transports,
                           str(Path(__file__).parent)],
-                         capture_output=True, text=True, timeout=60, check=True)
+                         capture_output=True, text=True, timeout=60, cwd=WORKDIR)
+    assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     if transports == "sm":
         assert report["listening"] == [], report
