@@ -1,5 +1,9 @@
 #include <pybind11/stl.h>
 
+#include <string>
+#include <tuple>
+#include <vector>
+
 #include "bindings.h"
 #include "common/errors.h"
 #include "common/log.h"
@@ -13,6 +17,15 @@ namespace kvmove::bindings {
 void register_runtime(py::module_& m) {
     m.def("ucx_version", &ucx_version);
     m.def("peer_error_settings", &peer_error_settings);
+    m.def("ucx_library", &ucx_library);
+    m.def("ucx_resources", [] {
+        using Row = std::tuple<std::string, std::string, std::string, std::string, std::string>;
+        std::vector<Row> out;
+        for (const UcxResource& r : ucx_resources()) {
+            out.emplace_back(r.component, r.memory_domain, r.transport, r.device, r.device_type);
+        }
+        return out;
+    });
     m.def("cuda_status", [] {
         CudaStatus s = cuda_status();
         return py::make_tuple(s.built, s.device_count, s.reason);

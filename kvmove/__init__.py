@@ -45,7 +45,14 @@ from kvmove.kv_cache import KVCache  # noqa: E402
 from kvmove.kv_spec import KVLayout as KVLayout  # noqa: E402  (the old name of KVSpec)
 from kvmove.kv_spec import KVSpec  # noqa: E402
 from kvmove.region import Region  # noqa: E402
-from kvmove.runtime import CudaStatus, cuda_available, cuda_status, ucx_version  # noqa: E402
+from kvmove.runtime import (  # noqa: E402
+    CudaStatus,
+    UcxInfo,
+    cuda_available,
+    cuda_status,
+    ucx_info,
+    ucx_version,
+)
 from kvmove.staging import StagedLoad, StagedWrite, StagingArea  # noqa: E402
 from kvmove.store import DiskTier, HostTier, KVStore, Lookup, StoreHandle  # noqa: E402
 from kvmove.stream import LoadStream, Offer, SaveStream, StreamState  # noqa: E402
@@ -76,10 +83,12 @@ __all__ = [
     "Transfer",
     "TransferState",
     "TransferStats",
+    "UcxInfo",
     "block_hashes",
     "cuda_available",
     "cuda_status",
     "errors",
     "runs",
+    "ucx_info",
     "ucx_version",
 ]

@@ -6,11 +6,18 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 from kvmove import _C
 
-__all__ = ["CudaStatus", "cuda_available", "cuda_status", "ucx_version", "unpin", "unpinned"]
+__all__ = ["CudaStatus", "UcxInfo", "cuda_available", "cuda_status", "ucx_info", "ucx_version",
+           "unpin", "unpinned"]
+
+# UCX's transport modules that carry InfiniBand/RoCE (verbs, its mlx5 flavours) and the RDMA
+# connection manager; a UCX built without verbs/rdmacm (the libucx-cu13 wheel) has none.
+RDMA_MODULES = ("ib", "ib_mlx5", "ib_efa", "rdmacm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +68,113 @@ def ucx_version() -> str:
         '1.22.0'
     """
     return _C.ucx_version()
+
+
+@dataclass(frozen=True, slots=True)
+class UcxInfo:
+    """The UCX this process loaded, and what it can use here.
+
+    Attributes:
+        version: of the libucp loaded, e.g. ``"1.22.0"``.
+        library: the libucp file loaded ("" where the loader cannot tell).
+        source: ``"libucx wheel"`` (the ``libucx-cu13`` package kvmove depends on) or
+            ``"site"`` (a UCX of the host's: ``UCX_HOME`` at build time, or the loader's path).
+        modules: the transport modules its build has (``libuct_<name>.so`` in its module
+            folder): ``"cma"``, ``"cuda"``, ``"ib"``, ``"rdmacm"``...
+        loaded: those of ``modules`` this process has loaded (UCX loads one when a context
+            or this report asks for its resources; a module whose libraries are missing
+            does not load).
+        transports: ``"transport/device"`` for every resource UCX finds here
+            (``"tcp/eth0"``, ``"posix/memory"``, ``"rc_mlx5/mlx5_0:1"``), as ``ucx_info -d``.
+        rdma: InfiniBand/RoCE support is built into this UCX (its verbs or rdmacm modules).
+        cuda: CUDA support is built into this UCX (its cuda module).
+
+    Example:
+        >>> info = kvmove.ucx_info()
+        >>> info.version, info.source, info.rdma, info.transports[:2]
+        ('1.22.0', 'libucx wheel', False, ('cma/memory', 'posix/memory'))
+    """
+
+    version: str
+    library: str
+    source: str
+    modules: tuple[str, ...]
+    loaded: tuple[str, ...]
+    transports: tuple[str, ...]
+    rdma: bool
+    cuda: bool
+
+    @property
+    def rdma_devices(self) -> tuple[str, ...]:
+        """Transport resources on RDMA devices (none without an HCA or without ``rdma``)."""
+        return tuple(t for t in self.transports
+                     if t.split("/")[0].startswith(("rc_", "ud_", "dc_", "srd")))
+
+    def summary(self) -> str:
+        """One line for a report's header: version, where from, transports, RDMA and CUDA."""
+        where = self.source + (f" ({self.library})" if self.library else "")
+        nets = sorted({t.split("/")[0] for t in self.transports})
+        rdma = ("RDMA built in, " + (f"devices {', '.join(self.rdma_devices)}"
+                                     if self.rdma_devices else "no RDMA device here")
+                if self.rdma else "RDMA not built in (no verbs/rdmacm modules)")
+        cuda = "CUDA built in" if self.cuda else "CUDA not built in"
+        unloaded = [m for m in self.modules if m not in self.loaded]
+        modules = ", ".join(self.modules) or "none"
+        if unloaded:
+            modules += f" ({', '.join(unloaded)} did not load here)"
+        return (f"UCX {self.version} from the {where}: transports {', '.join(nets) or 'none'}; "
+                f"modules {modules}; {rdma}; {cuda}")
+
+    def to_dict(self) -> dict[str, Any]:
+        fields = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        return {**fields, "rdma_devices": list(self.rdma_devices)}
+
+
+def ucx_info() -> UcxInfo:
+    """What UCX this process runs (asks UCX for its resources: loads its modules; about a
+    millisecond, never raises for a module that cannot load).
+
+    Example:
+        >>> print(kvmove.ucx_info().summary())
+        UCX 1.22.0 from the libucx wheel (...): transports cma, posix, self, sysv, tcp; ...
+    """
+    library = _C.ucx_library()
+    resources = _C.ucx_resources()
+    modules = _modules(library)
+    loaded = _loaded_modules()
+    return UcxInfo(
+        version=_C.ucx_version(), library=library,
+        source="libucx wheel" if _in_libucx_wheel(library) else "site",
+        modules=modules, loaded=tuple(m for m in modules if m in loaded),
+        transports=tuple(sorted({f"{tl}/{dev}" for _, _, tl, dev, _ in resources})),
+        rdma=any(m in RDMA_MODULES for m in modules), cuda="cuda" in modules)
+
+
+def _modules(library: str) -> tuple[str, ...]:
+    """The ``libuct_<name>.so`` beside a UCX library (its ``ucx/`` module folder)."""
+    folder = Path(library).parent / "ucx" if library else None
+    if folder is None or not folder.is_dir():
+        return ()
+    return tuple(sorted(p.name[len("libuct_"):-len(".so")] for p in folder.glob("libuct_*.so")))
+
+
+def _loaded_modules() -> set[str]:
+    """The UCX transport modules mapped into this process (``/proc/self/maps``)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return set()
+    names = (line.rsplit("/", 1)[-1] for line in maps.splitlines() if "/libuct_" in line)
+    return {name[len("libuct_"):].split(".so")[0] for name in names}
+
+
+def _in_libucx_wheel(library: str) -> bool:
+    try:
+        import libucx
+    except ImportError:
+        return False
+    wheel = Path(libucx.__file__).resolve().parent
+    return bool(library) and Path(library).resolve().is_relative_to(wheel)
 
 
 def unpin() -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import kvmove
 from kvmove.bench import engine_caches, perftest
 from kvmove.bench.against_report import NixlRoundTrip, NixlRow, NixlRun
 from kvmove.bench.peer import Peer, Side
@@ -98,7 +99,8 @@ def test_text_has_one_row_per_configuration(bench: Bench) -> None:
                  "memcpy (numpy copyto)", "ucx_perftest ucp_put_bw", "ucx_perftest ucp_get",
                  "ucx_perftest ucp_put_lat", "round trip", "NVLink", "InfiniBand 400G",
                  "Ethernet 25G", "this machine, write (allocator)",
-                 "bytes and notifications over transports tcp (tcp/lo)"):
+                 "bytes and notifications over transports tcp (tcp/lo)",
+                 f"UCX {kvmove.ucx_version()} from the "):
         assert text in out, text
     assert "Traceback" not in result.stderr
 
@@ -114,6 +116,9 @@ def test_json_reports_verified_rows_and_baselines(bench: Bench) -> None:
     assert not [tl for tl in data["transports_used"] if tl.startswith("tcp/")]
     # and the bytes themselves go through the peer's mapped memory (same_host="map")
     assert data["path"] == "mapped"
+    # which UCX, and what it offers here (why a run used tcp and not RDMA)
+    assert data["ucx"]["version"] == kvmove.ucx_version()
+    assert "tcp/lo" in data["ucx"]["transports"] and isinstance(data["ucx"]["rdma"], bool)
     rows = {(row["op"], row["placement"]): row for row in data["rows"]}
     assert set(rows) == {(op, p) for op in ("write", "read") for p in ("allocator", "scatter")}
     for (op, placement), row in rows.items():

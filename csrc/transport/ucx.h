@@ -29,6 +29,17 @@ namespace kvmove {
 // The version of the libucp actually loaded, e.g. "1.22.0".
 std::string ucx_version();
 
+// One transport resource UCX offers here: component ("tcp", "ib", "cuda_ipc"), memory domain,
+// transport ("tcp", "rc_mlx5", "posix"), device ("eth0", "mlx5_0:1", "memory") and the
+// device's kind ("net", "shm", "acc", "self").
+struct UcxResource {
+    std::string component, memory_domain, transport, device, device_type;
+};
+// Every resource of every memory domain that opens here (ucx_inventory.cpp).
+std::vector<UcxResource> ucx_resources();
+// The path of the libucp this process loaded ("" where the loader cannot tell).
+std::string ucx_library();
+
 struct ContextDeleter {
     void operator()(ucp_context_h c) const { ucp_cleanup(c); }
 };

@@ -71,6 +71,7 @@ from kvmove.bench.transfer_report import (
     plot_transfer,
 )
 from kvmove.kv_spec import KVSpec
+from kvmove.runtime import ucx_info
 
 __all__ = ["add_parser", "count_steps", "memcpy_gbytes_per_s", "run", "run_command"]
 
@@ -226,7 +227,7 @@ def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
         progress(f"memcpy {nbytes} B")
     return BenchReport(config, tuple(rows), round_trip, memcpy, tuple(perftest_bw),
                        tuple(perftest_lat), time.perf_counter() - start, tuple(registrations),
-                       nixl, transports, path)
+                       nixl, transports, path, ucx_info())
 
 
 def _measure_transfers(config: BenchConfig, progress: Progress

@@ -17,6 +17,7 @@ from kvmove.bench.plan import DEFAULT_LINKS, transfer_ms
 from kvmove.bench.report import RoundTrip, aligned, human_bytes, ms, pyplot, save_figure
 from kvmove.errors import ConfigError
 from kvmove.kv_spec import KVSpec
+from kvmove.runtime import UcxInfo
 
 __all__ = ["BenchConfig", "BenchReport", "NATIVE", "PERFTEST_TEST", "PLACEMENTS",
            "ROUND_TRIP_WARMUP", "Registration", "RoundTrip", "SWEEP_BLOCK_SIZES", "TransferRow",
@@ -205,6 +206,8 @@ class BenchReport:
     # How the bytes went (Agent.peer_path): "mapped" (one copy into the peer's mapped memory;
     # UCX carries only the notifications) or "ucx"; "" where not measured.
     path: str = ""
+    # The UCX the run used and what it offers here (why a run used tcp, not RDMA).
+    ucx: UcxInfo | None = None
 
     @property
     def verified(self) -> bool:
@@ -268,6 +271,7 @@ class BenchReport:
             "registration": [r.to_dict() for r in self.registrations],
             "transports_used": [f"{tl}/{dev}" for tl, dev in self.transports_used],
             "path": self.path,
+            "ucx": None if self.ucx is None else self.ucx.to_dict(),
             "registration_timed": REGISTRATION_TIMED,
             "links": self.links(), "wall_seconds": self.wall_seconds,
             "against": None if self.nixl is None else self.nixl.to_dict(self.round_trip),
@@ -310,7 +314,8 @@ def format_transfer(report: BenchReport) -> str:
         f"{_path_words(report.path)}transports {transports}, error mode {config.error_mode}; "
         f"best of {config.iters} after a warm-up, every byte verified on the receiving side"
     )
-    return "\n".join([header, *_wrap_lines(report), "", *_transfer_table(report), "",
+    ucx = [report.ucx.summary()] if report.ucx is not None else []
+    return "\n".join([header, *ucx, *_wrap_lines(report), "", *_transfer_table(report), "",
                       *_nixl_lines(report), *_registration_lines(report), "",
                       *_baseline_lines(report), "",
                       *_round_trip_lines(report), "", *_link_lines(report),

@@ -1,0 +1,85 @@
+"""``kvmove.ucx_info()``: which UCX this process loaded and what it offers here, so that a user
+sees why a run used tcp and not RDMA. The installed UCX is asked (its components, memory
+domains and transport resources, as ``ucx_info -d``); the module folder and the summary are
+also checked on a made-up UCX with RDMA modules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import kvmove
+from kvmove import runtime
+from kvmove.runtime import UcxInfo
+
+from helpers.kv import make_cache
+
+LAYOUT = dict(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", block_size=4)
+
+
+def test_the_loaded_ucx_reports_itself():
+    info = kvmove.ucx_info()
+    assert info.version == kvmove.ucx_version()
+    assert Path(info.library).name.startswith("libucp.so") and Path(info.library).exists()
+    # every host has loopback tcp and UCX's self transport; shared memory on Linux
+    assert {"tcp/lo", "self/memory", "posix/memory"} <= set(info.transports), info
+    assert set(info.loaded) <= set(info.modules)
+    assert info.rdma == any(m in runtime.RDMA_MODULES for m in info.modules)
+    assert info.cuda == ("cuda" in info.modules)
+    assert not info.rdma_devices or info.rdma   # no RDMA device without RDMA built in
+    assert info.summary().startswith(f"UCX {info.version} from the {info.source} (")
+    assert info.to_dict()["transports"] == list(info.transports)
+
+
+def test_what_an_agent_uses_is_among_what_ucx_offers():
+    with kvmove.Agent("a", make_cache(LAYOUT, 4), transports="tcp") as a, \
+            kvmove.Agent("b", make_cache(LAYOUT, 4), transports="tcp") as b:
+        a.add_peer(b.metadata())
+        b.add_peer(a.metadata())
+        a.write("b", [0], [1]).wait(10.0)
+        used = {f"{tl}/{dev}" for tl, dev in a.peer_transports("b")}
+    assert used and used <= set(kvmove.ucx_info().transports), used
+
+
+def test_the_wheel_is_told_from_a_site_ucx(tmp_path: Path):
+    pytest.importorskip("libucx")
+    info = kvmove.ucx_info()
+    assert (info.source == "libucx wheel") == runtime._in_libucx_wheel(info.library)
+    site = tmp_path / "lib" / "libucp.so.0"
+    site.parent.mkdir()
+    site.touch()
+    assert not runtime._in_libucx_wheel(str(site))
+    assert not runtime._in_libucx_wheel("")
+
+
+def test_modules_are_the_libuct_files_beside_the_library(tmp_path: Path):
+    """A site UCX built with verbs and rdmacm (as MLNX OFED's or HPC-X's): its module folder
+    holds libuct_ib and libuct_rdmacm, and the report says RDMA is built in."""
+    lib = tmp_path / "lib"
+    (lib / "ucx").mkdir(parents=True)
+    (lib / "libucp.so.0").touch()
+    for name in ("libuct_ib.so", "libuct_rdmacm.so", "libuct_cma.so", "libucm_cuda.so",
+                 "libuct_ib.so.0"):
+        (lib / "ucx" / name).touch()
+    assert runtime._modules(str(lib / "libucp.so.0")) == ("cma", "ib", "rdmacm")
+    assert runtime._modules(str(tmp_path / "nowhere" / "libucp.so")) == ()
+    assert runtime._modules("") == ()
+
+
+@pytest.mark.parametrize("transports, words", [
+    (("rc_mlx5/mlx5_0:1", "tcp/ib0"), "RDMA built in, devices rc_mlx5/mlx5_0:1"),
+    (("tcp/eth0",), "RDMA built in, no RDMA device here"),
+])
+def test_the_summary_says_why_rdma_was_not_used(transports, words):
+    info = UcxInfo(version="1.22.0", library="/opt/ucx/lib/libucp.so.0", source="site",
+                   modules=("cma", "ib", "rdmacm"), loaded=("cma", "ib"),
+                   transports=transports, rdma=True, cuda=False)
+    text = info.summary()
+    assert text.startswith("UCX 1.22.0 from the site (/opt/ucx/lib/libucp.so.0)")
+    assert words in text and "CUDA not built in" in text
+    assert "rdmacm did not load here" in text
+    wheel = UcxInfo(version="1.22.0", library="", source="libucx wheel", modules=("cma",),
+                    loaded=("cma",), transports=("tcp/lo",), rdma=False, cuda=False)
+    assert "RDMA not built in (no verbs/rdmacm modules)" in wheel.summary()
+    assert wheel.summary().startswith("UCX 1.22.0 from the libucx wheel: transports tcp;")
