@@ -16,16 +16,16 @@ namespace {
 
 const char* device_type_name(uct_device_type_t type) {
     switch (type) {
-    case UCT_DEVICE_TYPE_NET:
-        return "net";
-    case UCT_DEVICE_TYPE_SHM:
-        return "shm";
-    case UCT_DEVICE_TYPE_ACC:
-        return "acc";
-    case UCT_DEVICE_TYPE_SELF:
-        return "self";
-    default:
-        return "other";
+        case UCT_DEVICE_TYPE_NET:
+            return "net";
+        case UCT_DEVICE_TYPE_SHM:
+            return "shm";
+        case UCT_DEVICE_TYPE_ACC:
+            return "acc";
+        case UCT_DEVICE_TYPE_SELF:
+            return "self";
+        default:
+            return "other";
     }
 }
 
@@ -81,7 +81,8 @@ std::vector<UcxResource> ucx_resources() {
     std::vector<UcxResource> out;
     for (unsigned c = 0; c < num_components; ++c) {
         uct_component_attr_t attr{};
-        attr.field_mask = UCT_COMPONENT_ATTR_FIELD_NAME | UCT_COMPONENT_ATTR_FIELD_MD_RESOURCE_COUNT;
+        attr.field_mask =
+            UCT_COMPONENT_ATTR_FIELD_NAME | UCT_COMPONENT_ATTR_FIELD_MD_RESOURCE_COUNT;
         if (uct_component_query(components[c], &attr) != UCS_OK) {
             continue;
         }
