@@ -37,7 +37,7 @@ from typing import Any
 
 from kvmove.errors import KVMoveError
 
-__all__ = ["Child", "ChildError"]
+__all__ = ["Channel", "Child", "ChildError", "serve"]
 
 _POLL_SECONDS = 0.05
 
@@ -53,50 +53,26 @@ class ChildError(KVMoveError):
         self.message = message
 
 
-class Child:
-    """Parent-side handle of a child process hosting ``cls(*args)``.
+class Channel:
+    """Commands to an object hosted at the other end of ``conn`` (a ``multiprocessing``
+    connection: a Pipe to a child, or a socket to another machine, ``kvmove.bench.remote``),
+    every reply waited for with a deadline.
 
     Args:
-        cls: the hosted class, importable in the child.
-        *args: its constructor's arguments (pickled).
-        name: the process's name.
-        label: how errors name the child (default ``"child process 'NAME'"``).
+        conn: the connection; this handle owns it.
+        label: how errors name the other end.
         timeout: deadline in seconds of every reply (``timeout`` attribute: later calls see
             a change); ``call`` and ``reply`` may pass their own.
-        start_timeout: deadline of the construction in the child (default ``timeout``).
-        idle_exit: seconds without a command after which the child exits.
-
-    Raises:
-        ChildError (or what ``failure`` makes of it): the object could not be built in time.
     """
 
-    def __init__(self, cls: type, *args: Any, name: str, label: str | None = None,
-                 timeout: float = 30.0, start_timeout: float | None = None,
-                 idle_exit: float = 300.0) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self.name = name
-        self.label = label or f"child process {name!r}"
+    def __init__(self, conn: Any, label: str, timeout: float) -> None:
+        self.conn = conn
+        self.label = label
         self.timeout = timeout
         self.events: deque[Any] = deque()
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_child_main, args=(child, cls, args, idle_exit),
-                                   name=name, daemon=True)
-        self.process.start()
-        child.close()
-        try:
-            self.reply("start", start_timeout)
-        except BaseException:
-            self.stop()
-            raise
-
-    @property
-    def pid(self) -> int:
-        pid = self.process.pid
-        assert pid is not None  # started in __init__
-        return pid
 
     def call(self, command: str, *args: Any, timeout: float | None = None) -> Any:
-        """``obj.command(*args)`` in the child; its return value."""
+        """``obj.command(*args)`` at the other end; its return value."""
         self.send(command, *args)
         return self.reply(command, timeout)
 
@@ -134,7 +110,7 @@ class Child:
 
     def _receive(self, what: str, deadline: float, seconds: float) -> tuple:
         while not self.conn.poll(_POLL_SECONDS):
-            if not self.process.is_alive():
+            if not self._alive():
                 raise self._died(what)
             if time.monotonic() > deadline:
                 raise self.failure(f"{self.label} did not answer {what!r} within "
@@ -142,16 +118,67 @@ class Child:
         try:
             return self.conn.recv()
         except (EOFError, OSError):
-            self.process.join(1)
             raise self._died(what) from None
 
+    def _alive(self) -> bool:
+        """Whether the other end may still answer (a closed connection shows at ``recv``)."""
+        return True
+
     def _died(self, what: str) -> Exception:
-        return self.failure(f"{self.label} died during {what!r} (exit code "
-                            f"{self.process.exitcode})")
+        return self.failure(f"{self.label} closed the connection during {what!r}")
 
     def failure(self, text: str, kind: str = "", message: str = "") -> Exception:
         """The exception this handle raises; a tool overrides it to raise its own class."""
         return ChildError(text, kind, message)
+
+
+class Child(Channel):
+    """Parent-side handle of a child process hosting ``cls(*args)``.
+
+    Args:
+        cls: the hosted class, importable in the child.
+        *args: its constructor's arguments (pickled).
+        name: the process's name.
+        label: how errors name the child (default ``"child process 'NAME'"``).
+        timeout: deadline in seconds of every reply (``timeout`` attribute: later calls see
+            a change); ``call`` and ``reply`` may pass their own.
+        start_timeout: deadline of the construction in the child (default ``timeout``).
+        idle_exit: seconds without a command after which the child exits.
+
+    Raises:
+        ChildError (or what ``failure`` makes of it): the object could not be built in time.
+    """
+
+    def __init__(self, cls: type, *args: Any, name: str, label: str | None = None,
+                 timeout: float = 30.0, start_timeout: float | None = None,
+                 idle_exit: float = 300.0) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.name = name
+        conn, child = ctx.Pipe()
+        super().__init__(conn, label or f"child process {name!r}", timeout)
+        self.process = ctx.Process(target=_child_main, args=(child, cls, args, idle_exit),
+                                   name=name, daemon=True)
+        self.process.start()
+        child.close()
+        try:
+            self.reply("start", start_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def pid(self) -> int:
+        pid = self.process.pid
+        assert pid is not None  # started in __init__
+        return pid
+
+    def _alive(self) -> bool:
+        return self.process.is_alive()
+
+    def _died(self, what: str) -> Exception:
+        self.process.join(1)
+        return self.failure(f"{self.label} died during {what!r} (exit code "
+                            f"{self.process.exitcode})")
 
     def pause(self, timeout: float = 5.0) -> None:
         """SIGSTOP: the child, its UCX progress thread included, stops until ``resume``.
@@ -206,7 +233,7 @@ def _child_main(conn: Any, cls: type, args: tuple, idle_exit: float) -> None:
         return
     conn.send(("ok", None))
     try:
-        _serve(conn, obj, idle_exit)
+        serve(conn, obj, idle_exit)
     except (EOFError, OSError):  # the parent is gone
         pass
     finally:
@@ -216,7 +243,9 @@ def _child_main(conn: Any, cls: type, args: tuple, idle_exit: float) -> None:
         conn.close()
 
 
-def _serve(conn: Any, obj: Any, idle_exit: float) -> None:
+def serve(conn: Any, obj: Any, idle_exit: float) -> None:
+    """Answers ``Channel`` commands on ``conn`` with ``obj``'s methods until told to stop, or
+    ``idle_exit`` seconds pass without one. A closed connection raises (EOFError, OSError)."""
     work = getattr(obj, "work", None)
     busy = work is not None
     while True:

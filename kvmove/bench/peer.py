@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from kvmove.agent import Agent
-from kvmove.bench.harness import Child
+from kvmove.bench.harness import Channel, Child
 from kvmove.bench.pattern import PatternCache
 from kvmove.bench.report import BenchError
 from kvmove.bench.transfer_report import Registration
@@ -145,7 +145,7 @@ def stop_echo(agent: Agent, peer: str, local_id: int, remote_id: int, timeout: f
     agent.write(peer, [local_id], [remote_id], layers=[0], notify=STOP).wait(timeout)
 
 
-def connect_pair(peer: Peer, layout: KVSpec, num_blocks: int, agent_kwargs: dict[str, Any],
+def connect_pair(peer: Channel, layout: KVSpec, num_blocks: int, agent_kwargs: dict[str, Any],
                  timeout: float, wrap: str | None = None) -> Side:
     """A fresh ``Side`` named ``FAR`` in the peer process and one named ``NEAR`` here, each
     with ``num_blocks`` blocks (of engine ``wrap``'s tensors, if given), connected through

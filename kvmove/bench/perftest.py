@@ -2,7 +2,8 @@
 
 The libucx wheel ships ``bin/ucx_perftest`` next to ``lib/``. We run it the way its manual
 does for two processes: a server (``ucx_perftest -p PORT``) and a client
-(``ucx_perftest 127.0.0.1 -p PORT -t TEST ...``) on loopback, both with the caller's
+(``ucx_perftest 127.0.0.1 -p PORT -t TEST ...``) on loopback (or, between two machines, the
+server on the far one: ``Server``, ``kvmove.bench.remote``), both with the caller's
 ``UCX_TLS`` and, when the kvmove agents detect peer failure, with ``-e`` (endpoints with error
 handling) and the UCX settings kvmove's agents add in that mode (``peer_mode_ucx_env``),
 because that mode changes which transports UCX may use: a baseline on other transports than
@@ -26,12 +27,13 @@ import socket
 import subprocess
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kvmove.agent import peer_mode_ucx_env
 
-__all__ = ["BANDWIDTH_TESTS", "PerftestResult", "bandwidth", "find_binary", "get_bandwidth",
-           "parse_output", "put_bandwidth", "put_latency"]
+__all__ = ["BANDWIDTH_TESTS", "LocalServer", "PerftestResult", "Server", "bandwidth",
+           "environment", "find_binary", "get_bandwidth", "parse_output", "put_bandwidth",
+           "put_latency"]
 
 BANDWIDTH_TESTS = ("ucp_put_bw", "ucp_get")
 
@@ -103,29 +105,31 @@ def get_bandwidth(message_nbytes: int, *, total_nbytes: int, transports: str | N
 
 def bandwidth(test: str, message_nbytes: int, *, total_nbytes: int,
               transports: str | None = None, error_handling: bool = True,
-              timeout: float = 60.0) -> PerftestResult:
+              timeout: float = 60.0, server: Server | None = None) -> PerftestResult:
     """A bandwidth ``test`` (``ucp_put_bw`` or ``ucp_get``) moving about ``total_nbytes``.
 
     The run is sized by bytes rather than a fixed count so a 4 KiB and a 16 MiB message take
     similar times: at least ``_MIN_TOTAL_NBYTES`` and 16 operations, at most 100,000, plus a
     tenth of that as warm-up. (A 2 MB total at 32 KiB is 64 gets: too short to mean anything.)
+    ``server``: where ucx_perftest's server runs (default: a ``LocalServer`` on loopback).
     """
     if test not in BANDWIDTH_TESTS:
         raise ValueError(f"test must be one of {BANDWIDTH_TESTS}, got {test!r}")
     total_nbytes = max(total_nbytes, _MIN_TOTAL_NBYTES)
     iterations = min(100_000, max(16, math.ceil(total_nbytes / message_nbytes)))
-    return _run(test, message_nbytes, iterations, transports, error_handling, timeout)
+    return _run(test, message_nbytes, iterations, transports, error_handling, timeout, server)
 
 
 def put_latency(message_nbytes: int = 8, *, iterations: int = 2000,
                 transports: str | None = None, error_handling: bool = True,
-                timeout: float = 60.0) -> PerftestResult:
+                timeout: float = 60.0, server: Server | None = None) -> PerftestResult:
     """``ucp_put_lat``: median one-way put latency for ``message_nbytes`` (8 B: the floor)."""
-    return _run("ucp_put_lat", message_nbytes, iterations, transports, error_handling, timeout)
+    return _run("ucp_put_lat", message_nbytes, iterations, transports, error_handling, timeout,
+                server)
 
 
 def _run(test: str, message_nbytes: int, iterations: int, transports: str | None,
-         error_handling: bool, timeout: float) -> PerftestResult:
+         error_handling: bool, timeout: float, server: Server | None) -> PerftestResult:
     def unavailable(reason: str) -> PerftestResult:
         return PerftestResult(test, message_nbytes, transports, error_handling, False,
                               reason=reason)
@@ -136,8 +140,9 @@ def _run(test: str, message_nbytes: int, iterations: int, transports: str | None
     args = ["-t", test, "-s", str(message_nbytes), "-n", str(iterations),
             "-w", str(max(1, iterations // 10)), "-v", "-f", *(["-e"] if error_handling else [])]
     try:
-        env = _env(binary, transports, error_handling)
-        values = parse_output(_with_retry(binary, args, env, timeout))
+        env = environment(binary, transports, error_handling)
+        values = parse_output(_with_retry(binary, args, env, timeout,
+                                          server or LocalServer(binary, env)))
     except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as error:
         return unavailable(str(error))
     return PerftestResult(test, message_nbytes, transports, error_handling, True,
@@ -152,7 +157,7 @@ def _median_latency(values: dict[str, float]) -> float:
     return values[percentile[0]] if percentile else values["overall_lat"]
 
 
-def _env(binary: str, transports: str | None, error_handling: bool) -> dict[str, str]:
+def environment(binary: str, transports: str | None, error_handling: bool) -> dict[str, str]:
     """The caller's environment, the wheel's ``lib/`` first on ``LD_LIBRARY_PATH``,
     ``UCX_TLS`` set to ``transports`` (removed for ``None``, so UCX chooses as kvmove's agents
     do when given none), and with ``error_handling`` the agents' PEER-mode UCX settings."""
@@ -174,44 +179,81 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _with_retry(binary: str, args: list[str], env: dict[str, str], timeout: float) -> str:
+class Server(Protocol):
+    """Where ``ucx_perftest``'s server side runs: ``start`` it (returns the host and port the
+    client connects to), ``finish`` (its exit code and output once it exits, within
+    ``timeout`` seconds, else ``subprocess.TimeoutExpired``), ``kill`` (whatever state it
+    is in; nothing when it finished)."""
+
+    def start(self) -> tuple[str, int]: ...
+
+    def finish(self, timeout: float) -> tuple[int, str]: ...
+
+    def kill(self) -> None: ...
+
+
+class LocalServer:
+    """``ucx_perftest -p PORT`` on this host, reached on loopback (or on ``host``, which a far
+    side of ``kvmove-bench transfer --listen`` advertises)."""
+
+    def __init__(self, binary: str, env: dict[str, str], host: str = "127.0.0.1") -> None:
+        self.binary, self.env, self.host = binary, env, host
+        self.process: subprocess.Popen[str] | None = None
+
+    def start(self) -> tuple[str, int]:
+        self.kill()
+        port = _free_port()
+        self.process = subprocess.Popen([self.binary, "-p", str(port)], env=self.env,
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True)
+        return self.host, port
+
+    def finish(self, timeout: float) -> tuple[int, str]:
+        assert self.process is not None, "finish() before start()"
+        out, err = self.process.communicate(timeout=timeout)
+        return self.process.returncode, err + out
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.communicate()
+
+
+def _with_retry(binary: str, args: list[str], env: dict[str, str], timeout: float,
+                server: Server) -> str:
     """``_client_server``, once more on a fresh port when the two could not set up their
     socket handshake ("failed to setup RTE transport"): seen rarely on a busy machine, and
     unrelated to UCX's transports, so it says nothing about the baseline."""
     deadline = time.monotonic() + timeout
     try:
-        return _client_server(binary, args, env, timeout)
+        return _client_server(binary, args, env, timeout, server)
     except RuntimeError as error:
         if "RTE" not in str(error) or deadline - time.monotonic() <= 1:
             raise
-    return _client_server(binary, args, env, deadline - time.monotonic())
+    return _client_server(binary, args, env, deadline - time.monotonic(), server)
 
 
-def _client_server(binary: str, args: list[str], env: dict[str, str], timeout: float) -> str:
-    """Runs a server and a client on loopback; returns the client's stdout.
+def _client_server(binary: str, args: list[str], env: dict[str, str], timeout: float,
+                   server: Server) -> str:
+    """Runs ``server`` and a client connected to it; returns the client's stdout.
 
     Raises:
         RuntimeError: either side failed (with UCX's last error line) or passed ``timeout``.
     """
     deadline = time.monotonic() + timeout
-    port = str(_free_port())
-    server = subprocess.Popen([binary, "-p", port], env=env, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    host, port = server.start()
     try:
-        client = _client(binary, ["127.0.0.1", "-p", port, *args], env, deadline)
-        server_out, server_err = server.communicate(timeout=_SERVER_EXIT_SECONDS)
+        client = _client(binary, [host, "-p", str(port), *args], env, deadline)
+        server_code, server_text = server.finish(_SERVER_EXIT_SECONDS)
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"ucx_perftest {' '.join(args)} did not finish within "
                            f"{timeout:g} s") from None
     finally:
-        if server.poll() is None:
-            server.kill()
-            server.communicate()
-    if client.returncode != 0 or server.returncode != 0:
+        server.kill()
+    if client.returncode != 0 or server_code != 0:
         raise RuntimeError(f"ucx_perftest {' '.join(args)} failed: client exit "
                            f"{client.returncode} ({_last_error(client.stderr + client.stdout)}), "
-                           f"server exit {server.returncode} "
-                           f"({_last_error(server_err + server_out)})")
+                           f"server exit {server_code} ({_last_error(server_text)})")
     return client.stdout
 
 

@@ -4,6 +4,8 @@ them, or its JSON.
 
 The far side is a spawned process with its own ``KVCache`` and ``Agent``, driven over a
 ``multiprocessing`` Pipe: every reply has a deadline, and a dead peer is noticed within 50 ms.
+With ``--connect`` it is a ``--listen`` side on another machine instead (``remote``), driven
+the same way over an authenticated socket; it then also runs ucx_perftest's server.
 For each block size and placement the bench:
 
 1. places ``blocks_for(num_tokens)`` blocks in each cache, which holds ``spare_factor`` times
@@ -43,7 +45,9 @@ NIXL as well, after kvmove's rows and before the baselines, and each row shows k
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -51,12 +55,16 @@ from typing import Any
 
 import numpy as np
 
+from kvmove.auth import key_from_file
 from kvmove.bench import against, perftest
+from kvmove.bench.address import parse_address, route_address
 from kvmove.bench.against_report import AGAINST
 from kvmove.bench.engine_caches import WRAP_FORMATS
+from kvmove.bench.harness import Channel
 from kvmove.bench.options import add_agent_args, add_output_args, add_prompt_args, check_plot
 from kvmove.bench.peer import FAR, Peer, Side, connect_pair, ping, stop_echo
 from kvmove.bench.progress import Progress, bar
+from kvmove.bench.remote import RemotePeer, RemotePerftest, listen
 from kvmove.bench.transfer_report import (
     NATIVE,
     PERFTEST_TEST,
@@ -105,7 +113,7 @@ def _row(op: str, placement: str, layout: KVSpec, ids: list[int],
                        cache)
 
 
-def _write(near: Side, peer: Peer, local_ids: list[int], remote_ids: list[int], seed: int,
+def _write(near: Side, peer: Channel, local_ids: list[int], remote_ids: list[int], seed: int,
            config: BenchConfig) -> list[tuple[Any, float, int]]:
     near.fill(local_ids, seed)
     results = []
@@ -120,7 +128,7 @@ def _write(near: Side, peer: Peer, local_ids: list[int], remote_ids: list[int], 
     return results
 
 
-def _read(near: Side, peer: Peer, local_ids: list[int], remote_ids: list[int], seed: int,
+def _read(near: Side, peer: Channel, local_ids: list[int], remote_ids: list[int], seed: int,
           config: BenchConfig) -> list[tuple[Any, float, int]]:
     peer.call("fill", remote_ids, seed)
     results = []
@@ -132,7 +140,7 @@ def _read(near: Side, peer: Peer, local_ids: list[int], remote_ids: list[int], s
     return results
 
 
-def _round_trip(near: Side, peer: Peer, local_id: int, remote_id: int,
+def _round_trip(near: Side, peer: Channel, local_id: int, remote_id: int,
                 config: BenchConfig) -> RoundTrip:
     """Median of ``round_trips`` pings (after a warm-up), the smallest hand-off a layer-wise
     stream makes."""
@@ -150,7 +158,7 @@ def _round_trip(near: Side, peer: Peer, local_id: int, remote_id: int,
                      float(np.median(rtts[ROUND_TRIP_WARMUP:])) * 1e6)
 
 
-def _measure_cache(peer: Peer, config: BenchConfig, block_size: int, cache: str,
+def _measure_cache(peer: Channel, config: BenchConfig, block_size: int, cache: str,
                    progress: Progress, with_round_trip: bool
                    ) -> tuple[list[TransferRow], RoundTrip | None, Registration, Route]:
     """The rows of one block size between two caches of kind ``cache`` (``NATIVE`` or a
@@ -212,13 +220,28 @@ def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
     """
     progress = progress or (lambda label: None)
     start = time.perf_counter()
-    rows, round_trip, registrations, (path, transports) = _measure_transfers(config, progress)
-    nixl = against.run(config, progress) if config.against == "nixl" else None
-    perftest_bw = _perftest_bandwidths(config, rows, progress)
-    perftest_lat = []
-    for size in (8, round_trip.nbytes):
-        perftest_lat.append(_best_latency(config, size))
-        progress(f"ucx_perftest put latency {size} B")
+    remote = None
+    if config.connect is not None:
+        host, port = parse_address(config.connect, "connect")
+        if config.host is None:
+            config = dataclasses.replace(config, host=route_address(host, port))
+        remote = RemotePeer(host, port, config.timeout)
+    try:
+        rows, round_trip, registrations, (path, transports) = _measure_transfers(
+            config, remote or Peer(config.timeout), progress)
+        nixl = against.run(config, progress) if config.against == "nixl" else None
+        # On one host the peer is gone by now, so nothing competes with the baselines; with
+        # another machine, its side runs ucx_perftest's server over the same link.
+        server = None if remote is None else RemotePerftest(remote, config.transports,
+                                                            config.error_mode == "peer")
+        perftest_bw = _perftest_bandwidths(config, rows, progress, server)
+        perftest_lat = []
+        for size in (8, round_trip.nbytes):
+            perftest_lat.append(_best_latency(config, size, server))
+            progress(f"ucx_perftest put latency {size} B")
+    finally:
+        if remote is not None:
+            remote.stop()
     memcpy: dict[int, float] = {}
     for block_size in config.block_sizes:
         nbytes = next(row.nbytes for row in rows if row.block_size == block_size)
@@ -230,12 +253,12 @@ def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
                        nixl, transports, path, ucx_info())
 
 
-def _measure_transfers(config: BenchConfig, progress: Progress
+def _measure_transfers(config: BenchConfig, peer: Channel, progress: Progress
                        ) -> tuple[list[TransferRow], RoundTrip, list[Registration], Route]:
     """Per block size, the native caches' rows, then the wrapped ones' (``config.caches``):
     each pair of caches is made, measured and closed before the next, so two never compete
-    for memory. The route is the first pair's."""
-    peer = Peer(config.timeout)
+    for memory. The route is the first pair's. A local ``Peer`` is stopped at the end; a
+    ``RemotePeer`` stays for the baselines."""
     try:
         rows: list[TransferRow] = []
         registrations: list[Registration] = []
@@ -252,11 +275,12 @@ def _measure_transfers(config: BenchConfig, progress: Progress
         assert round_trip is not None and route is not None
         return rows, round_trip, registrations, route
     finally:
-        peer.stop()
+        if isinstance(peer, Peer):
+            peer.stop()
 
 
-def _perftest_bandwidths(config: BenchConfig, rows: list[TransferRow],
-                         progress: Progress) -> list[perftest.PerftestResult]:
+def _perftest_bandwidths(config: BenchConfig, rows: list[TransferRow], progress: Progress,
+                         server: perftest.Server | None) -> list[perftest.PerftestResult]:
     """Per row, the best of ``iters`` runs of ``ucp_put_bw`` (write) or ``ucp_get`` (read) at
     the row's mean op size, moving the row's bytes each; then ``ucp_put_bw`` at
     ``config.perftest_sizes``.
@@ -270,28 +294,29 @@ def _perftest_bandwidths(config: BenchConfig, rows: list[TransferRow],
     wanted += [("ucp_put_bw", size, rows[0].nbytes) for size in config.perftest_sizes]
     for test, size, total in wanted:
         if (test, size) not in results:
-            results[test, size] = _best_bandwidth(config, test, size, total)
+            results[test, size] = _best_bandwidth(config, test, size, total, server)
         progress(f"ucx_perftest {test} {size} B")
     return sorted(results.values(), key=lambda p: (p.test, p.message_nbytes))
 
 
-def _best_latency(config: BenchConfig, size: int) -> perftest.PerftestResult:
+def _best_latency(config: BenchConfig, size: int,
+                  server: perftest.Server | None) -> perftest.PerftestResult:
     """Lowest median of ``iters`` ``ucp_put_lat`` runs: over tcp a run sometimes settles at
     ~4 ms per ping-pong (a timer tick, not the transport), which one run cannot tell apart."""
     runs = [perftest.put_latency(size, iterations=300, transports=config.transports,
                                  error_handling=config.error_mode == "peer",
-                                 timeout=config.timeout)
+                                 timeout=config.timeout, server=server)
             for _ in range(config.iters)]
     available = [r for r in runs if r.available]
     return min(available, key=lambda r: _measured(r.latency_us)) if available else runs[-1]
 
 
-def _best_bandwidth(config: BenchConfig, test: str, size: int,
-                    total: int) -> perftest.PerftestResult:
+def _best_bandwidth(config: BenchConfig, test: str, size: int, total: int,
+                    server: perftest.Server | None) -> perftest.PerftestResult:
     """Best of ``iters`` runs, as for kvmove's rows; the last failure if none ran."""
     runs = [perftest.bandwidth(test, size, total_nbytes=total, transports=config.transports,
                                error_handling=config.error_mode == "peer",
-                               timeout=config.timeout)
+                               timeout=config.timeout, server=server)
             for _ in range(config.iters)]
     available = [r for r in runs if r.available]
     return max(available, key=lambda r: _measured(r.gbytes_per_s)) if available else runs[-1]
@@ -331,12 +356,34 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                      help="also run the same workload (native rows, round trip) through this "
                      "library in the same run and print kvmove / it per row; nixl needs "
                      "'pip install --no-deps nixl-cu13'")
+    two = sub.add_argument_group(
+        "between two machines", "one side --listen, the other --connect with the options of the "
+        "run; both need the same deployment key (--key-file, or KVMOVE_KEY_FILE / KVMOVE_KEY)")
+    where = two.add_mutually_exclusive_group()
+    where.add_argument("--listen", metavar="[HOST:]PORT", default=None,
+                       help="host the far side of one --connect run from another machine, "
+                       "then exit (HOST: the address to serve on, default 0.0.0.0)")
+    where.add_argument("--connect", metavar="HOST:PORT", default=None,
+                       help="run with the far side on the machine listening there (its "
+                       "ucx_perftest server gives the same-link baseline)")
+    two.add_argument("--host", default=None, metavar="ADDR",
+                     help="this side's agents' address (default: with --connect, this "
+                     "machine's address on the route to HOST)")
+    two.add_argument("--key-file", default=None, metavar="PATH",
+                     help="the deployment key (default: KVMOVE_KEY_FILE, KVMOVE_KEY, else this "
+                     "host's key, which another machine does not share)")
     add_output_args(sub, "timed iterations per row, after one warm-up; the best is shown",
                     "also draw bandwidth vs bytes per operation (needs matplotlib)")
     sub.set_defaults(run=run_command)
 
 
 def run_command(args: argparse.Namespace) -> int:
+    if args.key_file is not None:
+        key_from_file(args.key_file)  # readable and long enough, or ConfigError now
+        os.environ["KVMOVE_KEY_FILE"] = os.path.abspath(args.key_file)  # this side's agents
+        os.environ.pop("KVMOVE_KEY", None)  # which would win over the file
+    if args.listen is not None:
+        return listen(args.listen, args.timeout)
     config = _transfer_config(args)
     if args.plot:
         check_plot(args.plot)
@@ -367,6 +414,7 @@ def _transfer_config(args: argparse.Namespace) -> BenchConfig:
         placements=("allocator", "scatter") if args.scatter else ("allocator",),
         transports=args.transports, error_mode=args.error_mode, same_host=args.same_host,
         iters=args.iters, perftest_sizes=SWEEP_MESSAGE_SIZES if args.sweep else (),
-        timeout=args.timeout, wrap=args.wrap, against=args.against)
+        timeout=args.timeout, wrap=args.wrap, against=args.against, connect=args.connect,
+        host=args.host)
 
 

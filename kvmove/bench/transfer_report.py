@@ -11,6 +11,7 @@ from typing import Any
 
 from kvmove.agent import ERROR_MODES, SAME_HOST_PATHS
 from kvmove.bench import perftest
+from kvmove.bench.address import parse_address
 from kvmove.bench.against_report import AGAINST, NixlRun, nixl_lines
 from kvmove.bench.engine_caches import WRAP_FORMATS, layout_for_format
 from kvmove.bench.plan import DEFAULT_LINKS, transfer_ms
@@ -63,6 +64,10 @@ class BenchConfig:
             rows; "mla" moves it as one latent of the same bytes per token, native rows too.
         against: also run the native rows' workload and the round trip through this library
             (``against_report.AGAINST``: "nixl") in the same run, compared row by row.
+        connect: ``"HOST:PORT"`` of a ``kvmove-bench transfer --listen`` on another machine,
+            which then hosts the far side (``kvmove.bench.remote``); None: a process here.
+        host: the address this side's agents serve on (None: loopback, or with ``connect``
+            this machine's address on the route to HOST).
     """
 
     model: str = "llama-3.1-8b"
@@ -80,6 +85,8 @@ class BenchConfig:
     seed: int = 0
     wrap: str | None = None
     against: str | None = None
+    connect: str | None = None
+    host: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_tokens", "iters", "spare_factor", "round_trips"):
@@ -109,6 +116,11 @@ class BenchConfig:
         if self.against is not None and self.against not in AGAINST:
             raise ConfigError(f"against must be one of {AGAINST} or None, got "
                               f"{self.against!r}")
+        if self.connect is not None:
+            parse_address(self.connect, "connect")
+            if self.against is not None:
+                raise ConfigError(f"against={self.against!r} runs both sides on this host; "
+                                  "it cannot run with connect")
 
     def layout(self, block_size: int) -> KVSpec:
         layout = KVSpec.preset(self.model, block_size=block_size)
@@ -121,8 +133,9 @@ class BenchConfig:
 
     @property
     def agent_kwargs(self) -> dict[str, Any]:
+        where = {"host": self.host} if self.host is not None else {}
         return {"transports": self.transports, "error_mode": self.error_mode,
-                "same_host": self.same_host}
+                "same_host": self.same_host, **where}
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,6 +324,7 @@ def format_transfer(report: BenchReport) -> str:
         f"{config.model} ({layout.num_layers} layers, {layout.num_kv_heads} KV heads, head_dim "
         f"{layout.head_dim}, {layout.dtype}), {config.num_tokens:,} tokens: KV {kv_bytes:,} B "
         f"({human_bytes(kv_bytes)}); caches of {config.spare_factor}x the blocks moved; "
+        f"far side {_far_side(config)}; "
         f"{_path_words(report.path)}transports {transports}, error mode {config.error_mode}; "
         f"best of {config.iters} after a warm-up, every byte verified on the receiving side"
     )
@@ -320,6 +334,12 @@ def format_transfer(report: BenchReport) -> str:
                       *_baseline_lines(report), "",
                       *_round_trip_lines(report), "", *_link_lines(report),
                       "", f"measured in {report.wall_seconds:.1f} s"])
+
+
+def _far_side(config: BenchConfig) -> str:
+    if config.connect is None:
+        return "a process on this host"
+    return f"the --listen side at {config.connect} (this side {config.host})"
 
 
 def _path_words(path: str) -> str:
