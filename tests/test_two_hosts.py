@@ -17,11 +17,9 @@ them) are always deleted, and both processes always killed.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import secrets
 import select
-import shutil
 import subprocess
 import sys
 import time
@@ -31,6 +29,7 @@ import numpy as np
 import pytest
 
 from helpers.kv import pattern
+from helpers.netns import Hosts, hosts, ip
 
 # The script runs as ``python -m helpers.two_hosts`` from here, as the tests import it (and
 # not from the repository root, where the source tree's kvmove, uncompiled, would come first).
@@ -41,63 +40,22 @@ DEADLINE = 25.0  # the whole exchange, seconds
 KEY = secrets.token_hex(16)  # the deployment's
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10,
-                          check=check)
-
-
 class Namespaces:
-    """ns_a <-veth-> ns_b, 10.231.S.1/24 in A and 10.231.S.2/24 in B."""
+    """ns_a <-veth-> ns_b: ``addr_a`` on ``dev_a`` in A, ``addr_b`` on ``dev_b`` in B."""
 
-    def __init__(self) -> None:
-        pid = os.getpid()
-        self.ns_a, self.ns_b = f"kvm-a-{pid}", f"kvm-b-{pid}"
-        self.dev_a, self.dev_b = f"kvma{pid}", f"kvmb{pid}"  # < 16 chars for any pid
-        subnet = pid % 250 + 1
-        self.addr_a, self.addr_b = f"10.231.{subnet}.1", f"10.231.{subnet}.2"
-
-    def create(self) -> None:
-        _ip("netns", "add", self.ns_a)
-        _ip("netns", "add", self.ns_b)
-        _ip("link", "add", self.dev_a, "type", "veth", "peer", "name", self.dev_b)
-        for ns, dev, addr in ((self.ns_a, self.dev_a, self.addr_a),
-                              (self.ns_b, self.dev_b, self.addr_b)):
-            _ip("link", "set", dev, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "link", "set", dev, "up")
-
-    def destroy(self) -> None:
-        # Deleting a namespace deletes the veth end inside it (and so the pair); the link
-        # delete covers a failure between creating the pair and moving it.
-        _ip("link", "del", self.dev_a, check=False)
-        for ns in (self.ns_a, self.ns_b):
-            _ip("netns", "del", ns, check=False)
+    def __init__(self, made: Hosts) -> None:
+        self.hosts = made
+        self.ns_a, self.ns_b = made.add("a"), made.add("b")
+        self.addr_a, self.addr_b, self.dev_a, self.dev_b = made.link(self.ns_a, self.ns_b)
 
     def rx_bytes_b(self) -> int:
-        out = _ip("-n", self.ns_b, "-j", "-s", "link", "show", "dev", self.dev_b).stdout
-        return int(json.loads(out)[0]["stats64"]["rx"]["bytes"])
+        return self.hosts.rx_bytes(self.ns_b, self.dev_b)
 
 
 @pytest.fixture
 def namespaces():
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    if shutil.which("ip") is None:
-        pytest.skip("iproute2 ('ip') is not installed")
-    ns = Namespaces()
-    try:
-        ns.create()
-    except subprocess.CalledProcessError as e:
-        ns.destroy()
-        pytest.skip(f"cannot build two namespaces joined by veth: {' '.join(e.cmd)}: "
-                    f"{e.stderr.strip()}")
-    try:
-        yield ns
-    finally:
-        ns.destroy()
-        leftover = _ip("netns", "list").stdout
-        assert ns.ns_a not in leftover and ns.ns_b not in leftover, leftover
+    with hosts(Namespaces) as made:
+        yield made
 
 
 class NsProcess:
@@ -212,7 +170,7 @@ def test_a_receiver_on_the_wildcard_advertises_the_address_peers_reach(namespace
     refused = NsProcess(ns.ns_b, *receive)
     with pytest.raises(AssertionError, match="no route to tell peers an address by"):
         refused.finish(deadline)
-    _ip("-n", ns.ns_b, "route", "add", "default", "via", ns.addr_a)
+    ip("-n", ns.ns_b, "route", "add", "default", "via", ns.addr_a)
     receiver = NsProcess(ns.ns_b, *receive)
     sender = None
     try:
