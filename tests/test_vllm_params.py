@@ -6,8 +6,11 @@ The wire is written out here (not imported): it is vLLM's, and must not drift.
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -240,3 +243,33 @@ def test_kv_both_is_either_role_as_nixlconnectors_and_offload_is_its_own_setting
     assert offload.offload and not offload.serves_prefill
     with pytest.raises(ConfigError, match="'offload'\\] needs kv_role 'kv_both'.*'kv_producer'"):
         ConnectorConfig.from_vllm(_vllm_config("kv_producer", offload=True))
+
+
+def _docs_configs() -> list[dict[str, Any]]:
+    """Every kvmove connector config docs/vllm.md shows: its ``json`` blocks and the
+    ``--kv-transfer-config '...'`` of its commands, a MultiConnector's children included."""
+    text = (Path(__file__).parent.parent / "docs" / "vllm.md").read_text()
+    found = [json.loads(block) for block in re.findall(r"```json\n(.*?)```", text, re.S)]
+    found += [json.loads(arg) for arg in re.findall(r"--kv-transfer-config '(.*?)'", text, re.S)]
+    configs = []
+    for config in found:
+        children = config.get("kv_connector_extra_config", {}).get("connectors")
+        configs += children if config["kv_connector"] == "MultiConnector" else [config]
+    return configs
+
+
+def test_every_connector_config_in_the_vllm_docs_is_accepted() -> None:
+    """A user copies these: each must name kvmove's connector and module, and its settings
+    must be ones the connector takes (it refuses unknown keys, naming them)."""
+    configs = _docs_configs()
+    assert len(configs) >= 6, configs   # the P/D pair, NixlConnector's, MultiConnector's, offload
+    for doc in configs:
+        assert doc["kv_connector"] == "KVMoveConnector", doc
+        assert doc["kv_connector_module_path"] == "kvmove.integrations.vllm", doc
+        kv = SimpleNamespace(kv_role=doc["kv_role"], engine_id="e0",
+                             kv_port=doc.get("kv_port", 5600),
+                             kv_connector_extra_config=doc.get("kv_connector_extra_config", {}))
+        vllm = SimpleNamespace(kv_transfer_config=kv, parallel_config=SimpleNamespace(
+            rank=0, tensor_parallel_size=1))
+        config = ConnectorConfig.from_vllm(vllm)
+        assert config.role.value == doc["kv_role"]

@@ -29,6 +29,7 @@ from helpers.serve import TAG_VARIABLE, Server, tagged_pids
 
 START_SECONDS = 180.0    # import vllm + torch, load, profile: ~20 s alone, more when 3 start
 STOP_SECONDS = 20.0
+IDLE_SECONDS = 30.0     # a finished request's blocks back in vLLM's pool
 CONNECTOR_MODULE = "kvmove.integrations.vllm"
 
 # vLLM's CPU attention needs head_dim of 32 or more; "small" is the issue's larger model
@@ -83,20 +84,24 @@ def kv_transfer_config(role: str, *, kv_port: int, **extra: Any) -> str:
 
 
 class VLLMServer:
-    """One ``vllm`` OpenAI server on 127.0.0.1; a context manager."""
+    """One ``vllm`` OpenAI server on 127.0.0.1 (or ``host`` in network namespace ``netns``);
+    a context manager."""
 
     def __init__(self, model: str, *, kv_config: str | None = None, name: str = "vllm",
                  env: dict[str, str] | None = None, args: tuple[str, ...] = (),
-                 log_dir: str | None = None) -> None:
+                 log_dir: str | None = None, host: str = "127.0.0.1",
+                 netns: str | None = None) -> None:
         self.model = model
         self.name = name
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self.tag = f"vllm-{name}-{uuid.uuid4().hex[:8]}"
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-               "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
-               "--max-model-len", "4096", "--enforce-eager", "--dtype", "float32",
-               "--seed", "0", *args]
+        # In a network namespace (another "host"), its HTTP on ``host`` there.
+        cmd = ["ip", "netns", "exec", netns] if netns else []
+        cmd += [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                "--served-model-name", "tiny", "--host", host, "--port", str(self.port),
+                "--max-model-len", "4096", "--enforce-eager", "--dtype", "float32",
+                "--seed", "0", *args]
         if kv_config is not None:
             cmd += ["--kv-transfer-config", kv_config]
         child_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -193,3 +198,22 @@ def stop_all(servers: list[VLLMServer]) -> None:
         server.stop()
     left = [pid for server in servers for pid in server.pids()]
     assert not left, f"vLLM processes left behind: {left}"
+
+
+def kv_usage(server: VLLMServer) -> float:
+    """``vllm:kv_cache_usage_perc``: the share of the server's KV blocks in use."""
+    text = httpx.get(server.url + "/metrics", timeout=10.0).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("vllm:kv_cache_usage_perc")]
+    assert values, "vLLM exports no vllm:kv_cache_usage_perc"
+    return max(values)
+
+
+def wait_idle(*servers: VLLMServer) -> dict[str, float]:
+    """Each server's KV usage, once all are 0 or after ``IDLE_SECONDS``."""
+    deadline = time.monotonic() + IDLE_SECONDS
+    while True:
+        usage = {server.name: kv_usage(server) for server in servers}
+        if not any(usage.values()) or time.monotonic() > deadline:
+            return usage
+        time.sleep(0.5)
