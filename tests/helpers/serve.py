@@ -82,14 +82,19 @@ class Server:
     """One ``kvmove-serve`` process (and, through it, its workers)."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None,
-                 engine: bool = True, max_fds: int | None = None) -> None:
+                 engine: bool = True, max_fds: int | None = None,
+                 netns: str | None = None) -> None:
         """``engine`` False: a vLLM proxy (``--vllm-*`` in ``args``), no model, no workers.
-        ``max_fds``: the server's (and its workers') file-descriptor limit, soft and hard."""
+        ``max_fds``: the server's (and its workers') file-descriptor limit, soft and hard.
+        ``netns``: run it in that network namespace (another "host"; give it a ``--host``
+        this one reaches)."""
         self.args = ["--port", "0", *(["--model", "tiny"] if engine else []), *args]
         self.tag = uuid.uuid4().hex
         self.stderr = tempfile.TemporaryFile(mode="w+")  # a file: a full pipe cannot block it
+        where = ["ip", "netns", "exec", netns] if netns else []
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvmove.serve.cli", *self.args], cwd=WORKDIR, text=True,
+            [*where, sys.executable, "-m", "kvmove.serve.cli", *self.args], cwd=WORKDIR,
+            text=True,
             stdout=subprocess.PIPE, stderr=self.stderr,
             env={**os.environ, **(env or {}), TAG_VARIABLE: self.tag, "PYTHONUNBUFFERED": "1"},
             preexec_fn=None if max_fds is None else lambda: resource.setrlimit(
