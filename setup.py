@@ -2,9 +2,12 @@
 
 Environment switches:
     UCX_HOME=<prefix>    build against a site's own UCX (e.g. one with InfiniBand verbs) instead
-                         of the ``libucx-cu13`` wheel. At run time set
+                         of the ``libucx-cu13`` wheel: ``<prefix>/include`` and its libraries
+                         in ``lib``, ``lib64`` or ``lib/<triplet>`` (Debian: ``UCX_HOME=/usr``
+                         with libucx-dev; UCX 1.13 or newer). At run time set
                          ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true`` so the wheel's loader
-                         picks the system libraries too.
+                         picks the system libraries too (kvmove refuses to import when the UCX
+                         loaded is older than the one it was built against).
     KVMOVE_CUDA=1        also compile ``csrc/**/*.cu`` with nvcc and link cudart statically,
                          so the module still imports on a machine with no driver.
     KVMOVE_CUDA_ARCHS    semicolon list of SM versions for nvcc (default "90"); SASS for each,
@@ -43,6 +46,18 @@ def ucx_prefix() -> str:
     import libucx
 
     return os.path.dirname(libucx.__file__)
+
+
+def ucx_lib_dir(prefix: str) -> str:
+    """The folder holding ``libucp.so`` under a UCX prefix: ``lib``, ``lib64``, or a
+    distribution's multiarch ``lib/<triplet>`` (Debian's ``UCX_HOME=/usr``)."""
+    candidates = [os.path.join(prefix, "lib"), os.path.join(prefix, "lib64")]
+    candidates += sorted(glob.glob(os.path.join(prefix, "lib", "*-linux-gnu")))
+    for folder in candidates:
+        if os.path.exists(os.path.join(folder, "libucp.so")):
+            return folder
+    raise RuntimeError(f"UCX_HOME={prefix!r}: no libucp.so in {candidates} (install UCX's "
+                       "development files, e.g. Debian's libucx-dev)")
 
 
 def cuda_home() -> str:
@@ -101,7 +116,7 @@ def extension() -> Pybind11Extension:
     sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
     sources += sorted(glob.glob("bindings/*.cpp"))
     include_dirs = ["csrc", os.path.join(ucx, "include")]
-    library_dirs = [os.path.join(ucx, "lib")]
+    library_dirs = [ucx_lib_dir(ucx) if "UCX_HOME" in os.environ else os.path.join(ucx, "lib")]
     libraries = ["ucp", "uct", "ucs"]
     # kvmove/_C.so sits beside libucx/ in site-packages; a site UCX is found via its own lib dir.
     rpaths = ["$ORIGIN/../libucx/lib"] + ([library_dirs[0]] if "UCX_HOME" in os.environ else [])

@@ -18,6 +18,7 @@ void register_runtime(py::module_& m) {
     m.def("ucx_version", &ucx_version);
     m.def("peer_error_settings", &peer_error_settings);
     m.def("ucx_library", &ucx_library);
+    m.def("ucx_built_version", &ucx_built_version);
     m.def("ucx_resources", [] {
         using Row = std::tuple<std::string, std::string, std::string, std::string, std::string>;
         std::vector<Row> out;

@@ -37,6 +37,10 @@ except ImportError as error:
     if importlib.util.find_spec("kvmove._C") is None:
         raise _missing_core() from error
     raise
+from kvmove.runtime import check_ucx  # noqa: E402
+
+check_ucx()  # the UCX loaded is one kvmove runs on, or ImportError naming it and its path
+
 from kvmove import _log  # noqa: E402
 from kvmove._version import __version__ as __version__  # noqa: E402 (re-exported)
 from kvmove.agent import Agent, AgentStats  # noqa: E402

@@ -15,6 +15,10 @@ from kvmove import _C
 __all__ = ["CudaStatus", "UcxInfo", "cuda_available", "cuda_status", "ucx_info", "ucx_version",
            "unpin", "unpinned"]
 
+# The oldest UCX kvmove builds and runs with (Debian 12's 1.13.1 has verbs and rdmacm; UCX
+# before 1.14 cannot tell an endpoint's lanes, so Agent.peer_transports is then empty).
+MIN_UCX = (1, 13)
+
 # UCX's transport modules that carry InfiniBand/RoCE (verbs, its mlx5 flavours) and the RDMA
 # connection manager; a UCX built without verbs/rdmacm (the libucx-cu13 wheel) has none.
 RDMA_MODULES = ("ib", "ib_mlx5", "ib_efa", "rdmacm")
@@ -128,6 +132,30 @@ class UcxInfo:
     def to_dict(self) -> dict[str, Any]:
         fields = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
         return {**fields, "rdma_devices": list(self.rdma_devices)}
+
+
+def ucx_problem(loaded: str, built: str) -> str | None:
+    """Why the UCX this process loaded cannot serve kvmove (older than ``MIN_UCX`` or than the
+    UCX it was compiled against), or None."""
+    def version(text: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
+
+    need = max(MIN_UCX, version(built))
+    if version(loaded) >= need:
+        return None
+    return (f"kvmove needs UCX >= {'.'.join(map(str, need))} (the oldest it supports is "
+            f"{'.'.join(map(str, MIN_UCX))}; it was compiled against {built}), but this process "
+            f"loaded UCX {loaded}")
+
+
+def check_ucx() -> None:
+    """Raises ImportError, naming both versions and the library's path, when the loaded UCX is
+    older than kvmove needs (``ucx_problem``): called when kvmove is imported."""
+    problem = ucx_problem(_C.ucx_version(), _C.ucx_built_version())
+    if problem is not None:
+        raise ImportError(f"{problem} from {_C.ucx_library() or 'an unknown path'}: a site UCX "
+                          "needs RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true, and one built "
+                          "against is the one to load (README, 'Build options')")
 
 
 def ucx_info() -> UcxInfo:

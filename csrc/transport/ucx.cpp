@@ -207,6 +207,7 @@ std::vector<std::pair<std::string, std::string>> Endpoint::transports() const {
     if (ep_ == nullptr) {
         return out;
     }
+#if UCP_API_VERSION >= UCP_VERSION(1, 14)
     constexpr size_t kMaxLanes = 64;  // UCP_MAX_LANES is 64 at most
     std::vector<ucp_transport_entry_t> entries(kMaxLanes);
     ucp_ep_attr_t attr{};
@@ -221,7 +222,12 @@ std::vector<std::pair<std::string, std::string>> Endpoint::transports() const {
             out.push_back(std::move(pair));
         }
     }
+#endif  // UCX before 1.14 cannot tell an endpoint's lanes: none reported
     return out;
+}
+
+std::string ucx_built_version() {
+    return std::to_string(UCP_API_MAJOR) + "." + std::to_string(UCP_API_MINOR);
 }
 
 }  // namespace kvmove

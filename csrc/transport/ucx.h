@@ -28,6 +28,9 @@ namespace kvmove {
 
 // The version of the libucp actually loaded, e.g. "1.22.0".
 std::string ucx_version();
+// The UCX API version kvmove was compiled against, "MAJOR.MINOR" (the loaded one must not be
+// older).
+std::string ucx_built_version();
 
 // One transport resource UCX offers here: component ("tcp", "ib", "cuda_ipc"), memory domain,
 // transport ("tcp", "rc_mlx5", "posix"), device ("eth0", "mlx5_0:1", "memory") and the
@@ -96,7 +99,8 @@ public:
     ucp_ep_h get() const { return ep_; }
     RkeyPtr unpack_rkey(const std::vector<uint8_t>& packed) const;
     // The (transport, device) pairs UCX chose for this endpoint's lanes, each once, in lane
-    // order, e.g. {"sysv", "memory"}, {"cma", "memory"}; empty once closed.
+    // order, e.g. {"sysv", "memory"}, {"cma", "memory"}; empty once closed, and always with a
+    // UCX older than 1.14 (which cannot tell).
     std::vector<std::pair<std::string, std::string>> transports() const;
     // Graceful (force = false) flushes outstanding operations and says goodbye, so the peer
     // never acknowledges into a vanished connection; force cancels them, for a dead peer.
