@@ -92,6 +92,11 @@ class UcxInfo:
             (``"tcp/eth0"``, ``"posix/memory"``, ``"rc_mlx5/mlx5_0:1"``), as ``ucx_info -d``.
         rdma: InfiniBand/RoCE support is built into this UCX (its verbs or rdmacm modules).
         cuda: CUDA support is built into this UCX (its cuda module).
+        gpudirect: what GPUDirect RDMA (a NIC reading and writing GPU memory) has here:
+            ``"nvidia-peermem"`` (the kernel module that lets NICs register GPU memory is
+            loaded), ``"dma-buf"`` (no peermem, but a kernel of 5.12 or later and NVIDIA's
+            driver: UCX 1.14+ registers GPU memory as dma-buf where the driver supports it),
+            or ``"none"`` (device memory then crosses hosts through host buffers).
 
     Example:
         >>> info = kvmove.ucx_info()
@@ -107,6 +112,7 @@ class UcxInfo:
     transports: tuple[str, ...]
     rdma: bool
     cuda: bool
+    gpudirect: str = "none"
 
     @property
     def rdma_devices(self) -> tuple[str, ...]:
@@ -122,6 +128,8 @@ class UcxInfo:
                                      if self.rdma_devices else "no RDMA device here")
                 if self.rdma else "RDMA not built in (no verbs/rdmacm modules)")
         cuda = "CUDA built in" if self.cuda else "CUDA not built in"
+        if self.cuda and self.rdma:
+            cuda += f", GPUDirect RDMA: {self.gpudirect}"
         unloaded = [m for m in self.modules if m not in self.loaded]
         modules = ", ".join(self.modules) or "none"
         if unloaded:
@@ -175,7 +183,20 @@ def ucx_info() -> UcxInfo:
         source="libucx wheel" if _in_libucx_wheel(library) else "site",
         modules=modules, loaded=tuple(m for m in modules if m in loaded),
         transports=tuple(sorted({f"{tl}/{dev}" for _, _, tl, dev, _ in resources})),
-        rdma=any(m in RDMA_MODULES for m in modules), cuda="cuda" in modules)
+        rdma=any(m in RDMA_MODULES for m in modules), cuda="cuda" in modules,
+        gpudirect=gpudirect())
+
+
+def gpudirect(sys_root: str = "/sys", kernel: str | None = None) -> str:
+    """``UcxInfo.gpudirect``, from the kernel's modules (``sys_root``/module) and release."""
+    modules = Path(sys_root) / "module"
+    if (modules / "nvidia_peermem").exists() or (modules / "nv_peer_mem").exists():
+        return "nvidia-peermem"
+    release = kernel if kernel is not None else os.uname().release
+    numbers = tuple(int(p) for p in release.split("-")[0].split(".")[:2] if p.isdigit())
+    if (modules / "nvidia").exists() and numbers >= (5, 12):
+        return "dma-buf"
+    return "none"
 
 
 def _modules(library: str) -> tuple[str, ...]:

@@ -119,3 +119,20 @@ def test_a_ucx_older_than_kvmove_needs_is_refused_naming_both(loaded, built, ref
     if refused:
         assert f"loaded UCX {loaded}" in problem and f"compiled against {built}" in problem
         assert "oldest it supports is 1.13" in problem
+
+
+@pytest.mark.parametrize("modules, kernel, expected", [
+    (["nvidia", "nvidia_peermem"], "5.4.0", "nvidia-peermem"),
+    (["nv_peer_mem"], "4.18.0-553.el8", "nvidia-peermem"),
+    (["nvidia"], "6.8.0-45-generic", "dma-buf"),
+    (["nvidia"], "5.4.0-150-generic", "none"),     # dma-buf needs 5.12 or later
+    ([], "6.8.0", "none"),                          # no NVIDIA driver at all
+])
+def test_gpudirect_prerequisites_are_read_from_the_kernel(tmp_path, modules, kernel, expected):
+    for name in modules:
+        (tmp_path / "module" / name).mkdir(parents=True)
+    assert runtime.gpudirect(str(tmp_path), kernel) == expected
+    info = UcxInfo(version="1.22.0", library="", source="site", modules=("cuda", "ib"),
+                   loaded=("cuda", "ib"), transports=(), rdma=True, cuda=True,
+                   gpudirect=expected)
+    assert f"GPUDirect RDMA: {expected}" in info.summary()
