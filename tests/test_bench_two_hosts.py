@@ -2,8 +2,9 @@
 ``--connect`` in another, joined only by a veth pair, as a user runs it between two hosts
 (and as ``ucx_perftest`` runs). The run must verify every byte, go over UCX (another namespace
 is another host: never the mapped path) on the veth, and take its ``ucx_perftest`` baseline from
-a server on the listening side. A ``--connect`` with another deployment key is refused before
-any command is read, and the listening side goes on to serve the right one.
+a server on the listening side. A connection that never completes the key handshake, and a
+``--connect`` with another deployment key, are refused before any command is read, and the
+listening side goes on to serve the right one.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from kvmove.bench.remote import HANDSHAKE_SECONDS
 
 from helpers.checks import WORKDIR
 from helpers.netns import Hosts, hosts
@@ -82,13 +85,24 @@ def test_transfer_between_two_namespaces(tmp_path: Path) -> None:
         try:
             read_until(listener, "listening on", deadline)
             target = f"{net.addr_far}:{PORT}"
+            # A connection that says nothing holds the port for HANDSHAKE_SECONDS at most.
+            silent = subprocess.Popen(
+                ["ip", "netns", "exec", net.ns_near, sys.executable, "-c",
+                 "import socket, time; s = socket.create_connection("
+                 f"('{net.addr_far}', {PORT})); time.sleep({HANDSHAKE_SECONDS + 10})"])
+            try:
+                read_until(listener, "refused a connection without our key (1 so far)",
+                           deadline)
+            finally:
+                silent.kill()
+                silent.wait()
             stranger = subprocess.run(bench(net.ns_near, "--connect", target, "--key-file",
                                             other, *TINY),
                                       capture_output=True, text=True, cwd=WORKDIR, env=env,
                                       timeout=60)
             assert stranger.returncode == 1, stranger.stderr
             assert "holds another deployment key" in stranger.stderr, stranger.stderr
-            read_until(listener, "refused a connection without our key (1 so far)", deadline)
+            read_until(listener, "refused a connection without our key (2 so far)", deadline)
             rx_before = net.hosts.rx_bytes(net.ns_far, net.dev_far)
             run = subprocess.run(bench(net.ns_near, "--connect", target, "--key-file", key,
                                        "--json", *TINY),

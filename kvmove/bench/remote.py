@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import socket
+import struct
 import sys
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Listener
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any, TextIO
 
 from kvmove.auth import DeploymentKey, resolve_key
@@ -28,10 +30,12 @@ from kvmove.bench.peer import FarSide
 from kvmove.bench.report import BenchError
 from kvmove.errors import ConfigError
 
-__all__ = ["RemoteFarSide", "RemotePeer", "RemotePerftest", "listen"]
+__all__ = ["HANDSHAKE_SECONDS", "RemoteFarSide", "RemotePeer", "RemotePerftest", "listen"]
 
 # How long the far side waits for the next command before it takes its driver for gone.
 _IDLE_SECONDS = 600.0
+# How long a connection has to prove it holds the key (a silent one must not hold the port).
+HANDSHAKE_SECONDS = 5
 
 
 def _authkey(key: DeploymentKey) -> bytes:
@@ -89,12 +93,17 @@ class RemotePeer(Channel):
         key = resolve_key()
         label = f"the listening side at {host}:{port}"
         try:
-            conn = Client((host, port), authkey=_authkey(key))
+            sock = socket.create_connection((host, port), timeout=HANDSHAKE_SECONDS)
+        except OSError as error:
+            raise BenchError(f"cannot reach {label}: {error.strerror or error}") from None
+        try:
+            conn = _handshake(sock, _authkey(key), listening=False)
         except AuthenticationError:
             raise BenchError(f"{label} holds another deployment key than ours ({key.source}): "
                              "give both sides the same --key-file") from None
-        except OSError as error:
-            raise BenchError(f"cannot reach {label}: {error.strerror or error}") from None
+        except (OSError, EOFError) as error:
+            raise BenchError(f"{label} did not complete the key handshake within "
+                             f"{HANDSHAKE_SECONDS} s: {error}") from None
         super().__init__(conn, label, timeout)
         self.host = host
         self.reply("start")
@@ -131,8 +140,9 @@ class RemotePerftest:
 
 def listen(address: str, timeout: float, out: TextIO = sys.stdout) -> int:
     """Serves the far side of one ``--connect`` run on ``address`` (``[HOST:]PORT``; host
-    default 0.0.0.0), then returns 0. A connection without our key is refused and counted,
-    and the next one awaited.
+    default 0.0.0.0), then returns 0. A connection that does not prove it holds our key within
+    ``HANDSHAKE_SECONDS`` (a wrong key, garbage, or silence) is refused and counted, and the
+    next one awaited.
 
     Raises:
         ConfigError: a bad address, or one this machine cannot listen on.
@@ -140,22 +150,18 @@ def listen(address: str, timeout: float, out: TextIO = sys.stdout) -> int:
     host, port = parse_address(address, "--listen", default_host="0.0.0.0")
     key = resolve_key()
     try:
-        listener = Listener((host, port), authkey=_authkey(key))
+        server = socket.create_server((host, port))
     except OSError as error:
         raise ConfigError(f"--listen {address!r}: cannot listen there: "
                           f"{error.strerror or error}") from None
-    with listener:
+    with server:
         print(f"kvmove-bench transfer: listening on {host}:{port} for one --connect run "
               f"(deployment key: {key.source})", file=out, flush=True)
         refused = 0
-        while True:
-            try:
-                conn = listener.accept()
-                break
-            except AuthenticationError:
-                refused += 1
-                print(f"kvmove-bench transfer: refused a connection without our key "
-                      f"({refused} so far)", file=out, flush=True)
+        while (conn := _authenticated(server, _authkey(key))) is None:
+            refused += 1
+            print(f"kvmove-bench transfer: refused a connection without our key "
+                  f"({refused} so far)", file=out, flush=True)
     far = RemoteFarSide(host)
     try:
         conn.send(("ok", None))
@@ -167,3 +173,44 @@ def listen(address: str, timeout: float, out: TextIO = sys.stdout) -> int:
         conn.close()
     print("kvmove-bench transfer: the --connect run ended", file=out, flush=True)
     return 0
+
+
+def _authenticated(server: socket.socket, authkey: bytes) -> Connection | None:
+    """The next connection, once it proved it holds ``authkey`` and checked that we do, within
+    ``HANDSHAKE_SECONDS``; None if it did not."""
+    sock, _ = server.accept()
+    try:
+        return _handshake(sock, authkey, listening=True)
+    except (AuthenticationError, EOFError, OSError):
+        return None
+
+
+def _handshake(sock: socket.socket, authkey: bytes, listening: bool) -> Connection:
+    """``sock`` as a ``Connection`` after the standard library's challenge both ways (as
+    ``Listener.accept`` and ``Client`` make it), each read and write of it within
+    ``HANDSHAKE_SECONDS``; then without a socket deadline (the commands have their own).
+
+    Raises:
+        AuthenticationError: the other side holds another key.
+        OSError, EOFError: it went silent or away (the connection is closed).
+    """
+    limit, none = struct.pack("ll", HANDSHAKE_SECONDS, 0), struct.pack("ll", 0, 0)
+    sock.settimeout(None)
+    for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+        sock.setsockopt(socket.SOL_SOCKET, option, limit)
+    conn = Connection(sock.detach())
+    try:
+        if listening:
+            deliver_challenge(conn, authkey)
+            answer_challenge(conn, authkey)
+        else:
+            answer_challenge(conn, authkey)
+            deliver_challenge(conn, authkey)
+    except BaseException:
+        conn.close()
+        raise
+    with socket.socket(fileno=conn.fileno()) as view:
+        for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+            view.setsockopt(socket.SOL_SOCKET, option, none)
+        view.detach()
+    return conn
