@@ -21,3 +21,9 @@ echo "== GPU tests"
 timeout 180 "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider "$ROOT/tests/test_gpu.py"
 echo "== GPU benchmarks"
 timeout 120 "$PYTHON" "$ROOT/bench/gpu_bench.py" --iters 5
+echo "== kvmove-bench transfer --memory cuda (device memory on both sides, every byte checked)"
+timeout 120 "$PYTHON" -m kvmove.bench.cli transfer --memory cuda --tokens 2000 --iters 3 \
+    --json > transfer-cuda.json
+"$PYTHON" -c "import json; d = json.load(open('transfer-cuda.json')); \
+print('transfer --memory cuda:', 'verified' if d['verified'] else 'WRONG BYTES', \
+[(r['op'], round(r['gbytes_per_s'], 2)) for r in d['rows']], d['transports_used'])"

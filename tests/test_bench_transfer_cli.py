@@ -698,3 +698,17 @@ def test_perftest_unavailable_says_why() -> None:
     assert not result.available
     assert result.gbytes_per_s is None
     assert "failed" in result.reason and result.reason.strip()
+
+
+def test_memory_cuda_without_a_device_exits_2_naming_why(bench: Bench) -> None:
+    """Device memory on both sides needs a CUDA build and device; without one the bench stops
+    before anything runs (bench/gpu_check.sh runs it where there is a GPU)."""
+    status = kvmove.cuda_status()
+    if status.device_count:
+        pytest.skip("a CUDA device is here: bench/gpu_check.sh runs --memory cuda")
+    result = bench("transfer", *TINY, "--memory", "cuda")
+    assert result.returncode == 2, result.stderr
+    assert "memory 'cuda' needs a usable CUDA device here" in result.stderr
+    assert status.reason in result.stderr
+    result = bench("transfer", *TINY, "--memory", "cuda", "--wrap", "flash")
+    assert result.returncode == 2 and "native caches only" in result.stderr

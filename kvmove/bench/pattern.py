@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from kvmove import _C
 from kvmove.bench.engine_caches import allocate, block_words, native_words, wrap_engine
 from kvmove.errors import ConfigError
 from kvmove.kv_cache import KVCache
@@ -71,18 +72,30 @@ class PatternCache:
         wrap: None for a ``KVCache`` kvmove allocates; else an engine of
             ``engine_caches.WRAP_FORMATS`` whose tensors (numpy) are allocated and wrapped,
             with a ``BlockPool`` so both kinds of cache place blocks alike.
+        device: None for host memory; ``"cuda:N"`` for a native cache in that device's
+            memory. The pattern is then written and checked in a host cache of the same
+            blocks, copied to and from the device around each fill, wipe and check.
 
     Attributes:
-        cache: the ``KVCache``.
-        words: ``block_words`` of it: per layer, its planes as ``[num_blocks, words]`` uint64.
+        cache: the ``KVCache`` (the one an agent registers and moves).
+        words: ``block_words`` of the host cache: per layer, its planes as
+            ``[num_blocks, words]`` uint64.
         wrap_seconds: how long ``KVCache.wrap`` took (0 for a native cache).
     """
 
-    def __init__(self, layout: KVSpec, num_blocks: int, wrap: str | None = None) -> None:
+    def __init__(self, layout: KVSpec, num_blocks: int, wrap: str | None = None,
+                 device: str | None = None) -> None:
         if layout.bytes_per_block_per_layer % 8:
             raise ConfigError(f"bytes per block per layer must be a multiple of 8, got "
                               f"{layout.bytes_per_block_per_layer}")
-        self.cache, self.words, self.wrap_seconds = _cache(layout, num_blocks, wrap)
+        if device is not None and wrap is not None:
+            raise ConfigError(f"device memory ({device}) takes native caches only, got wrap "
+                              f"{wrap!r} (its tensors are numpy arrays)")
+        host, self.words, self.wrap_seconds = _cache(layout, num_blocks, wrap)
+        self._host: KVCache | None = None
+        self.cache = host
+        if device is not None:
+            self._host, self.cache = host, KVCache(layout, num_blocks, device=device)
         self._held: list[int] = []
 
     def place(self, num_blocks: int, placement: str, seed: int) -> list[int]:
@@ -111,12 +124,18 @@ class PatternCache:
             pattern = base ^ _keys(seed, layer, ids_arr)[:, None]
             for plane, part in zip(planes, np.split(pattern, len(planes), axis=1)):
                 plane[ids_arr] = part
+        self._to_device(ids)
 
     def wipe(self, ids: list[int]) -> None:
         ids_arr = np.asarray(ids)
         for planes in self.words:
             for plane in planes:
                 plane[ids_arr] = _WIPE
+        self._to_device(ids)
+
+    def _to_device(self, ids: list[int]) -> None:
+        if self._host is not None:
+            _C.copy_blocks(self._host._core, ids, self.cache._core, ids)
 
     @property
     def num_words(self) -> int:
@@ -125,6 +144,8 @@ class PatternCache:
 
     def mismatches(self, ids: list[int], src_ids: list[int], seed: int) -> int:
         """(layer, block) pairs of ``ids`` not holding the pattern of ``src_ids`` (same order)."""
+        if self._host is not None:
+            _C.copy_blocks(self.cache._core, ids, self._host._core, ids)
         base, ids_arr, src_arr = _base(seed, self.num_words), np.asarray(ids), \
             np.asarray(src_ids)
         bad = 0

@@ -36,8 +36,9 @@ class Side(PatternCache):
     """
 
     def __init__(self, name: str, layout: KVSpec, num_blocks: int,
-                 agent_kwargs: dict[str, Any], wrap: str | None = None) -> None:
-        super().__init__(layout, num_blocks, wrap)
+                 agent_kwargs: dict[str, Any], wrap: str | None = None,
+                 device: str | None = None) -> None:
+        super().__init__(layout, num_blocks, wrap, device)
         start = time.perf_counter()
         try:
             self.agent = Agent(name, self.cache, **agent_kwargs)
@@ -146,12 +147,12 @@ def stop_echo(agent: Agent, peer: str, local_id: int, remote_id: int, timeout: f
 
 
 def connect_pair(peer: Channel, layout: KVSpec, num_blocks: int, agent_kwargs: dict[str, Any],
-                 timeout: float, wrap: str | None = None) -> Side:
+                 timeout: float, wrap: str | None = None, device: str | None = None) -> Side:
     """A fresh ``Side`` named ``FAR`` in the peer process and one named ``NEAR`` here, each
-    with ``num_blocks`` blocks (of engine ``wrap``'s tensors, if given), connected through
-    the peer's metadata listener."""
-    host, port = peer.call("setup", FAR, layout, num_blocks, agent_kwargs, wrap)
-    near = Side(NEAR, layout, num_blocks, agent_kwargs, wrap)
+    with ``num_blocks`` blocks (of engine ``wrap``'s tensors, or in ``device``'s memory, if
+    given), connected through the peer's metadata listener."""
+    host, port = peer.call("setup", FAR, layout, num_blocks, agent_kwargs, wrap, device)
+    near = Side(NEAR, layout, num_blocks, agent_kwargs, wrap, device)
     try:
         near.agent.connect(host, port, timeout=timeout)
     except BaseException:

@@ -53,9 +53,9 @@ class RemoteFarSide(FarSide):
         self._perftest: perftest.LocalServer | None = None
 
     def setup(self, *args: Any) -> tuple[str, int]:
-        name, layout, num_blocks, agent_kwargs, wrap = args
+        name, layout, num_blocks, agent_kwargs, *rest = args
         return super().setup(name, layout, num_blocks, {**agent_kwargs, "host": self.host},
-                             wrap)
+                             *rest)
 
     def perftest_start(self, transports: str | None, error_handling: bool) -> int:
         """Starts ``ucx_perftest``'s server here; the port its client connects to."""

@@ -66,6 +66,7 @@ from kvmove.bench.peer import FAR, Peer, Side, connect_pair, ping, stop_echo
 from kvmove.bench.progress import Progress, bar
 from kvmove.bench.remote import RemotePeer, RemotePerftest, listen
 from kvmove.bench.transfer_report import (
+    MEMORIES,
     NATIVE,
     PERFTEST_TEST,
     ROUND_TRIP_WARMUP,
@@ -78,8 +79,9 @@ from kvmove.bench.transfer_report import (
     format_transfer,
     plot_transfer,
 )
+from kvmove.errors import ConfigError
 from kvmove.kv_spec import KVSpec
-from kvmove.runtime import ucx_info
+from kvmove.runtime import cuda_available, cuda_status, ucx_info
 
 __all__ = ["add_parser", "count_steps", "memcpy_gbytes_per_s", "run", "run_command"]
 
@@ -168,7 +170,7 @@ def _measure_cache(peer: Channel, config: BenchConfig, block_size: int, cache: s
     num_blocks = layout.blocks_for(config.num_tokens)
     cache_blocks = num_blocks * config.spare_factor
     near = connect_pair(peer, layout, cache_blocks, config.agent_kwargs, config.timeout,
-                        wrap=None if cache == NATIVE else cache)
+                        wrap=None if cache == NATIVE else cache, device=config.device)
     try:
         route = (near.agent.peer_path(FAR), tuple(near.agent.peer_transports(FAR)))
         rows, round_trip = [], None
@@ -219,6 +221,9 @@ def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
         KVMoveError: a transfer failed (``TransferError``, ``PeerError``, ``TimeoutError``).
     """
     progress = progress or (lambda label: None)
+    if config.memory == "cuda" and not cuda_available():
+        raise ConfigError(f"memory 'cuda' needs a usable CUDA device here: "
+                          f"{cuda_status().reason}")
     start = time.perf_counter()
     remote = None
     if config.connect is not None:
@@ -369,6 +374,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     two.add_argument("--host", default=None, metavar="ADDR",
                      help="this side's agents' address (default: with --connect, this "
                      "machine's address on the route to HOST)")
+    sub.add_argument("--memory", choices=list(MEMORIES), default="host",
+                     help="where both caches live: host memory, or 'cuda' (device memory on "
+                     "both sides; needs a CUDA build and device, else exits 2 saying why)")
     two.add_argument("--key-file", default=None, metavar="PATH",
                      help="the deployment key (default: KVMOVE_KEY_FILE, KVMOVE_KEY, else this "
                      "host's key, which another machine does not share)")
@@ -415,6 +423,6 @@ def _transfer_config(args: argparse.Namespace) -> BenchConfig:
         transports=args.transports, error_mode=args.error_mode, same_host=args.same_host,
         iters=args.iters, perftest_sizes=SWEEP_MESSAGE_SIZES if args.sweep else (),
         timeout=args.timeout, wrap=args.wrap, against=args.against, connect=args.connect,
-        host=args.host)
+        host=args.host, memory=args.memory)
 
 

@@ -20,10 +20,11 @@ from kvmove.errors import ConfigError
 from kvmove.kv_spec import KVSpec
 from kvmove.runtime import UcxInfo
 
-__all__ = ["BenchConfig", "BenchReport", "NATIVE", "PERFTEST_TEST", "PLACEMENTS",
+__all__ = ["MEMORIES", "BenchConfig", "BenchReport", "NATIVE", "PERFTEST_TEST", "PLACEMENTS",
            "ROUND_TRIP_WARMUP", "Registration", "RoundTrip", "SWEEP_BLOCK_SIZES", "TransferRow",
            "format_transfer", "plot_transfer"]
 
+MEMORIES = ("host", "cuda")
 PLACEMENTS = ("allocator", "scatter")
 SWEEP_BLOCK_SIZES = (16, 32, 64, 128)
 # The ucx_perftest test each operation is compared against.
@@ -68,6 +69,8 @@ class BenchConfig:
             which then hosts the far side (``kvmove.bench.remote``); None: a process here.
         host: the address this side's agents serve on (None: loopback, or with ``connect``
             this machine's address on the route to HOST).
+        memory: ``"host"``, or ``"cuda"``: both caches in device memory (cuda:0 on each side),
+            the pattern checked through a host copy of the blocks.
     """
 
     model: str = "llama-3.1-8b"
@@ -87,6 +90,7 @@ class BenchConfig:
     against: str | None = None
     connect: str | None = None
     host: str | None = None
+    memory: str = "host"
 
     def __post_init__(self) -> None:
         for name in ("num_tokens", "iters", "spare_factor", "round_trips"):
@@ -116,6 +120,11 @@ class BenchConfig:
         if self.against is not None and self.against not in AGAINST:
             raise ConfigError(f"against must be one of {AGAINST} or None, got "
                               f"{self.against!r}")
+        if self.memory not in MEMORIES:
+            raise ConfigError(f"memory must be one of {MEMORIES}, got {self.memory!r}")
+        if self.memory == "cuda" and (self.wrap is not None or self.against is not None):
+            raise ConfigError("memory 'cuda' moves native caches only: not with wrap or "
+                              "against")
         if self.connect is not None:
             parse_address(self.connect, "connect")
             if self.against is not None:
@@ -130,6 +139,11 @@ class BenchConfig:
     def caches(self) -> tuple[str, ...]:
         """The caches moved, in order: ``NATIVE``, then the wrapped format if any."""
         return (NATIVE,) + ((self.wrap,) if self.wrap else ())
+
+    @property
+    def device(self) -> str | None:
+        """Where both caches live: None (host memory) or the CUDA device."""
+        return "cuda:0" if self.memory == "cuda" else None
 
     @property
     def agent_kwargs(self) -> dict[str, Any]:
@@ -324,7 +338,7 @@ def format_transfer(report: BenchReport) -> str:
         f"{config.model} ({layout.num_layers} layers, {layout.num_kv_heads} KV heads, head_dim "
         f"{layout.head_dim}, {layout.dtype}), {config.num_tokens:,} tokens: KV {kv_bytes:,} B "
         f"({human_bytes(kv_bytes)}); caches of {config.spare_factor}x the blocks moved; "
-        f"far side {_far_side(config)}; "
+        f"far side {_far_side(config)}; {_memory_words(config)}"
         f"{_path_words(report.path)}transports {transports}, error mode {config.error_mode}; "
         f"best of {config.iters} after a warm-up, every byte verified on the receiving side"
     )
@@ -334,6 +348,10 @@ def format_transfer(report: BenchReport) -> str:
                       *_baseline_lines(report), "",
                       *_round_trip_lines(report), "", *_link_lines(report),
                       "", f"measured in {report.wall_seconds:.1f} s"])
+
+
+def _memory_words(config: BenchConfig) -> str:
+    return "both caches in device memory (cuda:0); " if config.memory == "cuda" else ""
 
 
 def _far_side(config: BenchConfig) -> str:
