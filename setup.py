@@ -115,7 +115,7 @@ def extension() -> Pybind11Extension:
     # csrc/ is organised by concern (common/, memory/, transport/, ...): every .cpp under it.
     sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
     sources += sorted(glob.glob("bindings/*.cpp"))
-    include_dirs = ["csrc", os.path.join(ucx, "include")]
+    include_dirs = ["csrc", "third_party/xxhash", os.path.join(ucx, "include")]
     library_dirs = [ucx_lib_dir(ucx) if "UCX_HOME" in os.environ else os.path.join(ucx, "lib")]
     libraries = ["ucp", "uct", "ucs"]
     # kvmove/_C.so sits beside libucx/ in site-packages; a site UCX is found via its own lib dir.

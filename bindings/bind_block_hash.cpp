@@ -25,6 +25,13 @@ void register_block_hash(py::module_& m) {
             return xxh64(view.data(), view.size(), seed);
         },
         py::arg("data"), py::arg("seed") = 0);
+    m.def(
+        "xxh3",
+        [](py::bytes data, uint64_t seed) {
+            std::string_view view(data);
+            return xxh3(view.data(), view.size(), seed);
+        },
+        py::arg("data"), py::arg("seed") = 0);
 }
 
 }  // namespace kvmove::bindings

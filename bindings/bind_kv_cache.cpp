@@ -1,6 +1,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
+#include "memory/block_checksum.h"
 #include "memory/kv_cache.h"
 
 namespace py = pybind11;
@@ -76,6 +77,8 @@ void register_kv_cache(py::module_& m) {
              py::arg("layers") = py::none(), py::call_guard<py::gil_scoped_release>());
     m.def("copy_blocks", &copy_blocks, py::arg("src"), py::arg("src_ids"), py::arg("dst"),
           py::arg("dst_ids"), py::call_guard<py::gil_scoped_release>());
+    m.def("block_checksums", &block_checksums, py::arg("cache"), py::arg("ids"), py::arg("seeds"),
+          py::call_guard<py::gil_scoped_release>());
     m.def("runs", &runs, py::arg("ids"));
 }
 

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "common/errors.h"
-#include "common/xxh64.h"
+#include "common/hash.h"
 #include "transport/metadata.h"
 
 extern "C" size_t LLVMFuzzerMutate(uint8_t* data, size_t size, size_t max_size);

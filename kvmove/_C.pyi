@@ -10,7 +10,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['Agent', 'BlockFile', 'BlockOrder', 'BlockPool', 'BlockShape', 'DType', 'KVCache', 'LoadStream', 'Offer', 'Region', 'SaveStream', 'StreamState', 'StreamStats', 'Transfer', 'TransferState', 'TransferStats', 'block_hashes', 'check_timeout', 'convert_blocks', 'copy_blocks', 'cuda_status', 'decode_metadata', 'decode_stream_message', 'encode_stream_message', 'hash_ids', 'log_dropped', 'pack_blocks', 'parse_order', 'peer_error_settings', 'runs', 'set_log_level', 'take_log', 'ucx_built_version', 'ucx_library', 'ucx_resources', 'ucx_version', 'unpack_blocks', 'xxh64']
+__all__: list[str] = ['Agent', 'BlockFile', 'BlockOrder', 'BlockPool', 'BlockShape', 'DType', 'KVCache', 'LoadStream', 'Offer', 'Region', 'SaveStream', 'StreamState', 'StreamStats', 'Transfer', 'TransferState', 'TransferStats', 'block_checksums', 'block_hashes', 'check_timeout', 'convert_blocks', 'copy_blocks', 'cuda_status', 'decode_metadata', 'decode_stream_message', 'encode_stream_message', 'hash_ids', 'log_dropped', 'pack_blocks', 'parse_order', 'peer_error_settings', 'runs', 'set_log_level', 'take_log', 'ucx_built_version', 'ucx_library', 'ucx_resources', 'ucx_version', 'unpack_blocks', 'xxh3', 'xxh64']
 class BlockPool:
     def __init__(self, num_blocks: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...
@@ -580,6 +580,8 @@ class Agent:
     @property
     def peers(self) -> list[str]:
         ...
+def block_checksums(cache: KVCache, ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], seeds: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> list[int]:
+    ...
 def block_hashes(token_ids: typing.Annotated[numpy.typing.ArrayLike, numpy.int64], block_size: typing.SupportsInt | typing.SupportsIndex, parent: typing.SupportsInt | typing.SupportsIndex | None = None, seed: typing.SupportsInt | typing.SupportsIndex = 0) -> list[int]:
     ...
 def check_timeout(timeout: typing.SupportsFloat | typing.SupportsIndex) -> None:
@@ -621,6 +623,8 @@ def ucx_resources() -> list[tuple[str, str, str, str, str]]:
 def ucx_version() -> str:
     ...
 def unpack_blocks(staging_addr: typing.SupportsInt | typing.SupportsIndex, staging_nbytes: typing.SupportsInt | typing.SupportsIndex, cache: KVCache, block_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], layers: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> None:
+    ...
+def xxh3(data: bytes, seed: typing.SupportsInt | typing.SupportsIndex = 0) -> int:
     ...
 def xxh64(data: bytes, seed: typing.SupportsInt | typing.SupportsIndex = 0) -> int:
     ...

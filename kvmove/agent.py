@@ -85,8 +85,11 @@ class Agent:
             stops and flushes) before it is disconnected.
         ack_timeout: seconds a stream's receiver has to acknowledge the final message before
             the stream fails.
-        checksums: streams sent by this agent carry per-block checksums by default, which
-            their receiver verifies before the KV is used (``stream_to(checksums=...)``).
+        checksums: streams sent by this agent carry per-block checksums (XXH3), which their
+            receiver verifies before the KV is used; a mismatch fails the load with
+            ``ChecksumError`` (``stream_to(checksums=...)`` decides per stream). Default
+            (``None``): on for a cache in host memory, off for one on a device (checksums are
+            computed on the host; ``True`` there is a ConfigError at ``stream_to``).
         faults: fault injection for tests, e.g. ``"fail_post=7,drop_message=0.01,seed=3"``
             (``csrc/transport/faults.h`` lists them); default: ``$KVMOVE_FAULTS``, else none.
             Off, it costs nothing.
@@ -121,7 +124,7 @@ class Agent:
     def __init__(self, name: str, cache: KVCache, *, transports: str | Sequence[str] | None = None,
                  error_mode: str = "peer", peer_timeout: float = 10.0,
                  cancel_timeout: float = 5.0, ack_timeout: float = 10.0,
-                 checksums: bool = False, faults: str | None = None,
+                 checksums: bool | None = None, faults: str | None = None,
                  key: bytes | str | None = None, host: str = "127.0.0.1",
                  net_devices: str | None = None, max_peers: int = 1024,
                  kv_heads: tuple[int, int] | None = None, same_host: str = "map",
@@ -154,7 +157,7 @@ class Agent:
                               faults, "" if devices == "all" else devices, max_peers,
                               same_host == "map", copy_threads or 0)
         self.cache = cache
-        self.checksums = bool(checksums)
+        self.checksums = cache.device == "cpu" if checksums is None else bool(checksums)
         self._server: MetadataServer | None = None
         self._advertised: tuple[str, int] | None = None  # what listen() told
 

@@ -739,6 +739,33 @@ def test_xxh64_matches_reference_random(data: bytes, seed: int) -> None:
     assert _C.xxh64(data, seed) == xxhash.xxh64(data, seed=seed).intdigest()
 
 
+def test_xxh3_matches_reference_at_every_length() -> None:
+    # Past 240 bytes XXH3 switches to its long-input loop (stripes, then blocks of 1 KiB).
+    data = bytes(random.Random(4).randrange(256) for _ in range(3000))
+    for seed in (0, 1, 2**64 - 1):
+        for n in [*range(260), 1023, 1024, 1025, 2047, 2048, 2049, 3000]:
+            expected = xxhash.xxh3_64(data[:n], seed=seed).intdigest()
+            assert _C.xxh3(data[:n], seed) == expected, (n, seed)
+
+
+def test_block_checksums_are_xxh3_of_a_block_in_layer_order() -> None:
+    """A storage tier's checksum of a block: XXH3 of every layer's K and V, layer after layer,
+    seeded (the disk tier's slot holds exactly those bytes)."""
+    layout = kvmove.KVSpec(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32",
+                           block_size=4)
+    cache = kvmove.KVCache(layout, 5)
+    cache.numpy()[...] = np.random.default_rng(0).random(cache.shape, dtype=np.float32)
+    seeds = [7, 2**64 - 1, 0]
+    got = _C.block_checksums(cache._core, [4, 0, 2], seeds)
+    for block, seed, value in zip([4, 0, 2], seeds, got):
+        data = np.ascontiguousarray(cache.numpy()[:, block]).tobytes()
+        assert value == xxhash.xxh3_64(data, seed=seed).intdigest()
+    with pytest.raises(BlockError, match="block id 5 out of range"):
+        _C.block_checksums(cache._core, [5], [0])
+    with pytest.raises(ConfigError, match="one seed per block id"):
+        _C.block_checksums(cache._core, [0, 1], [0])
+
+
 # --- threads -----------------------------------------------------------------------------------
 
 NUM_THREADS = 8

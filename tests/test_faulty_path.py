@@ -52,9 +52,10 @@ def test_fail_post_fails_the_transfer_and_writes_nothing(path, closing):
 
 
 def test_a_corrupted_layer_is_caught_and_the_senders_blocks_stay_intact(path, closing):
-    """Every layer put lands with its first byte flipped: the checksums catch it (the first
-    destination block is named bad), and the sender's own bytes never changed."""
-    pair = pair_with(path, "corrupt_every=1", checksums=True)
+    """Every layer put lands with its first byte flipped: the checksums (on by default) catch
+    it (the first destination block is named bad), and the sender's own bytes never changed."""
+    pair = pair_with(path, "corrupt_every=1")  # checksums: on by default
+    assert pair.a.checksums
     closing.append(pair)
     stream, load = pair.start("r")
     for i in range(PL):

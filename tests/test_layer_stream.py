@@ -303,7 +303,9 @@ def _abort_after(link: Link, k: int) -> None:
         assert load.state == StreamState.ABORTED
         with pytest.raises(TransferError, match="aborted"):
             load.wait_all(WAIT)
-        assert load.layers_ready() == [i < k for i in range(L)]
+        # Layers never saved are not ready; a saved one may be, or may have been awaiting its
+        # checksum check (on by default) when the abort ended the load: its bytes are checked.
+        assert not any(load.layers_ready()[k:])
         snapshot = link.raw[:, dst].copy()
         for i in range(k):
             assert_layer(snapshot[i], want[i], i, "after the abort")

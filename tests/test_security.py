@@ -629,7 +629,7 @@ def _other_interfaces() -> bool:
 
 KINDS = ["Begin", "Go", "Refuse", "Layer", "Final", "Ack", "Abort", "Cancel", "Offer",
          "Decline"]
-VERSION = 3
+VERSION = 4  # the stream message version (csrc/stream/stream_message.h)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -652,20 +652,21 @@ def test_finding_13_stream_messages_round_trip(kind):
 @pytest.mark.parametrize("data, message", [
     (b"", "shorter than its 28-byte header"),
     (bytes([9]) + bytes(27), "version 9"),
-    (bytes([2, 1]) + bytes(26), "version 2, this kvmove speaks 3"),
-    (bytes([3, 0]) + bytes(26), "unknown stream message kind 0"),
-    (bytes([3, 11]) + bytes(26), "unknown stream message kind 11"),
-    (bytes([3, 1, 0, 0]) + bytes(24), "request id of 0 bytes"),
-    (bytes([3, 1, 0xff, 0xff]) + bytes(24), "request id of 65535 bytes"),
-    (bytes([3, 1, 1, 0]) + bytes(20) + struct.pack("<I", 1) + b"r" + bytes(8),
+    (bytes([2, 1]) + bytes(26), "version 2, this kvmove speaks 4"),
+    (bytes([3, 1]) + bytes(26), "version 3, this kvmove speaks 4"),  # XXH64 checksums
+    (bytes([VERSION, 0]) + bytes(26), "unknown stream message kind 0"),
+    (bytes([VERSION, 11]) + bytes(26), "unknown stream message kind 11"),
+    (bytes([VERSION, 1, 0, 0]) + bytes(24), "request id of 0 bytes"),
+    (bytes([VERSION, 1, 0xff, 0xff]) + bytes(24), "request id of 65535 bytes"),
+    (bytes([VERSION, 1, 1, 0]) + bytes(20) + struct.pack("<I", 1) + b"r" + bytes(8),
      "Begin message carries 1 values; only Layer and Offer may"),
-    (bytes([3, 4, 1, 0]) + bytes(20) + struct.pack("<I", 2**21) + b"r",
+    (bytes([VERSION, 4, 1, 0]) + bytes(20) + struct.pack("<I", 2**21) + b"r",
      "2097152 values, limit 1048576"),
-    (bytes([3, 4, 1, 0]) + bytes(20) + struct.pack("<I", 3) + b"r" + bytes(8),
+    (bytes([VERSION, 4, 1, 0]) + bytes(20) + struct.pack("<I", 3) + b"r" + bytes(8),
      "too short for its 1-byte request id and 3 values"),
-    (bytes([3, 4, 1, 0]) + bytes(24) + b"r" + b"extra", "Layer message carries 5 payload"),
-    (bytes([3, 9, 1, 0]) + bytes(24) + b"r" + b"extra", "Offer message carries 5 payload"),
-    (bytes([3, 9, 1, 0]) + bytes(20) + struct.pack("<I", 1) + b"r" + struct.pack("<Q", 2**63),
+    (bytes([VERSION, 4, 1, 0]) + bytes(24) + b"r" + b"extra", "Layer message carries 5 payload"),
+    (bytes([VERSION, 9, 1, 0]) + bytes(24) + b"r" + b"extra", "Offer message carries 5 payload"),
+    (bytes([VERSION, 9, 1, 0]) + bytes(20) + struct.pack("<I", 1) + b"r" + struct.pack("<Q", 2**63),
      "Offer of block id 9223372036854775808"),
 ])
 def test_finding_13_bad_stream_messages_name_what_is_wrong(data, message):

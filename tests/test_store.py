@@ -501,6 +501,54 @@ def test_flipped_byte_in_blocks_dat_is_a_miss_not_wrong_data(tmp_path, layout):
         assert int(store.lookup(hashes)) == 0  # the drop was journaled
 
 
+def host_slot(store: KVStore, block_hash: int) -> int:
+    """The slot of the store's host tier (its first) that holds ``block_hash``."""
+    return store._tiers[0].index[block_hash][0]
+
+
+def flip_in_host_tier(store: KVStore, block_hash: int) -> None:
+    raw = store._tiers[0].cache.numpy().view(np.uint8)  # (L, N, ...) bytes
+    raw[1, host_slot(store, block_hash)].flat[5] ^= 0xFF  # layer 1: past the first layer
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_flipped_byte_in_the_host_tier_is_a_miss_not_wrong_data(layout):
+    """The host tier checksums every block it stores (XXH3 of every layer, as the disk tier):
+    a byte flipped in its memory makes that block a miss, counted corrupt and dropped; the
+    blocks before it are served, nothing of it reaches the cache."""
+    src = random_cache(layout, 4)
+    ref = src.numpy().copy()
+    hashes = hashes_for(3, layout=layout)
+    with KVStore(layout, [host(layout, 4)]) as store:
+        put(store, hashes, src, [0, 1, 2])
+        flip_in_host_tier(store, hashes[1])
+        dst = blank_cache(layout, 3)
+        assert get(store, hashes, dst, [0, 1, 2]) == 1
+        assert same_block(dst, 0, ref, 0) and untouched(dst, 1) and untouched(dst, 2)
+        stats = store.stats()
+        assert stats.tiers["host"].corrupt == 1
+        assert int(store.lookup(hashes)) == 1
+        assert store.lookup(hashes[2:]).tiers == ("host",)  # the one after it is kept
+
+
+def test_a_damaged_host_block_is_not_demoted_to_disk(tmp_path):
+    """Eviction from the host tier checks each block before it goes down: the disk tier
+    would checksum the damaged bytes afresh and serve them as intact."""
+    src = random_cache(LAYOUT, 4)
+    ref = src.numpy().copy()
+    hashes = hashes_for(4)
+    with KVStore(LAYOUT, [host(LAYOUT, 2), disk(tmp_path, LAYOUT, 8)]) as store:
+        put(store, hashes[:2], src, [0, 1])
+        flip_in_host_tier(store, hashes[0])
+        put(store, hashes[2:], src, [2, 3])  # evicts both host blocks to the disk
+        stats = store.stats()
+        assert stats.tiers["host"].corrupt == 1
+        assert store.lookup(hashes[:1]).decision == "miss"
+        assert store.lookup(hashes[1:2]).tiers == ("disk",)
+        dst = blank_cache(LAYOUT, 1)
+        assert get(store, hashes[1:2], dst, [0]) == 1 and same_block(dst, 0, ref, 1)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_corrupt_middle_block_returns_leading_intact_count(tmp_path, layout):
     src = random_cache(layout, 6)
@@ -681,6 +729,24 @@ def test_journal_with_bad_header_is_refused(tmp_path, src, damage):
     journal.write_bytes(bytes(data))
     with pytest.raises(StoreError, match="index.kvm"):
         KVStore(LAYOUT, [disk(tmp_path, LAYOUT, 2)])
+
+
+def test_a_journal_of_xxh64_checksums_is_emptied_not_refused(tmp_path, src, caplog):
+    """Version 1 journals recorded XXH64 checksums: their blocks would all read back as
+    corrupt, so the store drops them (saying so) and reuses the directory."""
+    hashes = hashes_for(2)
+    with KVStore(LAYOUT, [disk(tmp_path, LAYOUT, 2)]) as store:
+        put(store, hashes, src, [0, 1])
+    journal = tmp_path / "index.kvm"
+    data = bytearray(journal.read_bytes())
+    data[8:12] = struct.pack("<I", 1)
+    journal.write_bytes(bytes(data))
+    with KVStore(LAYOUT, [disk(tmp_path, LAYOUT, 2)]) as store:
+        assert int(store.lookup(hashes)) == 0
+        assert put(store, hashes, src, [0, 1]) == 2
+    assert "older kvmove" in caplog.text
+    with KVStore(LAYOUT, [disk(tmp_path, LAYOUT, 2)]) as store:
+        assert int(store.lookup(hashes)) == 2
 
 
 def test_directory_of_another_layout_is_refused(tmp_path, src):

@@ -255,7 +255,8 @@ def test_reject_save_layer_after_finish_and_after_abort(pair):
     names(excinfo, "layer 1", "'r2'")
     with pytest.raises(TransferError, match="aborted"):
         load.wait_all(WAIT)
-    assert load.layers_ready() == [i == 0 for i in range(PL)]
+    # Layer 0 landed (its checksum check may have been pending when the abort came).
+    assert not any(load.layers_ready()[1:])
     pair.landed([1, 2, 3], [4, 5, 6], 0)  # abort() returned: layer 0 had landed
     pair.assert_usable()
 
@@ -560,7 +561,8 @@ def test_dropped_streams_are_aborted_and_cancelled(pair):
     gc.collect()
     with pytest.raises(TransferError, match="aborted by its sender 'a'"):
         load.wait_all(WAIT)
-    assert load.layers_ready() == [i == 0 for i in range(PL)]
+    # Layer 0 landed (its checksum check may have been pending when the abort came).
+    assert not any(load.layers_ready()[1:])
     pair.landed([1, 2, 3], [4, 5, 6], 0)
 
     dropped = pair.b.expect("a", "r2", [4, 5, 6]).start_load()

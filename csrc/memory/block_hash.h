@@ -17,7 +17,7 @@
 #include <optional>
 #include <vector>
 
-#include "common/xxh64.h"
+#include "common/hash.h"
 
 namespace kvmove {
 

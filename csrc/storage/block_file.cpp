@@ -12,7 +12,7 @@
 #include <shared_mutex>
 
 #include "common/errors.h"
-#include "common/xxh64.h"
+#include "common/hash.h"
 
 namespace kvmove {
 
@@ -233,13 +233,13 @@ std::vector<uint64_t> BlockFile::write(const KVCache& cache, const std::vector<B
             }
             std::memset(out + block_nbytes_, 0, slot_nbytes_ - block_nbytes_);
             if (!device) {  // while the block is still in the CPU's caches
-                checksums[i] = xxh64(out, block_nbytes_, hashes[i]);
+                checksums[i] = xxh3(out, block_nbytes_, hashes[i]);
             }
         }
         if (device) {  // once the device's copies into the staging buffer are done
             sync_devices(cache, cache);
             for (size_t i = begin; i < end; ++i) {
-                checksums[i] = xxh64(buffer + (i - begin) * slot_nbytes_, block_nbytes_, hashes[i]);
+                checksums[i] = xxh3(buffer + (i - begin) * slot_nbytes_, block_nbytes_, hashes[i]);
             }
         }
         check_written();  // the chunk before: its buffer is the one we fill next
@@ -317,7 +317,7 @@ size_t read_part(const ReadPart& part) {
     for (; intact < num_slots; ++intact, in += part.slot_nbytes) {
         const auto slot_end = static_cast<int64_t>(intact * part.slot_nbytes + part.block_nbytes);
         if (got < slot_end ||
-            xxh64(in, part.block_nbytes, part.hashes[intact]) != part.checksums[intact]) {
+            xxh3(in, part.block_nbytes, part.hashes[intact]) != part.checksums[intact]) {
             break;  // truncated, torn or overwritten: this block and the rest miss
         }
     }

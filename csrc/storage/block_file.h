@@ -17,7 +17,7 @@
 //   staging:  | write buffer 0            | write buffer 1            |   (2 x kStagingNbytes)
 //             | part 0 | part 1 | part 2 | ...              | part R-1 |   (R read buffers)
 //
-// Integrity: write() returns XXH64(slot data, seed = the block's content hash) per block;
+// Integrity: write() returns XXH3(slot data, seed = the block's content hash) per block;
 // read() recomputes it and scatters only blocks that match. Seeding with the content hash
 // makes a slot that holds another block's (intact) data fail too. A torn, truncated or
 // overwritten slot is reported, never copied into the cache.

@@ -4,7 +4,7 @@
 #include <limits>
 
 #include "common/errors.h"
-#include "common/xxh64.h"
+#include "common/hash.h"
 
 namespace kvmove {
 

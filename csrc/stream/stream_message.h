@@ -70,7 +70,8 @@ struct StreamMessage {
 };
 
 // 3: Offer and Decline (a peer of version 2 would drop them as unknown kinds).
-constexpr uint8_t kStreamMessageVersion = 3;
+// 4: a Layer's checksums are XXH3 (they were XXH64: a version 3 peer's would all mismatch).
+constexpr uint8_t kStreamMessageVersion = 4;
 constexpr size_t kMaxRequestIdBytes = 256;
 constexpr size_t kMaxPayloadBytes = 64 * 1024;  // a Final's payload (e.g. the first token)
 constexpr size_t kMaxStreamBlocks = 1 << 20;    // blocks of one stream: checksums, offered ids

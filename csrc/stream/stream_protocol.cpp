@@ -5,8 +5,8 @@
 #include <cstring>
 
 #include "common/log.h"
-#include "common/xxh64.h"
 #include "cuda/cuda_event.h"
+#include "memory/block_checksum.h"
 #include "stream/stream_protocol_internal.h"
 
 namespace kvmove {
@@ -45,30 +45,13 @@ StreamStats StreamProtocol::stats() const {
     return out;
 }
 
-// Checksums of ids in layer: XXH64 of each block's bytes, seeded with the lease, layer and
-// position (layer_stream.h). The bytes are the block's parts read one after the other, hashed
-// as one range: peers that split a block differently (K and V apart on one side, together on
-// the other) must agree, so a block of two parts is gathered first. Reads memory only: no lock.
+// Checksums of ids in layer: XXH3 of each block's bytes (memory/block_checksum.h), seeded with
+// the lease, layer and position (layer_stream.h). Reads memory only: no lock.
 std::vector<uint64_t> StreamProtocol::checksums_of(const std::vector<BlockId>& ids, int64_t layer,
                                                    uint64_t epoch) const {
     std::vector<uint64_t> out(ids.size());
-    std::vector<char> block(local_.num_parts() > 1 ? local_.block_nbytes() : 0);
     for (size_t i = 0; i < ids.size(); ++i) {
-        const uint64_t seed = checksum_seed(epoch, layer, i);
-        if (local_.num_parts() == 1) {
-            const Plane& plane = local_.plane(layer, 0);
-            out[i] = xxh64(reinterpret_cast<const void*>(block_address(plane, ids[i])),
-                           plane.block_nbytes, seed);
-            continue;
-        }
-        char* at = block.data();
-        for (int64_t part = 0; part < local_.num_parts(); ++part) {
-            const Plane& plane = local_.plane(layer, part);
-            std::memcpy(at, reinterpret_cast<const void*>(block_address(plane, ids[i])),
-                        plane.block_nbytes);
-            at += plane.block_nbytes;
-        }
-        out[i] = xxh64(block.data(), block.size(), seed);
+        out[i] = block_checksum(local_, layer, ids[i], checksum_seed(epoch, layer, i));
     }
     return out;
 }

@@ -3,7 +3,7 @@
 #include <cstring>
 
 #include "common/errors.h"
-#include "common/xxh64.h"
+#include "common/hash.h"
 
 namespace kvmove {
 

@@ -43,7 +43,7 @@ __all__ = ["IndexJournal"]
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"KVMINDEX"
-_VERSION = 1
+_VERSION = 2  # 2: block checksums are XXH3 (1: XXH64)
 _HEADER = struct.Struct("<8sII")
 _RECORD = struct.Struct("<B3xIqQQ")
 _PUT, _DROP = 1, 2
@@ -89,7 +89,7 @@ class IndexJournal:
         with open(self.path, "rb") as f:
             data = f.read()
         magic, version, n = _HEADER.unpack_from(data) if len(data) >= _HEADER.size else (b"", 0, 0)
-        if magic != _MAGIC or version != _VERSION:
+        if magic != _MAGIC or version not in (1, _VERSION):
             raise StoreError(f"{self.path} is not a kvmove store index (version {_VERSION})")
         try:
             stored = json.loads(data[_HEADER.size:_HEADER.size + n])
@@ -100,6 +100,12 @@ class IndexJournal:
             raise StoreError(f"{os.path.dirname(self.path) or '.'} holds KV blocks of another "
                              f"layout: stored {stored}, this store {fingerprint}; open another "
                              "directory or delete this one")
+        if version == 1:  # XXH64 checksums: every block would read back as corrupt
+            logger.warning("%s: the blocks were stored by an older kvmove (XXH64 checksums, "
+                           "now XXH3): dropped, their slots reused",
+                           os.path.dirname(self.path) or ".")
+            self._rewrite()
+            return
         if stored_weights != weights:
             logger.warning("%s: the blocks were computed by other weights (%s, now %s): "
                            "dropped, their slots reused", os.path.dirname(self.path) or ".",

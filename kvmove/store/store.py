@@ -357,7 +357,11 @@ class KVStore:
             victims = tier.lru(short, keep)
         if level + 1 < len(self._tiers) and tier.cache is not None:
             slots = [tier.index[h][0] for h in victims]
-            self._store(level + 1, tier.cache, slots, victims)
+            # Only intact blocks go down: the tier below would checksum damaged bytes afresh.
+            sums = _C.block_checksums(tier.cache._core, slots, victims)
+            intact = [(h, s) for h, s, c in zip(victims, slots, sums) if c == tier.index[h][1]]
+            tier.stats.corrupt += len(victims) - len(intact)
+            self._store(level + 1, tier.cache, [s for _, s in intact], [h for h, _ in intact])
         with self._lock:
             tier.remove(victims)
             tier.stats.evicted += len(victims)

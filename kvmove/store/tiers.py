@@ -217,7 +217,10 @@ class OpenTier:
         start = time.perf_counter()
         if self.cache is not None:  # host (a disk tier has a file instead)
             _C.copy_blocks(cache._core, ids, self.cache._core, slots)
-            written = list(zip(hashes, slots, [0] * len(ids)))
+            # The disk tier's checksum of the same bytes (XXH3 of every layer, seeded with the
+            # content hash), computed on the tier's copy: what a read checks.
+            checksums = _C.block_checksums(self.cache._core, slots, hashes)
+            written = list(zip(hashes, slots, checksums))
         else:
             written = self._write_file(cache, ids, hashes, slots)
         self.stats.stored += len(written)
@@ -265,9 +268,11 @@ class OpenTier:
         entries = [self.index[h] for h in hashes]
         slots = [slot for slot, _ in entries]
         start = time.perf_counter()
-        if self.cache is not None:  # host
-            _C.copy_blocks(self.cache._core, slots, cache._core, ids)
-            ok = [1] * len(ids)
+        if self.cache is not None:  # host: checked in place, then only intact ones copied
+            sums = _C.block_checksums(self.cache._core, slots, hashes)
+            ok = [int(a == b) for a, (_, b) in zip(sums, entries)]
+            n = ok.index(0) if 0 in ok else len(ok)
+            _C.copy_blocks(self.cache._core, slots[:n], cache._core, ids[:n])
         else:
             ok = self.file.read(cache._core, ids, slots, hashes, [c for _, c in entries])
         self.stats.record_read(len(ids) * self.block_nbytes, time.perf_counter() - start)

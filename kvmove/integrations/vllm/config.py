@@ -34,7 +34,9 @@ EXTRA_KEYS: dict[str, tuple[type | tuple[type, ...], Any]] = {
     "net_devices": ((str, type(None)), None),  # UCX devices (None: $UCX_NET_DEVICES, else host's)
     "lease_seconds": ((int, float), 60.0),   # P holds finished blocks this long for D at most
     "load_timeout": ((int, float), 30.0),    # D gives a hand-off up after this long
-    "checksums": (bool, False),         # per-block XXH64, verified by the receiver
+    # per-block XXH3 on every hand-off, verified by the receiver (None: on where the KV is
+    # in host memory, as kvmove.Agent)
+    "checksums": ((bool, type(None)), None),
     "transports": ((str, type(None)), None),  # UCX transports (None: UCX's choice)
     "key_file": ((str, type(None)), None),    # the deployment key (docs/security.md)
     # offload (kv_both with "offload": true): keeps KV blocks in a kvmove.KVStore
