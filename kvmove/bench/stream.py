@@ -1,23 +1,30 @@
-"""``kvmove-bench stream``: how much of the KV hand-off layer-wise streaming hides behind the
-prefill that produces it; the subcommand prints ``stream_report``'s text of it, or its JSON.
+"""``kvmove-bench stream``: whether layer-wise streaming makes the prefill-plus-hand-off end
+sooner than handing the KV off in bulk after the prefill; the subcommand prints
+``stream_report``'s text of it, or its JSON.
 
-A simulated prefill runs here, on the CPU: per layer, a real float32 matmul repeated to take
-``compute_ms`` (by default the measured per-layer transfer time times ``compute_ratio``), then
-the layer's KV counts as written. A peer process is the decode side. Per iteration, two
-hand-offs of the same blocks, every byte verified on the receiving side:
+A simulated prefill runs here. Per layer, ``--compute cpu`` (the default) runs a real float32
+matmul repeated to take ``compute_ms`` (by default the measured per-layer transfer time times
+``compute_ratio``) on one of this host's cores; ``--compute accelerator`` waits that long
+instead (a timed wait standing in for an accelerator's kernels: the host's cores stay free).
+Then the layer's KV counts as written. A peer process is the decode side. Per iteration, two
+hand-offs of the same blocks through the same stream API, with the same checksums, every byte
+verified on the receiving side:
 
-* **bulk**: compute every layer, then one ``write`` of all layers (+ notification), the
-  baseline: its transfer is fully exposed.
+* **bulk**: compute every layer, then ``save_layer`` every layer, ``finish`` and
+  ``wait_for_save``: the baseline, its transfer fully exposed.
 * **stream**: ``save_layer(i)`` after each layer's compute, then ``finish`` and
   ``wait_for_save`` (the receiver's acknowledgement of the final message).
 
-``exposed`` is the time from the end of the last layer's compute until the hand-off is done
-(bulk: the whole write; stream: what is left after the last layer), and the **hidden
-fraction** is ``1 - exposed_stream / exposed_bulk``. The sender's clock decides; the receiver's
-arrival times (same host, same monotonic clock) are reported too.
+With checksums on (the default, as ``kvmove.Agent``), a third hand-off streams without them:
+what they cost, in the same run.
 
-On a CPU-only host the "prefill" and the transfer share the cores (tcp puts need the CPU on
-both ends), so this understates what a GPU prefill, which leaves the CPU free, would hide.
+The headline is the **end-to-end speedup**: (bulk compute + bulk transfer) over (streamed
+compute + what is left after it), the time until the decode has the KV. ``exposed`` is the
+time from the end of the last layer's compute until the hand-off is done, and the **hidden
+fraction** is ``1 - exposed_stream / exposed_bulk``: it says how much of the transfer streaming
+overlapped, not whether that paid (on a host whose cores the compute needs, the overlap can
+slow the compute down by more than it hides). The sender's clock decides; the receiver's
+arrival times (same host, same monotonic clock) are reported too.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from kvmove.bench.peer import FAR, Peer, connect_pair
 from kvmove.bench.progress import Progress, bar
 from kvmove.bench.report import BenchError
 from kvmove.bench.stream_report import (
+    COMPUTE_KINDS,
     MATMUL_N,
     Iteration,
     StreamConfig,
@@ -52,14 +60,17 @@ _CALIBRATION_BATCH = 100
 
 
 class _Compute:
-    """The simulated layer: ``repeats`` float32 matmuls of ``MATMUL_N`` x ``MATMUL_N``."""
+    """The simulated layer: ``repeats`` float32 matmuls of ``MATMUL_N`` x ``MATMUL_N`` on
+    this host's CPU, or (``accelerator``) a timed wait as long as they would take."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, accelerator: bool = False) -> None:
         rng = np.random.default_rng(seed)
         self.a = rng.standard_normal((MATMUL_N, MATMUL_N), dtype=np.float32)
         self.b = rng.standard_normal((MATMUL_N, MATMUL_N), dtype=np.float32)
         self.out = np.empty_like(self.a)
         self.repeats = 1
+        self.accelerator = accelerator
+        self.wait_seconds = 0.0  # accelerator: a layer's wait
 
     def unit_seconds(self) -> float:
         """Time of one matmul in a loop like ``layer``'s (median of batches)."""
@@ -72,12 +83,20 @@ class _Compute:
         return statistics.median(times)
 
     def calibrate(self, target_seconds: float) -> None:
-        self.repeats = max(1, round(target_seconds / self.unit_seconds()))
+        if self.accelerator:
+            self.wait_seconds = target_seconds
+        else:
+            self.repeats = max(1, round(target_seconds / self.unit_seconds()))
 
     def layer(self) -> tuple[float, float]:
         start = time.monotonic()
-        for _ in range(self.repeats):
-            np.matmul(self.a, self.b, out=self.out)
+        if self.accelerator:  # asleep, as a thread blocked on a device event (no core used)
+            end = start + self.wait_seconds
+            while (left := end - time.monotonic()) > 0:
+                time.sleep(left)
+        else:
+            for _ in range(self.repeats):
+                np.matmul(self.a, self.b, out=self.out)
         return start, time.monotonic()
 
 
@@ -111,7 +130,7 @@ class StreamPair:
         self.config = config
         self.layout = config.layout()
         self.num_blocks = self.layout.blocks_for(config.num_tokens)
-        self.compute = _Compute(config.seed)
+        self.compute = _Compute(config.seed, config.compute == "accelerator")
         self._count = 0
         self.peer = Peer(config.timeout)
         try:
@@ -130,10 +149,13 @@ class StreamPair:
             raise
 
     def _calibrate(self) -> float:
-        """Per-layer compute: ``compute_ratio`` x the per-layer time of the faster of two
-        bulk writes without compute (the first also wires UCX up)."""
+        """Per-layer compute: ``compute_ratio`` x the per-layer time of the median of three
+        bulk hand-offs without compute, after one that wires UCX up (the fastest one made
+        the compute short of the ratio asked: the timed bulk hand-offs run slower)."""
         self.compute.repeats = 0
-        seconds = min(self._checked(self.bulk()).transfer_seconds for _ in range(2))
+        self._checked(self.bulk())
+        seconds = statistics.median(self._checked(self.bulk()).transfer_seconds
+                                    for _ in range(3))
         target_ms = seconds / self.layout.num_layers * 1e3 * self.config.compute_ratio
         self.compute.calibrate(target_ms / 1e3)
         return target_ms
@@ -150,34 +172,35 @@ class StreamPair:
         return f"bench-{kind}-{self._count}"
 
     def bulk(self) -> Bulk:
-        """Every layer's compute, then one write of all of them with a notification."""
-        tag = self.prepare_bulk()
-        timing = self.run_bulk(tag)
-        return self.verify_bulk(tag, timing)
+        """Every layer's compute, then every layer saved, ``finish`` and ``wait_for_save``."""
+        lease = self.prepare_bulk()
+        return self.verify_bulk(lease, self.run_bulk(lease))
 
-    def streamed(self) -> Streamed:
-        """Each layer's compute then ``save_layer``; ``finish`` and ``wait_for_save``."""
-        return self.verify_streamed(self.run_streamed(self.prepare_streamed()))
+    def streamed(self, checksums: bool | None = None) -> Streamed:
+        """Each layer's compute then ``save_layer``; ``finish`` and ``wait_for_save``.
+        ``checksums``: the stream's (default: the config's)."""
+        return self.verify_streamed(self.run_streamed(self.prepare_streamed(), checksums))
 
     # The three steps of each hand-off, for callers that time only the middle one.
 
-    def prepare_bulk(self) -> bytes:
-        self.peer.call("wipe", self.dst)
-        return self._tag("bulk").encode()
+    def prepare_bulk(self) -> tuple[str, int]:
+        return self.prepare_streamed()
 
-    def run_bulk(self, tag: bytes) -> tuple[float, float]:
+    def run_bulk(self, lease: tuple[str, int]) -> tuple[float, float]:
         """(compute seconds, transfer seconds)."""
         start = time.monotonic()
         for _ in range(self.layout.num_layers):
             self.compute.layer()
         computed = time.monotonic()
-        self.near.agent.write(FAR, self.src, self.dst, notify=tag).wait(self.config.timeout)
+        stream = self.open_stream(lease)
+        for layer in range(self.layout.num_layers):
+            stream.save_layer(layer)
+        stream.finish(payload=b"first-token")
+        stream.wait_for_save(self.config.timeout)
         return computed - start, time.monotonic() - computed
 
-    def verify_bulk(self, tag: bytes, timing: tuple[float, float]) -> Bulk:
-        bad = self.peer.call("check_after_notification", tag, self.dst, self.src,
-                             self.config.seed, self.config.timeout)
-        return Bulk(*timing, bad)
+    def verify_bulk(self, lease: tuple[str, int], timing: tuple[float, float]) -> Bulk:
+        return Bulk(*timing, self._received()["mismatches"])
 
     def prepare_streamed(self) -> tuple[str, int]:
         """Wipes the receiver's blocks and has it lease them for a request; returns the
@@ -189,14 +212,17 @@ class StreamPair:
                        self.config.timeout)
         return request_id, epoch
 
-    def open_stream(self, lease: tuple[str, int]) -> Any:
+    def open_stream(self, lease: tuple[str, int], checksums: bool | None = None) -> Any:
         """The sender's stream into a ``prepare_streamed`` lease."""
         request_id, epoch = lease
-        return self.near.agent.stream_to(FAR, self.src, self.dst, request_id, epoch=epoch)
+        return self.near.agent.stream_to(
+            FAR, self.src, self.dst, request_id, epoch=epoch,
+            checksums=self.config.checksums if checksums is None else checksums)
 
-    def run_streamed(self, lease: tuple[str, int]) -> tuple[Any, list, list, float]:
+    def run_streamed(self, lease: tuple[str, int],
+                     checksums: bool | None = None) -> tuple[Any, list, list, float]:
         """(stream, compute spans, save_layer seconds, exposed seconds)."""
-        stream = self.open_stream(lease)
+        stream = self.open_stream(lease, checksums)
         spans, saves = [], []
         for layer in range(self.layout.num_layers):
             spans.append(self.compute.layer())
@@ -208,12 +234,16 @@ class StreamPair:
         stream.wait_for_save(self.config.timeout)
         return stream, spans, saves, time.monotonic() - computed
 
-    def verify_streamed(self, run: tuple[Any, list, list, float]) -> Streamed:
-        stream, spans, saves, exposed = run
+    def _received(self) -> dict[str, Any]:
         far = self.peer.reply("load")
         if far["payload"] != b"first-token":
             raise BenchError(f"the receiver got payload {far['payload']!r}, sent "
                              "b'first-token'")
+        return far
+
+    def verify_streamed(self, run: tuple[Any, list, list, float]) -> Streamed:
+        stream, spans, saves, exposed = run
+        far = self._received()
         return Streamed(tuple(spans), exposed, tuple(saves),
                         tuple(tuple(t) for t in stream.layer_times()), tuple(far["arrived"]),
                         far["mismatches"])
@@ -233,8 +263,12 @@ class StreamPair:
 
 def _iteration(pair: StreamPair) -> Iteration:
     bulk, streamed = pair.bulk(), pair.streamed()
+    plain = pair.streamed(checksums=False) if pair.config.checksums else None
     last_compute = streamed.compute[-1][1]
     return Iteration(
+        plain_done_seconds=None if plain is None else plain.compute_seconds +
+        plain.exposed_seconds,
+        plain_mismatched_blocks=0 if plain is None else plain.mismatched_blocks,
         bulk_compute_seconds=bulk.compute_seconds, bulk_transfer_seconds=bulk.transfer_seconds,
         stream_compute_seconds=streamed.compute_seconds,
         stream_exposed_seconds=streamed.exposed_seconds,
@@ -280,8 +314,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         description="Runs a simulated prefill here (per layer, float32 matmuls timed to a "
         "chosen multiple of the layer's measured transfer time) and hands the KV to a peer "
         "process twice: in bulk after the last layer, and streamed with save_layer() after "
-        "each. Reports the transfer left exposed after the compute and the hidden fraction "
-        "(1 - exposed / bulk transfer); every byte verified on the receiving side.")
+        "each. Reports the end-to-end speedup (prefill plus hand-off, bulk over streamed), "
+        "the transfer left exposed after the compute, the hidden fraction (1 - exposed / "
+        "bulk transfer) and what checksums cost; every byte verified on the receiving side.")
     add_prompt_args(sub)
     add_agent_args(sub, "both agents")
     sub.add_argument("--compute-ratio", type=float, default=1.0,
@@ -289,9 +324,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                      "measured first (default 1.0: equal)")
     sub.add_argument("--compute-ms", type=float, default=None,
                      help="per-layer compute in ms, fixed (overrides --compute-ratio)")
-    sub.add_argument("--checksums", action="store_true",
-                     help="the streamed hand-off carries per-block checksums, verified by the "
-                     "receiver (compare a run without to see their cost)")
+    sub.add_argument("--compute", choices=COMPUTE_KINDS, default="cpu",
+                     help="the simulated prefill: 'cpu' runs matmuls on one of this host's "
+                     "cores; 'accelerator' waits as long instead (a timed wait standing in for "
+                     "an accelerator's kernels: the host's cores stay free) (default cpu)")
+    sub.add_argument("--no-checksums", dest="checksums", action="store_false",
+                     help="hand off without per-block checksums (default: with them, as "
+                     "kvmove.Agent, plus one streamed hand-off without them per iteration to "
+                     "show what they cost)")
     add_output_args(sub, "timed iterations, after one warm-up; the median is shown",
                     "also draw the timeline of compute and transfer per layer (needs "
                     "matplotlib)")
@@ -302,8 +342,8 @@ def run_command(args: argparse.Namespace) -> int:
     config = StreamConfig(
         model=args.model, num_tokens=args.tokens, block_size=args.block_size,
         transports=args.transports, error_mode=args.error_mode,
-        compute_ratio=args.compute_ratio, compute_ms=args.compute_ms, iters=args.iters,
-        timeout=args.timeout, checksums=args.checksums)
+        compute=args.compute, compute_ratio=args.compute_ratio, compute_ms=args.compute_ms,
+        iters=args.iters, timeout=args.timeout, checksums=args.checksums)
     if args.plot:
         check_plot(args.plot)
     with bar(args, count_steps(config)) as progress:
