@@ -51,6 +51,17 @@ def test_fail_post_fails_the_transfer_and_writes_nothing(path, closing):
     assert pair.b.notifications() == []
 
 
+def test_a_clean_stream_passes_its_checksums(path, closing):
+    """The same checksums whoever computes them: the mapped path's copy threads hash each
+    block as they copy it, a UCX path's sender before it posts; the receiver verifies both."""
+    pair = pair_with(path, "")
+    closing.append(pair)
+    assert pair.a.checksums  # the default
+    for rid in ("r1", "r2"):
+        pair.complete(*pair.start(rid))
+    assert pair.b.stats().checksum_mismatches == 0
+
+
 def test_a_corrupted_layer_is_caught_and_the_senders_blocks_stay_intact(path, closing):
     """Every layer put lands with its first byte flipped: the checksums (on by default) catch
     it (the first destination block is named bad), and the sender's own bytes never changed."""

@@ -348,7 +348,9 @@ def test_dropping_an_open_save_stream_aborts_it(link):
             waiter.get()
         assert waiter.ended_at - start < PROMPT
         assert load.state == StreamState.ABORTED
-        assert load.layers_ready() == [i < 5 for i in range(L)]
+        # Saved layers only (one that landed may still have been awaiting its checksum
+        # check when the abort ended the load); their bytes are checked below.
+        assert not any(load.layers_ready()[5:])
         for i in range(5):
             assert_layer(link.raw[i, dst], want[i], i, "after the drop")
 
@@ -479,7 +481,7 @@ def test_a_stream_into_a_lease_never_granted_writes_nothing(link):
 
 def test_an_abort_before_start_load_is_applied(link):
     """Test 8, aborted: the sender saved 3 layers and aborted before the receiver started;
-    start_load works, the load is ABORTED with the 3 layers ready (exact), the waits raise
+    start_load works, the load is ABORTED with the 3 layers in place, the waits raise
     TransferError, and the lease is released."""
     with link.request(3) as (src, dst):
         load = link.near.expect("far", "t8-abort", dst)
@@ -490,7 +492,7 @@ def test_an_abort_before_start_load_is_applied(link):
         assert load.wait_released(WAIT)
         load.start_load()
         assert load.state == StreamState.ABORTED
-        assert load.layers_ready() == [i < 3 for i in range(L)]
+        assert not any(load.layers_ready()[3:])  # as above: saved layers only
         with pytest.raises(TransferError, match="aborted"):
             load.wait_for_layer(3, WAIT)
         with pytest.raises(TransferError, match="aborted"):

@@ -37,6 +37,12 @@ struct PortOutcome {
 };
 using PortDone = std::function<void(const PortOutcome&)>;
 
+// A layer's per-block checksums, computed by the port with its puts (put_then_send).
+struct PutChecksums {
+    std::vector<uint64_t> seeds;
+    std::vector<uint64_t> values;  // as many as seeds, filled before the message is built
+};
+
 class StreamPort {
 public:
     virtual ~StreamPort() = default;
@@ -59,11 +65,18 @@ public:
     virtual uint32_t peer_incarnation(const std::string& peer) const = 0;
 
     // Locked. Puts layer `layer` of local_ids[i] -> remote_ids[i] (into the peer's lease
-    // `lease`), flushes them, then sends message; done(ok) once the message is out,
-    // done(failure) when anything failed.
+    // `lease`), flushes them, then sends message(); done(ok) once the message is out,
+    // done(failure) when anything failed. With sums, the port also computes block i's
+    // checksum in the layer (memory/block_checksum.h, seeded with sums->seeds[i]) into
+    // sums->values[i] before message() is called: as it copies, where the peer's path
+    // checksums_on_copy().
     virtual void put_then_send(const std::string& peer, const std::vector<BlockId>& local_ids,
                                const std::vector<BlockId>& remote_ids, int64_t layer,
-                               uint64_t lease, std::string message, PortDone done) = 0;
+                               uint64_t lease, std::function<std::string()> message, PortDone done,
+                               std::shared_ptr<PutChecksums> sums) = 0;
+    // Locked. Whether puts to peer compute their checksums as they copy (cheaper than the
+    // caller reading the blocks once more beforehand).
+    virtual bool checksums_on_copy(const std::string& peer) const = 0;
     // Locked. The receiver cancelled `lease` of peer: its layers not yet under way are
     // dropped (their put_then_send fails). Safe inside the transport's callbacks.
     virtual void cancel_puts(const std::string& peer, uint64_t lease) = 0;

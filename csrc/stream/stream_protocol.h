@@ -53,6 +53,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -189,8 +190,10 @@ private:
     void queue(Pending pending);
     bool try_queue(Pending pending);
     void post_loop();
+    // checksums: the layer's, computed by the post thread; none while s has checksums: the
+    // port computes them with its puts.
     void post_layer(const std::shared_ptr<SaveStream>& s, int64_t layer,
-                    std::vector<uint64_t> checksums);
+                    std::optional<std::vector<uint64_t>> checksums);
     void layer_result(const std::shared_ptr<SaveStream>& s, int64_t layer,
                       const PortOutcome& outcome);
     void send_end(const std::shared_ptr<SaveStream>& s);

@@ -117,10 +117,15 @@ void StreamProtocol::post_loop() {
             if (const double delay = port_.post_delay_seconds(); delay > 0) {
                 std::this_thread::sleep_for(std::chrono::duration<double>(delay));
             }
-            // Hashed here, off the port's lock, while the forward pass goes on.
-            std::vector<uint64_t> sums;
+            // Checksums: computed by the port's copies where it can (a mapped peer's), else
+            // here, off the port's lock, while the forward pass goes on.
+            std::optional<std::vector<uint64_t>> sums;
             if (s->checksums() && !s->was_cancelled()) {
-                sums = checksums_of(s->local_ids(), pending.layer, s->epoch());
+                bool on_copy = false;
+                port_.run_locked([&] { on_copy = port_.checksums_on_copy(s->peer()); });
+                if (!on_copy) {
+                    sums = checksums_of(s->local_ids(), pending.layer, s->epoch());
+                }
             }
             port_.run_locked([&] { post_layer(s, pending.layer, std::move(sums)); });
         }
@@ -128,7 +133,7 @@ void StreamProtocol::post_loop() {
 }
 
 void StreamProtocol::post_layer(const std::shared_ptr<SaveStream>& s, int64_t layer,
-                                std::vector<uint64_t> checksums) {
+                                std::optional<std::vector<uint64_t>> checksums) {
     if (s->was_cancelled()) {
         layer_result(s, layer, {false, ErrorKind::Transfer, "cancelled by the receiver"});
         return;
@@ -152,10 +157,24 @@ void StreamProtocol::post_layer(const std::shared_ptr<SaveStream>& s, int64_t la
     StreamMessage message =
         lease_message(MessageKind::Layer, s->request_id(), s->epoch(), s->ids_hash());
     message.layer = static_cast<uint32_t>(layer);
-    message.checksums = std::move(checksums);
-    port_.put_then_send(s->peer(), s->local_ids(), s->remote_ids(), layer, s->epoch(),
-                        encode(message),
-                        [this, s, layer](const PortOutcome& o) { layer_result(s, layer, o); });
+    std::shared_ptr<PutChecksums> sums;  // the port's to compute, as it copies
+    if (checksums) {
+        message.checksums = std::move(*checksums);
+    } else if (s->checksums()) {
+        sums = std::make_shared<PutChecksums>();
+        for (size_t i = 0; i < s->local_ids().size(); ++i) {
+            sums->seeds.push_back(checksum_seed(s->epoch(), layer, i));
+        }
+    }
+    port_.put_then_send(
+        s->peer(), s->local_ids(), s->remote_ids(), layer, s->epoch(),
+        [message = std::move(message), sums]() mutable {
+            if (sums) {
+                message.checksums = std::move(sums->values);
+            }
+            return encode(message);
+        },
+        [this, s, layer](const PortOutcome& o) { layer_result(s, layer, o); }, sums);
 }
 
 // A layer landed (its Layer message is out) or failed; the stream may now end.

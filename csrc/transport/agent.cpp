@@ -209,8 +209,9 @@ std::shared_ptr<Transfer> Agent::start(Direction direction, const std::string& p
     Peer& peer = live_peer(peer_name);
     validate(peer, direction, local_ids, remote_ids, wanted, notify);
     auto t0 = std::chrono::steady_clock::now();
-    PathBatch batch{direction,
-                    pair_ranges(cache_.geometry(), local_ids, peer.geometry, remote_ids, wanted)};
+    PathBatch batch;
+    batch.direction = direction;
+    batch.ranges = pair_ranges(cache_.geometry(), local_ids, peer.geometry, remote_ids, wanted);
     auto transfer = std::make_shared<Transfer>(
         peer_name, local_ids.size() * wanted.size() * cache_.block_nbytes(), batch.ranges.size());
     post(peer, std::move(batch), track(std::make_unique<InFlight>(this, transfer, &peer, notify)));
@@ -329,7 +330,7 @@ void Agent::release_notifications(Peer& peer) {
             finish(entry, entry->outcome);
             continue;
         }
-        std::string message = std::move(*entry->notify);
+        std::string message = entry->make_notify ? entry->make_notify() : std::move(*entry->notify);
         peer.path->send(entry->am_id, std::move(message), false,
                         [entry](const PortOutcome& o) { entry->agent->finish(entry, o); });
         polling_.push_back(peer.path);

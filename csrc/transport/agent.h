@@ -209,7 +209,9 @@ private:
     uint32_t peer_incarnation(const std::string& peer) const override;
     void put_then_send(const std::string& peer, const std::vector<BlockId>& local_ids,
                        const std::vector<BlockId>& remote_ids, int64_t layer, uint64_t lease,
-                       std::string message, PortDone done) override;
+                       std::function<std::string()> message, PortDone done,
+                       std::shared_ptr<PutChecksums> sums) override;
+    bool checksums_on_copy(const std::string& peer) const override;
     void send(const std::string& peer, std::string message, PortDone done) override;
     void cancel_puts(const std::string& peer, uint64_t lease) override;
     bool peer_quiet(const std::string& peer) const override;

@@ -48,11 +48,12 @@ struct Agent::InFlight {
     Agent* agent;
     std::shared_ptr<Transfer> transfer;
     Peer* peer;
-    std::optional<std::string> notify;  // sent once its batch landed
-    unsigned am_id;                     // of the notification: plain, or a stream message
-    PortDone on_done;                   // a stream's transfer: told how it ended
-    bool landed = false;                // its batch landed (notify_order may hold it)
-    PortOutcome outcome;                // how the batch ended
+    std::optional<std::string> notify;         // sent once its batch landed...
+    std::function<std::string()> make_notify;  // ...or, when set, what this makes then
+    unsigned am_id;                            // of the notification: plain, or a stream message
+    PortDone on_done;                          // a stream's transfer: told how it ended
+    bool landed = false;                       // its batch landed (notify_order may hold it)
+    PortOutcome outcome;                       // how the batch ended
 };
 
 }  // namespace kvmove

@@ -2,6 +2,7 @@
 // protocol's lock is the worker lock, its puts and messages go on the peers' paths like any
 // transfer's, in the same per-peer order.
 #include "common/log.h"
+#include "memory/block_checksum.h"
 #include "transport/agent.h"
 #include "transport/agent_internal.h"
 
@@ -108,20 +109,47 @@ double Agent::post_delay_seconds() {
 
 void Agent::put_then_send(const std::string& peer_name, const std::vector<BlockId>& local_ids,
                           const std::vector<BlockId>& remote_ids, int64_t layer, uint64_t lease,
-                          std::string message, PortDone done) {
+                          std::function<std::string()> message, PortDone done,
+                          std::shared_ptr<PutChecksums> sums) {
     if (!peer_alive(peer_name)) {
         done({false, ErrorKind::Peer, "peer '" + peer_name + "' is gone"});
         return;
     }
     Peer& peer = *peers_.at(peer_name);
-    PathBatch batch{Direction::Put,
-                    pair_ranges(cache_.geometry(), local_ids, peer.geometry, remote_ids, {layer}),
-                    lease};
+    PathBatch batch;
+    batch.ranges = pair_ranges(cache_.geometry(), local_ids, peer.geometry, remote_ids, {layer});
+    batch.lease = lease;
+    if (sums) {
+        sums->values.assign(local_ids.size(), 0);
+        if (checksums_on_copy(peer_name)) {
+            const Plane& plane = cache_.geometry().plane(layer, 0);  // one part (below)
+            for (size_t i = 0; i < local_ids.size(); ++i) {
+                batch.checksums.push_back(
+                    {reinterpret_cast<const char*>(block_address(plane, local_ids[i])),
+                     plane.block_nbytes, sums->seeds[i], &sums->values[i]});
+            }
+            batch.keep = sums;
+        } else {  // the caller should have computed them: not on the copy, but right
+            for (size_t i = 0; i < local_ids.size(); ++i) {
+                sums->values[i] =
+                    block_checksum(cache_.geometry(), layer, local_ids[i], sums->seeds[i]);
+            }
+        }
+    }
     auto transfer = std::make_shared<Transfer>(peer_name, local_ids.size() * cache_.block_nbytes(),
                                                batch.ranges.size());
-    post(peer, std::move(batch),
-         track(std::make_unique<InFlight>(this, transfer, &peer, std::move(message), kStreamAmId,
-                                          std::move(done))));
+    auto entry = std::make_unique<InFlight>(this, transfer, &peer, std::string(), kStreamAmId,
+                                            std::move(done));
+    entry->make_notify = std::move(message);
+    post(peer, std::move(batch), track(std::move(entry)));
+}
+
+// A block's bytes in a layer are one range (one part) and on the host: the copy threads
+// hash each block's range as they copy.
+bool Agent::checksums_on_copy(const std::string& peer_name) const {
+    const auto it = peers_.find(peer_name);
+    return it != peers_.end() && it->second->path && it->second->path->checksums_on_copy() &&
+           cache_.geometry().num_parts() == 1 && !cache_.on_device();
 }
 
 void Agent::send(const std::string& peer_name, std::string message, PortDone done) {

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/hash.h"
+
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -58,8 +60,8 @@ void copy(const CopyOp& op) {
 }  // namespace
 
 CopyJob::CopyJob(const std::vector<CopyOp>& ops, std::shared_ptr<const void> keep_alive,
-                 std::function<void()> on_done)
-    : keep_alive_(std::move(keep_alive)), on_done_(std::move(on_done)) {
+                 std::function<void()> on_done, const std::vector<HashOp>& hashes)
+    : hashes_(hashes), keep_alive_(std::move(keep_alive)), on_done_(std::move(on_done)) {
     uint64_t in_chunk = 0;
     for (const CopyOp& op : ops) {
         nbytes_ += op.nbytes;
@@ -69,25 +71,45 @@ CopyJob::CopyJob(const std::vector<CopyOp>& ops, std::shared_ptr<const void> kee
             at += n;
             in_chunk += n;
             if (in_chunk == kChunkBytes) {
-                chunk_ends_.push_back(pieces_.size());
+                chunks_.push_back({pieces_.size(), 0});
                 in_chunk = 0;
             }
         }
     }
-    if (chunk_ends_.empty() || chunk_ends_.back() != pieces_.size()) {
-        chunk_ends_.push_back(pieces_.size());  // the last, partial chunk (or the empty job's)
+    if (chunks_.empty() || chunks_.back().end != pieces_.size()) {
+        chunks_.push_back({pieces_.size(), 0});  // the last, partial chunk (or the empty job's)
     }
-    left_.store(chunk_ends_.size());
+    // The hashes go with the copy chunks, in order and in proportion (the bytes a chunk
+    // copies are still in the caches for the hashes after it); a hash is never split.
+    uint64_t total = 0;
+    for (const HashOp& h : hashes_) {
+        total += h.nbytes;
+    }
+    const size_t n = chunks_.size();
+    size_t next = 0;
+    uint64_t hashed = 0;
+    for (size_t i = 0; i < n; ++i) {
+        const uint64_t due = i + 1 == n ? total : total / n * (i + 1);  // by the end of chunk i
+        while (next < hashes_.size() && hashed < due) {
+            hashed += hashes_[next++].nbytes;
+        }
+        chunks_[i].end_hash = next;
+    }
+    left_.store(chunks_.size());
 }
 
 bool CopyJob::run_chunk() {
     const size_t i = next_.fetch_add(1, std::memory_order_relaxed);
-    if (i >= chunk_ends_.size()) {
+    if (i >= chunks_.size()) {
         return false;
     }
     if (!cancelled()) {
-        for (size_t p = i == 0 ? 0 : chunk_ends_[i - 1]; p < chunk_ends_[i]; ++p) {
+        for (size_t p = i == 0 ? 0 : chunks_[i - 1].end; p < chunks_[i].end; ++p) {
             copy(pieces_[p]);
+        }
+        for (size_t h = i == 0 ? 0 : chunks_[i - 1].end_hash; h < chunks_[i].end_hash; ++h) {
+            const HashOp& op = hashes_[h];
+            *op.out = xxh3(op.src, op.nbytes, op.seed);
         }
     }
     if (left_.fetch_sub(1, std::memory_order_acq_rel) == 1) {

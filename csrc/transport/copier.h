@@ -30,11 +30,22 @@ struct CopyOp {
     uint64_t nbytes;
 };
 
+// A checksum a copy job computes beside its copies: XXH3 of [src, src + nbytes), seeded,
+// written to *out (common/hash.h). The job's copy threads share these too, a chunk of them
+// after each chunk of copies, while the bytes just copied are still in the CPU's caches.
+struct HashOp {
+    const char* src;
+    uint64_t nbytes;
+    uint64_t seed;
+    uint64_t* out;
+};
+
 class CopyJob {
 public:
-    // keep_alive: what the pointers point into (a peer's mapping), held until the job dies.
+    // keep_alive: what the pointers point into (a peer's mapping, the checksums' outputs),
+    // held until the job dies. hashes: done with the copies (done() once both are).
     CopyJob(const std::vector<CopyOp>& ops, std::shared_ptr<const void> keep_alive,
-            std::function<void()> on_done);
+            std::function<void()> on_done, const std::vector<HashOp>& hashes = {});
     CopyJob(const CopyJob&) = delete;
     CopyJob& operator=(const CopyJob&) = delete;
 
@@ -51,8 +62,15 @@ public:
     }
 
 private:
+    // A chunk: pieces_[first, end) to copy, then hashes_[first_hash, end_hash) to compute.
+    struct Chunk {
+        size_t end;
+        size_t end_hash;
+    };
+
     std::vector<CopyOp> pieces_;
-    std::vector<size_t> chunk_ends_;  // chunk i is pieces_[chunk_ends_[i-1], chunk_ends_[i])
+    std::vector<HashOp> hashes_;
+    std::vector<Chunk> chunks_;  // chunk i starts where chunk i-1 ended
     std::shared_ptr<const void> keep_alive_;
     std::function<void()> on_done_;
     uint64_t nbytes_ = 0;

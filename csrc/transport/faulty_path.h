@@ -34,6 +34,7 @@ public:
         return inner_->transports();
     }
     void post(PathBatch batch, PathDone done) override;
+    bool checksums_on_copy() const override { return inner_->checksums_on_copy(); }
     void send(unsigned am_id, std::string message, bool rendezvous, PathDone done) override;
     bool poll(double now) override;
     double next_deadline() const override;

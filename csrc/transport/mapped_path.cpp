@@ -38,7 +38,14 @@ void MappedPath::post(PathBatch batch, PathDone done) {
                                                         : CopyOp{here, there, r.nbytes});
     }
     const bool inline_copy = total_nbytes(batch.ranges) <= kInlineCopyBytes;
-    auto job = std::make_shared<CopyJob>(ops, mapping_, inline_copy ? nullptr : wake_);
+    std::shared_ptr<const void> keep = mapping_;
+    if (batch.keep) {  // the checksums' outputs as well
+        keep =
+            std::make_shared<std::pair<std::shared_ptr<const void>, std::shared_ptr<const void>>>(
+                mapping_, batch.keep);
+    }
+    auto job = std::make_shared<CopyJob>(ops, std::move(keep), inline_copy ? nullptr : wake_,
+                                         batch.checksums);
     jobs_.push_back({job, std::move(done), batch.lease});
     if (inline_copy) {
         job->run_all();  // done at once: poll() completes it (the agent polls after posting)

@@ -39,6 +39,7 @@ public:
         return messages_->transports();
     }
     void post(PathBatch batch, PathDone done) override;
+    bool checksums_on_copy() const override { return true; }
     void send(unsigned am_id, std::string message, bool rendezvous, PathDone done) override {
         messages_->send(am_id, std::move(message), rendezvous, std::move(done));
     }

@@ -24,12 +24,14 @@
 
 #include <functional>
 #include <limits>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "common/kv_geometry.h"
 #include "stream/stream_port.h"
+#include "transport/copier.h"
 
 namespace kvmove {
 
@@ -42,6 +44,11 @@ struct PathBatch {
     // The receiver's lease this batch is one layer of a stream into (0: no stream's); fault
     // injection corrupts such batches, and cancel_lease() stops them.
     uint64_t lease = 0;
+    // Checksums to compute with the copies (only on a path that checksums_on_copy(): the
+    // agent computes them itself for any other), each of a range here. Their outputs live in
+    // what `keep` holds.
+    std::vector<HashOp> checksums;
+    std::shared_ptr<const void> keep;
 };
 
 // How a batch or a message ended (PortOutcome: ok, or the error and whether the peer is gone).
@@ -59,6 +66,9 @@ public:
     virtual std::vector<std::pair<std::string, std::string>> transports() const = 0;
 
     virtual void post(PathBatch batch, PathDone done) = 0;
+    // Whether post() computes a batch's checksums (PathBatch::checksums) as it copies: the
+    // mapped path's copy threads do, reading each source byte while it is in their caches.
+    virtual bool checksums_on_copy() const { return false; }
     // An active message of am_id; rendezvous: sent as UCX rendezvous, which receivers drop
     // (fault injection: a peer that does not follow kvmove's protocol).
     virtual void send(unsigned am_id, std::string message, bool rendezvous, PathDone done) = 0;
