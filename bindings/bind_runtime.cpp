@@ -8,6 +8,7 @@
 #include "common/errors.h"
 #include "common/log.h"
 #include "cuda/cuda_status.h"
+#include "transport/copier.h"
 #include "transport/ucx.h"
 
 namespace py = pybind11;
@@ -16,6 +17,9 @@ namespace kvmove::bindings {
 
 void register_runtime(py::module_& m) {
     m.def("ucx_version", &ucx_version);
+    m.def("default_copy_threads", &default_copy_threads);
+    m.def("copy_limit_gbytes_per_s", &copy_limit_gbytes_per_s, py::arg("nbytes"),
+          py::arg("threads") = 0, py::arg("repeats") = 3, py::call_guard<py::gil_scoped_release>());
     m.def("peer_error_settings", &peer_error_settings);
     m.def("ucx_library", &ucx_library);
     m.def("ucx_built_version", &ucx_built_version);

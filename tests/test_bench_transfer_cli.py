@@ -95,10 +95,11 @@ def test_text_has_one_row_per_configuration(bench: Bench) -> None:
             line = next(line for line in out.splitlines()
                         if line.split()[:2] == [op, placement])
             assert "2,097,152" in line and line.rstrip().endswith("yes"), line
-    for text in ("ops posted", "post ms", "total ms", "GB/s", "% of memcpy", "% of perftest",
-                 "memcpy (numpy copyto)", "ucx_perftest ucp_put_bw", "ucx_perftest ucp_get",
-                 "ucx_perftest ucp_put_lat", "round trip", "NVLink", "InfiniBand 400G",
-                 "Ethernet 25G", "this machine, write (allocator)",
+    for text in ("ops posted", "post ms", "total ms", "GB/s", "% of memcpy", "% of limit",
+                 "% of perftest", "memcpy (numpy copyto, one thread)",
+                 "copy limit (kvmove's copy kernel, ", "ucx_perftest ucp_put_bw",
+                 "ucx_perftest ucp_get", "ucx_perftest ucp_put_lat", "round trip", "NVLink",
+                 "InfiniBand 400G", "Ethernet 25G", "this machine, write (allocator)",
                  "bytes and notifications over transports tcp (tcp/lo)",
                  f"UCX {kvmove.ucx_version()} from the "):
         assert text in out, text
@@ -128,12 +129,16 @@ def test_json_reports_verified_rows_and_baselines(bench: Bench) -> None:
                                   else TINY_OPS_SCATTER)
         assert len(row["iter_seconds"]) == 1
         for key in ("post_seconds", "total_seconds", "gbytes_per_s", "memcpy_pct",
-                    "post_share_pct"):
+                    "copy_limit_pct", "post_share_pct"):
             assert row[key] > 0, key
         assert row["perftest_test"] == {"write": "ucp_put_bw", "read": "ucp_get"}[op]
         assert row["nixl_gbytes_per_s"] is row["nixl_ratio"] is None  # no --against
     baselines = data["baselines"]
     assert [m["nbytes"] for m in baselines["memcpy"]] == [TINY_BYTES]
+    # the machine's own copy limit: kvmove's copy kernel and thread count, one process
+    (limit,) = baselines["copy_limit"]
+    assert limit["nbytes"] == TINY_BYTES and limit["threads"] == kvmove._C.default_copy_threads()
+    assert limit["gbytes_per_s"] > 0
     sizes = {(p["test"], p["message_nbytes"]) for p in baselines["perftest_bw"]}
     assert {(row["perftest_test"], row["op_nbytes"]) for row in rows.values()} <= sizes
     assert [p["message_nbytes"] for p in baselines["perftest_put_lat"]] == [8, 32768]
@@ -534,7 +539,8 @@ def test_wrap_text_shows_the_cache_the_ratio_and_registration(bench: Bench) -> N
                 assert (ratio == "-") if cache == "native" else (float(ratio) > 0), line
                 assert line.rstrip().endswith("yes"), line
     for text in ("x native", "caches: native (KVCache), then sglang", "registration per GB",
-                 "s/GB", "ucp_mem_map", "memcpy (numpy copyto)", "ucx_perftest ucp_put_bw"):
+                 "s/GB", "ucp_mem_map", "memcpy (numpy copyto, one thread)", "copy limit",
+                 "ucx_perftest ucp_put_bw"):
         assert text in result.stdout, text
     assert [line.split()[0] for line in lines if line.split()[1:2] == ["16"]] == [
         "native", "sglang"]  # the registration rows

@@ -105,10 +105,9 @@ Copier& Agent::copier() {
         // which a few threads fill (the rest of the CPUs belong to the engine), and a second
         // thread helps even on 2 CPUs (measured there, 524 MB: 3.5-4.1 GB/s with one thread,
         // 4.6-5.9 with two). The threads sleep between transfers.
-        const int cpus = static_cast<int>(std::thread::hardware_concurrency());
-        const int auto_threads = std::clamp(cpus / 2, 2, 4);
         copier_ = std::make_unique<Copier>(
-            config_.copy_threads > 0 ? config_.copy_threads : auto_threads, threads_cpus_);
+            config_.copy_threads > 0 ? config_.copy_threads : default_copy_threads(),
+            threads_cpus_);
     }
     return *copier_;
 }

@@ -1,8 +1,11 @@
 #include "transport/copier.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <limits>
 
+#include "common/errors.h"
 #include "common/hash.h"
 
 #if defined(__SSE2__)
@@ -170,6 +173,42 @@ void Copier::loop() {
             }
         }
     }
+}
+
+int default_copy_threads() {
+    const int cpus = static_cast<int>(std::thread::hardware_concurrency());
+    return std::clamp(cpus / 2, 2, 4);
+}
+
+double copy_limit_gbytes_per_s(uint64_t nbytes, int threads, int repeats) {
+    KVMOVE_CHECK(nbytes > 0 && nbytes <= (uint64_t{1} << 40), Config,
+                 "nbytes must be in [1, 2**40], got " << nbytes);
+    KVMOVE_CHECK(threads >= 0 && threads <= 64, Config,
+                 "threads must be in [0, 64], got " << threads);
+    KVMOVE_CHECK(repeats >= 1, Config, "repeats must be at least 1, got " << repeats);
+    // Touched, so that no copy faults pages in (as numpy's baseline does).
+    std::vector<char> src(nbytes, 7);
+    std::vector<char> dst(nbytes, 1);
+    Copier copier(threads > 0 ? threads : default_copy_threads(), CpuMask::of_this_thread());
+    double best = std::numeric_limits<double>::infinity();
+    for (int i = 0; i < repeats; ++i) {
+        std::mutex mu;
+        std::condition_variable cv;
+        const auto start = std::chrono::steady_clock::now();
+        auto job = std::make_shared<CopyJob>(std::vector<CopyOp>{{dst.data(), src.data(), nbytes}},
+                                             nullptr, [&] {
+                                                 std::lock_guard<std::mutex> lock(mu);
+                                                 cv.notify_all();
+                                             });
+        copier.submit(job);
+        {
+            std::unique_lock<std::mutex> lock(mu);
+            cv.wait(lock, [&] { return job->done(); });
+        }
+        best = std::min(
+            best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    return static_cast<double>(nbytes) / best / 1e9;
 }
 
 }  // namespace kvmove

@@ -80,6 +80,16 @@ private:
     std::atomic<bool> done_{false};
 };
 
+// The copy threads an agent starts when its copy_threads setting is 0: one per two CPUs, 2
+// to 4 (agent_peers.cpp says why).
+int default_copy_threads();
+
+// The machine's copy limit as kvmove's mapped path sees it: the best of `repeats` copies of
+// nbytes between two buffers of this process, by a Copier of `threads` threads (0: the
+// default) with the mapped path's kernel and chunking; GB/s. What a same-host transfer can
+// reach at best, so "% of this" reads as overhead (kvmove-bench transfer).
+double copy_limit_gbytes_per_s(uint64_t nbytes, int threads, int repeats);
+
 class Copier {
 public:
     // Its threads run on `cpus` (those of the thread that built the agent, not of the one

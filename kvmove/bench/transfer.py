@@ -33,7 +33,11 @@ a row reports the *best* of the ``iters`` timed iterations, since on a shared ma
 only ever slows a run down. Every iteration, the warm-up included, is verified.
 
 Baselines, measured after the transfers (the peer gone, so nothing competes): memcpy of each
-row's bytes (``np.copyto``), and ``ucx_perftest`` on the same transports and error mode,
+row's bytes (``np.copyto``, one thread); the machine's copy limit for those bytes, kvmove's own
+copy kernel on as many threads as the agents copy with, between two buffers of one process
+(``_C.copy_limit_gbytes_per_s``: a same-host row's "% of limit" reads as its overhead, and
+stays under ~100%; not measured between two machines); and ``ucx_perftest`` on the same
+transports and error mode,
 best of ``iters`` runs like the rows: ``ucp_put_bw`` for WRITE rows and ``ucp_get`` for READ
 rows, at the row's mean bytes per posted op; ``ucp_put_lat`` at 8 B and at the round trip's
 size for the one-block write + notification round trip.
@@ -55,6 +59,7 @@ from typing import Any
 
 import numpy as np
 
+from kvmove import _C
 from kvmove.auth import key_from_file
 from kvmove.bench import against, perftest
 from kvmove.bench.address import parse_address, route_address
@@ -248,14 +253,18 @@ def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
         if remote is not None:
             remote.stop()
     memcpy: dict[int, float] = {}
+    limit: dict[int, float] = {}
+    threads = _C.default_copy_threads()  # what the bench's agents copy with
     for block_size in config.block_sizes:
         nbytes = next(row.nbytes for row in rows if row.block_size == block_size)
         if nbytes not in memcpy:
             memcpy[nbytes] = memcpy_gbytes_per_s(nbytes)
+            if remote is None:  # a limit of this machine alone: nothing to say between two
+                limit[nbytes] = _C.copy_limit_gbytes_per_s(nbytes, threads)
         progress(f"memcpy {nbytes} B")
     return BenchReport(config, tuple(rows), round_trip, memcpy, tuple(perftest_bw),
                        tuple(perftest_lat), time.perf_counter() - start, tuple(registrations),
-                       nixl, transports, path, ucx_info())
+                       nixl, transports, path, ucx_info(), limit, threads)
 
 
 def _measure_transfers(config: BenchConfig, peer: Channel, progress: Progress

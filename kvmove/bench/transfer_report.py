@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import textwrap
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvmove.agent import ERROR_MODES, SAME_HOST_PATHS
@@ -235,6 +235,10 @@ class BenchReport:
     path: str = ""
     # The UCX the run used and what it offers here (why a run used tcp, not RDMA).
     ucx: UcxInfo | None = None
+    # nbytes -> GB/s of kvmove's own copy kernel and threads between two buffers of one
+    # process (_C.copy_limit_gbytes_per_s): the most a same-host transfer can reach here.
+    copy_limit: dict[int, float] = field(default_factory=dict)
+    copy_threads: int = 0
 
     @property
     def verified(self) -> bool:
@@ -255,6 +259,12 @@ class BenchReport:
 
     def memcpy_pct(self, row: TransferRow) -> float:
         return row.gbytes_per_s / self.memcpy[row.nbytes] * 100.0
+
+    def limit_pct(self, row: TransferRow) -> float | None:
+        """The row's GB/s as a share of this machine's copy limit (None: not measured, as
+        between two machines)."""
+        limit = self.copy_limit.get(row.nbytes)
+        return None if limit is None else row.gbytes_per_s / limit * 100.0
 
     def perftest_for(self, row: TransferRow) -> perftest.PerftestResult:
         """The ``ucp_put_bw`` (write) or ``ucp_get`` (read) baseline at the row's op size."""
@@ -282,6 +292,7 @@ class BenchReport:
         config = asdict(self.config)
         layout = self.config.layout(self.config.block_sizes[0])
         rows = [{**row.to_dict(), "memcpy_pct": self.memcpy_pct(row),
+                 "copy_limit_pct": self.limit_pct(row),
                  "perftest_pct": self.perftest_pct(row),
                  "perftest_test": PERFTEST_TEST[row.op], **self._vs_native(row),
                  **self._vs_nixl(row)}
@@ -292,6 +303,8 @@ class BenchReport:
             "rows": rows, "verified": self.verified, "round_trip": self.round_trip.to_dict(),
             "baselines": {
                 "memcpy": [{"nbytes": n, "gbytes_per_s": g} for n, g in self.memcpy.items()],
+                "copy_limit": [{"nbytes": n, "gbytes_per_s": g, "threads": self.copy_threads}
+                               for n, g in self.copy_limit.items()],
                 "perftest_bw": [p.to_dict() for p in self.perftest_bw],
                 "perftest_put_lat": [p.to_dict() for p in self.perftest_lat],
             },
@@ -385,7 +398,7 @@ def _transfer_table(report: BenchReport) -> list[str]:
     wrap = report.config.wrap is not None
     head = ["op", "placement", *["cache"] * wrap, "block", "bytes", "blocks", "ops posted",
             "post ms", "total ms", "post %", "GB/s", *["x native"] * wrap, "% of memcpy",
-            "% of perftest", "verified"]
+            "% of limit", "% of perftest", "verified"]
     rows = []
     for row in report.rows:
         ratio = report.native_ratio(row)
@@ -394,7 +407,8 @@ def _transfer_table(report: BenchReport) -> list[str]:
                      ms(row.post_seconds * 1e3), ms(row.total_seconds * 1e3),
                      f"{row.post_share_pct:.2f}%", f"{row.gbytes_per_s:.2f}",
                      *[("-" if ratio is None else f"{ratio:.2f}")] * wrap,
-                     f"{report.memcpy_pct(row):.1f}%", _pct(report.perftest_pct(row)),
+                     f"{report.memcpy_pct(row):.1f}%", _pct(report.limit_pct(row)),
+                     _pct(report.perftest_pct(row)),
                      "yes" if row.verified else "NO"])
     return aligned(head, rows, left={0, 1, 2 * wrap, len(head) - 1})
 
@@ -426,8 +440,11 @@ def _pct(value: float | None) -> str:
 def _baseline_lines(report: BenchReport) -> list[str]:
     lines = ["baselines measured in this run (perftest: same transports, message size = kvmove's "
              "mean bytes per posted op):"]
-    lines += [f"  memcpy (numpy copyto) of {nbytes:,} B: {gbps:.2f} GB/s"
+    lines += [f"  memcpy (numpy copyto, one thread) of {nbytes:,} B: {gbps:.2f} GB/s"
               for nbytes, gbps in report.memcpy.items()]
+    lines += [f"  copy limit (kvmove's copy kernel, {report.copy_threads} threads, one "
+              f"process: what a same-host transfer reaches at best) of {nbytes:,} B: "
+              f"{gbps:.2f} GB/s" for nbytes, gbps in report.copy_limit.items()]
     for result in report.perftest_bw:
         value = (f"{result.gbytes_per_s:.2f} GB/s" if result.available
                  else f"unavailable: {result.reason}")
