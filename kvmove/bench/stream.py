@@ -156,8 +156,19 @@ class StreamPair:
         self._checked(self.bulk())
         seconds = statistics.median(self._checked(self.bulk()).transfer_seconds
                                     for _ in range(3))
-        target_ms = seconds / self.layout.num_layers * 1e3 * self.config.compute_ratio
+        return self.recalibrate(seconds)
+
+    def recalibrate(self, bulk_transfer_seconds: float) -> float:
+        """Sizes the per-layer compute to ``compute_ratio`` x this bulk transfer's per-layer
+        time (unless ``compute_ms`` fixes it); returns the compute in ms. ``run`` calls it
+        again with the warm-up's bulk transfer, which, run after a compute like the timed
+        ones, is slower than the calibration's back-to-back hand-offs."""
+        if self.config.compute_ms is not None:
+            return self.config.compute_ms
+        target_ms = (bulk_transfer_seconds / self.layout.num_layers * 1e3 *
+                     self.config.compute_ratio)
         self.compute.calibrate(target_ms / 1e3)
+        self.compute_ms = target_ms
         return target_ms
 
     @staticmethod
@@ -292,6 +303,8 @@ def run(config: StreamConfig, progress: Progress | None = None) -> StreamReport:
         runs = []
         for index in range(config.iters + 1):
             runs.append(_iteration(pair))
+            if index == 0:
+                pair.recalibrate(runs[0].bulk_transfer_seconds)
             progress(f"iteration {index}" if index else "warm-up")
     layout = pair.layout
     return StreamReport(config, layout.num_layers, pair.num_blocks,
