@@ -2,11 +2,23 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
+#include "common/hash.h"
 #include "memory/block_hash.h"
 
 namespace py = pybind11;
 
 namespace kvmove::bindings {
+
+namespace {
+
+// A hash of common/hash.h over Python bytes.
+template <uint64_t (*Hash)(const void*, size_t, uint64_t)>
+uint64_t of_bytes(const py::bytes& data, uint64_t seed) {
+    std::string_view view(data);
+    return Hash(view.data(), view.size(), seed);
+}
+
+}  // namespace
 
 void register_block_hash(py::module_& m) {
     m.def(
@@ -18,20 +30,8 @@ void register_block_hash(py::module_& m) {
         },
         py::arg("token_ids"), py::arg("block_size"), py::arg("parent") = py::none(),
         py::arg("seed") = 0);
-    m.def(
-        "xxh64",
-        [](py::bytes data, uint64_t seed) {
-            std::string_view view(data);
-            return xxh64(view.data(), view.size(), seed);
-        },
-        py::arg("data"), py::arg("seed") = 0);
-    m.def(
-        "xxh3",
-        [](py::bytes data, uint64_t seed) {
-            std::string_view view(data);
-            return xxh3(view.data(), view.size(), seed);
-        },
-        py::arg("data"), py::arg("seed") = 0);
+    m.def("xxh64", &of_bytes<xxh64>, py::arg("data"), py::arg("seed") = 0);
+    m.def("xxh3", &of_bytes<xxh3>, py::arg("data"), py::arg("seed") = 0);
 }
 
 }  // namespace kvmove::bindings
