@@ -25,6 +25,7 @@ from kvmove.errors import ConfigError
 from kvmove.staging import StagingArea
 
 from helpers import engines
+from helpers.checks import wait_until
 from helpers.wrap_far import FarWrapped
 
 TCP = {"transports": "tcp", "error_mode": "peer"}
@@ -164,6 +165,9 @@ def test_a_layer_stream_reports_a_layer_ready_only_once_it_is_converted(receiver
     before = _view(rx).clone()
     load = rx.area.expect("prefill", "req-1", dst, 13, timeout=30.0).start_load()
     rx.far.call("stream", "decode/staging", src, load.staging_ids, "req-1", load.epoch, b"tok")
+    # The sender is done once the Final is acknowledged; the staging side may still be
+    # checking the last layers' checksums (on by default).
+    wait_until(lambda: all(load.stream.layers_ready()), WAIT, "the staged layers' checks")
     assert all(load.stream.layers_ready())  # landed in staging ...
     assert not any(load.layers_ready())  # ... and not reported: not converted yet
     assert torch.equal(_view(rx), before)
