@@ -125,7 +125,15 @@ def test_disaggregated_serving_across_two_ray_nodes_on_two_hosts(cluster, tmp_pa
                                             **GREEDY)
             assert out.choices[0].text == TOKENIZER.decode(reference[prompt]), prompt
         received = net.hosts.rx_bytes(net.node, net.node_dev) - rx_before
-        workers = {w["role"]: w for w in server.health()["workers"]}
+
+        def workers_now() -> dict:
+            return {w["role"]: w for w in server.health()["workers"]}
+
+        # The decode's stats in /health may trail its last lease by a refresh.
+        deadline = time.monotonic() + 10.0
+        while (workers := workers_now())["decode"]["agent"]["leases_granted"] < len(PROMPTS) \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
     finally:
         server.close()
     # one worker per node, and the decode leased blocks to the prefill for every request
