@@ -37,8 +37,8 @@ from kvmove.bench.transfer_report import (
     BenchReport,
     RoundTrip,
     TransferRow,
-    format_transfer,
 )
+from kvmove.bench.transfer_text import format_transfer
 from kvmove.errors import ConfigError
 from kvmove.kv_spec import KVSpec
 

@@ -81,9 +81,8 @@ from kvmove.bench.transfer_report import (
     Registration,
     RoundTrip,
     TransferRow,
-    format_transfer,
-    plot_transfer,
 )
+from kvmove.bench.transfer_text import format_transfer, plot_transfer
 from kvmove.errors import ConfigError
 from kvmove.kv_spec import KVSpec
 from kvmove.runtime import cuda_available, cuda_status, ucx_info
