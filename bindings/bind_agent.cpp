@@ -148,6 +148,7 @@ void register_agent(py::module_& m) {
         .def_property_readonly("peers", &Agent::peers)
         .def("peer_transports", &Agent::peer_transports, py::arg("name"), release())
         .def("peer_path", &Agent::peer_path, py::arg("name"), release())
+        .def("peer_shape", &Agent::peer_shape, py::arg("name"), release())
         .def("peer_alive", &Agent::peer_is_alive, py::arg("name"), release())
         .def("write", transfer_method(&Agent::write), py::arg("peer"), py::arg("local_ids"),
              py::arg("remote_ids"), py::arg("layers") = py::none(), py::arg("notify") = py::none(),

@@ -234,6 +234,16 @@ class Agent:
         """
         return self._core.peer_path(name)
 
+    def peer_kv_heads(self, name: str) -> tuple[int, int, int]:
+        """``(first, count, total)``: the model's KV heads the peer's cache holds, as its
+        metadata says (a tensor-parallel rank's ``kv_heads``; ``(0, n, n)`` for all of them).
+
+        Raises:
+            PeerError: unknown peer.
+        """
+        shape = self._core.peer_shape(name)
+        return shape.head_first, shape.num_kv_heads, shape.total_kv_heads
+
     def peer_alive(self, name: str) -> bool:
         """Whether ``name`` is a peer this agent can reach: added, and not failed (``peers``
         lists failed ones too, until removed). False: ``connect`` to it again."""

@@ -52,7 +52,9 @@ _TORCH_DTYPES = {
     "bfloat16": "bfloat16",
     "float8": "float8_e4m3fn",
 }
-HEAD_ORDERS = ("NHD", "HND")
+# The orders whose blocks hold K and V of several heads: convertible into each other
+# (kvmove.convert) and allocatable (a staging area in a vLLM CPU sender's order).
+HEAD_ORDERS = ("NHD", "HND", "vllm-cpu")
 
 
 def block_shape(layout: KVSpec, order: str = "NHD",
@@ -175,8 +177,9 @@ class KVCache:
                 the layer has two planes (K, V); right after it, K and V of a block are side
                 by side and the layer has one.
             order: the element order inside a block: "NHD" ``[B, H, D]`` per K/V, "HND"
-                ``[H, B, D]``, "vllm-cpu" ``[H, B, 2 * D]`` (K and V interleaved per head and
-                token), "mla" ``[B, latent]`` (an MLA layout).
+                ``[H, B, D]``, "vllm-cpu" ``[H, B, 2 * D]`` (vLLM's CPU attention reads it as
+                ``[H, 2 * B, D]``: a head's K rows, then its V rows), "mla" ``[B, latent]``
+                (an MLA layout).
             pool: True: a ``BlockPool`` of its own, as a cache kvmove allocates; None: the
                 engine allocates blocks, and transfers take its block ids.
             page_size: ``block_dim`` counts tokens, grouped into pages (blocks) of this many;
@@ -308,7 +311,7 @@ class KVCache:
 
 
 def _allocated_order(layout: KVSpec, order: str | None) -> str:
-    """The order of a cache kvmove allocates: NHD or HND, or mla for an MLA layout."""
+    """The order of a cache kvmove allocates: one of HEAD_ORDERS, or mla for an MLA layout."""
     if layout.mla:
         if order not in (None, "mla"):
             raise ConfigError(f"an MLA layout's blocks are in order 'mla', got {order!r}")

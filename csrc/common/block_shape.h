@@ -7,7 +7,9 @@
 //   NHD (token-major, FlashInfer/vLLM's default):  [2, block_size, num_kv_heads, head_dim]
 //   HND (head-major):                               [2, num_kv_heads, block_size, head_dim]
 //   vllm-cpu (vLLM's CPU backend):                  [num_kv_heads, block_size, 2 * head_dim]
-//                                   (K and V of a head and token side by side)
+//                                   (vLLM's attention views a head's run as K's block_size
+//                                   rows, then V's; its kernels own the order inside a run:
+//                                   kvmove moves a head's run whole, kv_convert.h)
 //   mla (one latent per token, no V):               [block_size, head_dim]  (num_kv_heads 1)
 //
 // The order is the element order of the block's bytes read part after part (kv_geometry.h): a

@@ -87,6 +87,38 @@ HeadSpan head_span(const BlockShape& s, const BlockShape& d) {
     return HeadSpan{first - s.head_first, first - d.head_first, end - first};
 }
 
+// vLLM's CPU blocks: the heads both hold, each head's run of bytes moved whole (kv_convert.h).
+void convert_vllm_cpu(const KVCache& src, const BlockShape& s, const std::vector<BlockId>& src_ids,
+                      KVCache& dst, const BlockShape& d, const std::vector<BlockId>& dst_ids,
+                      const std::vector<int64_t>& layers) {
+    KVMOVE_CHECK(s.order == BlockOrder::VllmCpu && d.order == BlockOrder::VllmCpu, Config,
+                 "vllm-cpu blocks convert only into vllm-cpu blocks (vLLM's attention kernels "
+                 "own the order inside a head), got "
+                     << order_name(s.order) << " into " << order_name(d.order));
+    KVMOVE_CHECK(s.block_size == d.block_size && s.dtype == d.dtype, Config,
+                 "vllm-cpu blocks convert heads only (split or merged): block size and dtype "
+                 "must match, got "
+                     << s.block_size << " " << dtype_name(s.dtype) << " into " << d.block_size
+                     << " " << dtype_name(d.dtype));
+    KVMOVE_CHECK(!src.on_device() && !dst.on_device(), Config,
+                 "vllm-cpu blocks convert in host memory only");
+    KVMOVE_CHECK(src_ids.size() == dst_ids.size(), Config,
+                 "same block size: as many source as destination blocks, got "
+                     << src_ids.size() << " and " << dst_ids.size());
+    const HeadSpan heads = head_span(s, d);
+    const uint64_t run = 2ull * s.block_size * s.head_dim * dtype_nbytes(s.dtype);
+    for (int64_t layer : layers) {
+        for (size_t i = 0; i < src_ids.size(); ++i) {
+            std::memcpy(
+                reinterpret_cast<char*>(dst.geometry().address(layer, 0, dst_ids[i])) +
+                    heads.dst_first * run,
+                reinterpret_cast<const char*>(src.geometry().address(layer, 0, src_ids[i])) +
+                    heads.src_first * run,
+                heads.count * run);
+        }
+    }
+}
+
 // The staging buffer is the descriptors of (ids, layers) back to back: the same layer, id order.
 void pack_host(const KVCache& cache, const std::vector<int64_t>& ids,
                const std::vector<int64_t>& layers, char* staging, bool unpack) {
@@ -202,6 +234,18 @@ void convert_blocks(const KVCache& src, const BlockShape& src_shape,
                     const std::vector<BlockId>& dst_ids, int64_t num_tokens,
                     const std::vector<int64_t>& layers, uint64_t scales_addr,
                     uint64_t scales_nbytes) {
+    if (src_shape.order == BlockOrder::VllmCpu || dst_shape.order == BlockOrder::VllmCpu) {
+        KVMOVE_CHECK(src_shape.nbytes() == src.block_nbytes() &&
+                         dst_shape.nbytes() == dst.block_nbytes() &&
+                         src.num_layers() == dst.num_layers(),
+                     Config, "the shapes do not match the caches' blocks and layers");
+        KVMOVE_CHECK(&src != &dst, Config, "vllm-cpu blocks convert between two caches");
+        src.geometry().check_ids(src_ids, "");
+        dst.geometry().check_ids(dst_ids, "");
+        convert_vllm_cpu(src, src_shape, src_ids, dst, dst_shape, dst_ids,
+                         checked_layers(src, layers));
+        return;
+    }
     check_shape(src, src_shape, "source");
     check_shape(dst, dst_shape, "destination");
     const HeadSpan heads = head_span(src_shape, dst_shape);

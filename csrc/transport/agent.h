@@ -96,6 +96,9 @@ public:
     // How transfers with the peer move: "mapped" (memcpy into its mapped memory, same host)
     // or "ucx" (Path::kind).
     std::string peer_path(const std::string& name) const;
+    // What one block of one layer of the peer's cache holds (its metadata's shape: block
+    // size, KV heads and which of the model's, dtype, order). PeerError for an unknown peer.
+    BlockShape peer_shape(const std::string& name) const;
     // Whether name is a peer this agent can reach: added, and not failed.
     bool peer_is_alive(const std::string& name) const;
 

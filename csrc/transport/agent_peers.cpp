@@ -179,6 +179,14 @@ std::string Agent::peer_path(const std::string& name) const {
     return it->second->path->kind();
 }
 
+BlockShape Agent::peer_shape(const std::string& name) const {
+    WorkerLock lock(*this);
+    auto it = peers_.find(name);
+    KVMOVE_CHECK(it != peers_.end(), Peer,
+                 "unknown peer '" << name << "' for agent '" << name_ << "'");
+    return it->second->meta.shape;
+}
+
 bool Agent::peer_is_alive(const std::string& name) const {
     WorkerLock lock(*this);
     return peer_alive(name);

@@ -87,9 +87,9 @@ def kv_of(engine: str, leaves_: list[torch.Tensor], layout: kvmove.KVSpec, layer
         return t[:, block].transpose(1, 2)
     if engine == "flashinfer":  # [N, 2, B, H, D]
         return t[block]
-    if engine == "vllm-cpu":  # [N, H, B, 2D]: head h, token t holds K (D) then V (D)
-        blk = t[block].permute(1, 0, 2)  # [B, H, 2D]
-        return torch.stack([blk[..., :d], blk[..., d:]])
+    if engine == "vllm-cpu":  # [N, H, B, 2D], viewed [N, H, 2B, D]: a head's K rows, V rows
+        blk = t[block].reshape(t.shape[1], 2, b, d)  # [H, 2, B, D], as vLLM's view + chunk
+        return blk.permute(1, 2, 0, 3)  # [2, B, H, D]
     if engine == "sglang":  # k_buffer, v_buffer [T, H, D]; page `block` is its B tokens
         k, v = leaves_[2 * layer], leaves_[2 * layer + 1]
         return torch.stack([k[block * b:(block + 1) * b], v[block * b:(block + 1) * b]])
