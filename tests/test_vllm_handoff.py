@@ -24,7 +24,7 @@ import pytest
 import kvmove
 from kvmove.integrations.vllm.params import TransferMode
 from kvmove.integrations.vllm.pd_decode import PDDecodeWorker
-from kvmove.integrations.vllm.pd_outgoing import Blocks, Outgoing, Send
+from kvmove.integrations.vllm.pd_outgoing import Blocks, Outgoing, Send, Share
 from kvmove.integrations.vllm.pd_prefill import PDPrefillWorker
 from kvmove.integrations.vllm.pd_specs import LoadSpec, PushSpec, SendSpec
 from kvmove.integrations.vllm.pd_worker import layer_ready_event
@@ -153,11 +153,12 @@ def test_push_the_offer_waits_for_the_forward_and_layers_stream_as_saved(link: L
     for layer in range(L):
         link.prefill.save_layer(step, layer)  # type: ignore[arg-type]
     out = link.prefill._out["t1"]
-    assert out.posted == set(range(L)) and out.send is Send.STREAMING  # not finished yet
+    share = out.shares[0]
+    assert share.posted == set(range(L)) and share.send is Send.STREAMING  # not finished yet
     link.prefill.end_forward()
     assert link.wait_received("d1") == set()
     link.landed([5, 6], [8, 9])
-    assert out.overlapped == L
+    assert share.overlapped == L
     assert "r1" not in link.prefill.take_sent()  # vLLM has not handed the blocks over
     link.hold("r1", [5, 6], transfer_id="t1")
     link.wait_sent("r1")
@@ -194,7 +195,8 @@ def test_every_layer_is_posted_after_what_marks_it_written(
     link.prefill.begin_step(step)  # type: ignore[arg-type]
     if offer_first:
         link.load("d1", "t1", [8, 9], TransferMode.PUSH)
-        wait_until(lambda: link.prefill._out["t1"].send is Send.STREAMING, WAIT, "streaming")
+        wait_until(lambda: link.prefill._out["t1"].shares[0].send is Send.STREAMING, WAIT,
+                   "streaming")
     for layer in range(L):
         link.prefill.save_layer(step, layer, marks[layer])  # type: ignore[arg-type]
         if not offer_first and layer == 1:
@@ -250,7 +252,8 @@ def test_a_second_offer_for_a_request_being_sent_is_declined(link: Link) -> None
     step = Step([PushSpec("r1", "t1", [5, 6])])
     link.prefill.begin_step(step)  # type: ignore[arg-type]
     link.load("d1", "t1", [8, 9], TransferMode.PUSH)
-    wait_until(lambda: link.prefill._out["t1"].send is Send.STREAMING, WAIT, "streaming")
+    wait_until(lambda: link.prefill._out["t1"].shares[0].send is Send.STREAMING, WAIT,
+               "streaming")
     link.load("d2", "t1", [11, 12], TransferMode.PUSH)
     assert link.wait_received("d2") == {11, 12}
     link.prefill.end_forward()
@@ -303,7 +306,7 @@ def test_the_blocks_go_back_only_when_held_and_sent() -> None:
     out = Outgoing("r1", "t1", [1], Blocks.COMPUTING)
     out.computed(L)
     assert out.layers == set(range(L))
-    out.skipped()
+    out.shares[0].skipped()
     with pytest.raises(AssertionError, match="COMPUTED"):
         out.give_back()                # vLLM has not handed them over
     out.hold([1], time.monotonic(), L)
@@ -311,13 +314,26 @@ def test_the_blocks_go_back_only_when_held_and_sent() -> None:
     assert out.state is Blocks.RETURNED
 
 
+def test_the_blocks_go_back_only_once_every_share_is_sent() -> None:
+    """A request two decode ranks load (a decode of higher TP): one send each."""
+    out = Outgoing("r1", "t1", [1], Blocks.HELD)
+    assert out.split(2) and [s.index for s in out.waiting] == [0, 1]
+    out.shares[1].skipped()
+    assert not out.done and not out.split(1)   # a send began with two: no other count
+    with pytest.raises(AssertionError, match="a share is not done"):
+        out.give_back()
+    out.shares[0].skipped()
+    out.give_back()
+
+
 @pytest.mark.parametrize("transition", ["computed", "closing", "ended", "give_back"])
 def test_a_transition_from_the_wrong_state_is_refused(transition: str) -> None:
-    out = Outgoing("r1", "t1", [1], Blocks.HELD, send=Send.DONE)
+    out = Outgoing("r1", "t1", [1], Blocks.HELD, shares=[Share("t1", 0, Send.DONE)])
     if transition == "give_back":
-        out.send = Send.WAITING
+        out.shares[0].send = Send.WAITING
+    target = out.shares[0] if transition in ("closing", "ended") else out
     with pytest.raises(AssertionError, match="t1"):
-        getattr(out, transition)(*([L] if transition == "computed" else []))
+        getattr(target, transition)(*([L] if transition == "computed" else []))
 
 
 def _two_prefill_ranks() -> tuple[list[Side], list[PDPrefillWorker], int]:

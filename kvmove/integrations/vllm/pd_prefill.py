@@ -9,7 +9,9 @@ checked and bounded like its other messages): the decode's ``Agent.offer`` arriv
 be streamed into is declined (``Agent.decline``: the decode's load fails at once and
 recomputes). An offer that arrives before the prefill knows the request (push: both instances
 got it at once) waits as a ``_Reservation``, at most ``MAX_RESERVATIONS`` of them and
-``lease_seconds`` each, until the forward pass reaches it.
+``lease_seconds`` each, until the forward pass reaches it. A request that several decode
+ranks load (a decode of higher tensor parallelism: ``tp.py``) is streamed once per rank's offer,
+each offer naming its share; its blocks go back once every share is served.
 
 Threads: vLLM's model thread (steps, layers, holds, ``take_sent``), the thread that receives
 offers, and the pool threads that wait for streams to end. The ``PDWorker``'s one lock guards
@@ -29,9 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 import kvmove
 from kvmove import Offer
-from kvmove.errors import KVMoveError
-from kvmove.integrations.vllm.pd_outgoing import Blocks, Outgoing, Send
+from kvmove.errors import ConfigError, KVMoveError
+from kvmove.integrations.vllm.pd_outgoing import Blocks, Outgoing, Send, Share
 from kvmove.integrations.vllm.pd_specs import PushSpec, SendSpec
+from kvmove.integrations.vllm.tp import parse_share
 
 if TYPE_CHECKING:
     from kvmove.integrations.vllm.pd_scheduler import PDMetadata
@@ -49,6 +52,8 @@ POLL_SECONDS = 0.05            # the offer thread's wait, between looks at shutd
 @dataclass
 class _Reservation:
     offer: Offer
+    share: int
+    shares: int
     since: float
 
 
@@ -67,7 +72,7 @@ class PDPrefillWorker:
         self._out_by_req: dict[str, Outgoing] = {}    # by vLLM's request id: all of them
         self._step: list[Outgoing] = []               # pushes in this forward pass
         self._step_meta: PDMetadata | None = None     # whose pushes _step holds
-        self._reservations: dict[str, _Reservation] = {}
+        self._reservations: dict[str, list[_Reservation]] = {}   # by key: its shares' offers
         self._done_keys: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._sent: set[str] = set()
         self._closed = threading.Event()
@@ -152,14 +157,17 @@ class PDPrefillWorker:
         """Leases no decode took up in time; reservations no request came for."""
         with self._lock:
             for out in list(self._out_by_req.values()):
-                if out.state is Blocks.HELD and out.send is Send.WAITING and now > out.deadline:
-                    logger.info("kvmove: lease of %s ended before a decode asked for it; "
-                                "its %d blocks go back to vLLM", out.key, len(out.blocks))
-                    out.skipped()
+                if out.state is Blocks.HELD and out.waiting and now > out.deadline:
+                    logger.info("kvmove: lease of %s ended before %d of its %d decode rank(s) "
+                                "asked for it; its %d blocks go back to vLLM once no stream "
+                                "reads them", out.key, len(out.waiting), len(out.shares),
+                                len(out.blocks))
+                    for share in out.waiting:
+                        share.skipped()
                     self._give_back_if_done(out)
             horizon = now - self.lease_seconds
-            for key, reservation in list(self._reservations.items()):
-                if reservation.since < horizon:
+            for key, reservations in list(self._reservations.items()):
+                if reservations[0].since < horizon:
                     del self._reservations[key]
 
     # ---- offers -----------------------------------------------------------------------------
@@ -169,16 +177,22 @@ class PDPrefillWorker:
         known, declined if it is over, else kept as a reservation."""
         logger.debug("kvmove: %s offers %d blocks for %s", offer.peer, len(offer.blocks),
                      offer.request_id)
+        try:
+            key, share, shares = parse_share(offer.request_id)
+        except ConfigError as error:
+            self._decline(offer, str(error))
+            return
         with self._lock:
-            out = self._out.get(offer.request_id)
+            out = self._out.get(key)
             if out is not None:
-                self._start_send(out, offer)
-            elif offer.request_id in self._done_keys:
+                self._start_send(out, offer, share, shares)
+            elif key in self._done_keys:
                 self._decline(offer, "its lease ended or it was sent already")
             elif len(self._reservations) >= MAX_RESERVATIONS:
                 self._decline(offer, f"{MAX_RESERVATIONS} reservations are waiting")
             else:
-                self._reservations[offer.request_id] = _Reservation(offer, time.monotonic())
+                self._reservations.setdefault(key, []).append(
+                    _Reservation(offer, share, shares, time.monotonic()))
 
     def _decline(self, offer: Offer, reason: str) -> None:
         """Tells the decode its lease will not be streamed into (its load fails at once)."""
@@ -210,22 +224,26 @@ class PDPrefillWorker:
         return out
 
     def _take_reservation(self, out: Outgoing) -> None:
-        reservation = self._reservations.pop(out.key, None)
-        if reservation is not None:
-            self._start_send(out, reservation.offer)
+        for reservation in self._reservations.pop(out.key, []):
+            self._start_send(out, reservation.offer, reservation.share, reservation.shares)
 
-    def _start_send(self, out: Outgoing, offer: Offer) -> None:
-        """Streams ``out`` into the offered lease: every layer in the blocks so far at once,
-        the rest as ``save_kv_layer`` saves them."""
-        if out.send is not Send.WAITING:
+    def _start_send(self, out: Outgoing, offer: Offer, share: int = 0, shares: int = 1) -> None:
+        """Streams ``out`` into the lease offered for its share ``share`` of ``shares``: every
+        layer in the blocks so far at once, the rest as ``save_kv_layer`` saves them."""
+        if not out.split(shares):
+            self._decline(offer, f"offered as share {share} of {shares}, the request is "
+                                 f"being sent to {len(out.shares)} decode rank(s)")
+            return
+        one = out.shares[share]
+        if one.send is not Send.WAITING:
             self._decline(offer, "already sent or aborted")
             return
         stream = self._open_stream(out, offer)
         if stream is None:
-            out.skipped()
+            one.skipped()
             self._give_back_if_done(out)
             return
-        out.stream_opened(stream)
+        one.stream_opened(stream)
         self._post_ready(out)
 
     def _open_stream(self, out: Outgoing, offer: Offer) -> kvmove.SaveStream | None:
@@ -241,66 +259,71 @@ class PDPrefillWorker:
                      out.state.value, sorted(out.layers))
         src = out.blocks[len(out.blocks) - len(offer.blocks):]
         try:
-            return self.agent.stream_to(offer.peer, src, offer.blocks, out.key,
+            return self.agent.stream_to(offer.peer, src, offer.blocks, offer.request_id,
                                         epoch=offer.epoch)
         except KVMoveError as error:
             logger.warning("kvmove: cannot stream %s to %s: %s", out.key, offer.peer, error)
             return None
 
     def _post_ready(self, out: Outgoing) -> None:
-        """Streams the layers in the blocks not streamed yet; finishes once all are."""
-        if out.send is not Send.STREAMING:
-            return
-        assert out.stream is not None
-        for layer in sorted(out.layers - out.posted):
-            self._guard(out, out.stream.save_layer, layer, out.ready.pop(layer, None))
-            out.posted.add(layer)
-        if out.state is not Blocks.COMPUTING and len(out.posted) == self.num_layers:
-            self._guard(out, out.stream.finish)
-            out.closing()
-            self._pool.submit(self._await_send, out)
+        """Streams to each share the layers in the blocks not streamed to it yet; finishes a
+        share once all are."""
+        for one in out.shares:
+            if one.send is not Send.STREAMING:
+                continue
+            assert one.stream is not None
+            for layer in sorted(out.layers - one.posted):
+                self._guard(one, one.stream.save_layer, layer, out.ready.get(layer))
+                one.posted.add(layer)
+            if out.state is not Blocks.COMPUTING and len(one.posted) == self.num_layers:
+                self._guard(one, one.stream.finish)
+                one.closing()
+                self._pool.submit(self._await_send, out, one)
+        out.forget_ready()
 
-    def _guard(self, out: Outgoing, call: Callable[..., Any], *args: Any) -> None:
+    def _guard(self, one: Share, call: Callable[..., Any], *args: Any) -> None:
         """A stream call; a stream that failed already (its decode died or gave up) is left
         for ``_await_send`` to end."""
         try:
             call(*args)
         except KVMoveError as error:
-            logger.debug("kvmove: stream %s: %s", out.key, error)
+            logger.debug("kvmove: stream %s: %s", one.key, error)
 
     def _abort(self, out: Outgoing) -> None:
         """The request did not finish normally: send nothing (more)."""
-        if out.send is Send.WAITING:
-            out.skipped()
-        elif out.send is not Send.DONE:
-            assert out.stream is not None
-            out.stream.abort(wait=False)
-            if out.send is Send.STREAMING:
-                out.closing()
-                self._pool.submit(self._await_send, out)
+        for one in out.shares:
+            if one.send is Send.WAITING:
+                one.skipped()
+            elif one.send is not Send.DONE:
+                assert one.stream is not None
+                one.stream.abort(wait=False)
+                if one.send is Send.STREAMING:
+                    one.closing()
+                    self._pool.submit(self._await_send, out, one)
 
-    def _await_send(self, out: Outgoing) -> None:
-        assert out.stream is not None
+    def _await_send(self, out: Outgoing, one: Share) -> None:
+        assert one.stream is not None
         started = time.monotonic()
         try:
-            out.stream.wait_for_save(timeout=self.timeout)
-            logger.info("kvmove: sent %s (%d blocks, %d of %d layers during the forward "
-                        "pass), acknowledged %.1f ms after the last", out.key, len(out.blocks),
-                        out.overlapped, self.num_layers, 1e3 * (time.monotonic() - started))
+            one.stream.wait_for_save(timeout=self.timeout)
+            logger.info("kvmove: sent %s to %s (%d blocks, %d of %d layers during the forward "
+                        "pass), acknowledged %.1f ms after the last", out.key, one.stream.peer,
+                        len(out.blocks), one.overlapped, self.num_layers,
+                        1e3 * (time.monotonic() - started))
         except KVMoveError as error:
-            logger.warning("kvmove: sending %s to %s failed: %s", out.key, out.stream.peer,
+            logger.warning("kvmove: sending %s to %s failed: %s", out.key, one.stream.peer,
                            error)
             try:
-                out.stream.abort(timeout=self.timeout)
+                one.stream.abort(timeout=self.timeout)
             except KVMoveError:
                 pass
         with self._lock:
-            out.ended()
+            one.ended()
             self._give_back_if_done(out)
 
     def _give_back_if_done(self, out: Outgoing) -> None:
         """vLLM gets the blocks back once it handed them to us and no stream reads them."""
-        if out.state is not Blocks.HELD or out.send is not Send.DONE:
+        if out.state is not Blocks.HELD or not out.done:
             return
         out.give_back()
         self._sent.add(out.req_id)

@@ -32,7 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 import kvmove
 from kvmove.auth import key_from_file
-from kvmove.integrations.vllm.config import ConnectorConfig, KVRole, layout_of, wrap_kv_caches
+from kvmove.integrations.vllm.config import (
+    ConnectorConfig,
+    KVRole,
+    layout_of,
+    total_kv_heads_of,
+    wrap_kv_caches,
+)
 from kvmove.integrations.vllm.pd_decode import PDDecodeWorker
 from kvmove.integrations.vllm.pd_prefill import PDPrefillWorker
 from kvmove.runtime import unpin, unpinned
@@ -71,6 +77,8 @@ class PDWorker:
     def __init__(self, vllm_config: Any, config: ConnectorConfig, kv_cache_config: Any) -> None:
         self.config = config
         self.layout = layout_of(vllm_config)
+        self.total_kv_heads = total_kv_heads_of(vllm_config)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.agent: kvmove.Agent | None = None
         self.layer_index: dict[str, int] = {}
         self._lock = threading.Condition()  # re-entrant; notified when a transfer ended
@@ -100,7 +108,10 @@ class PDWorker:
             self._prefill = PDPrefillWorker(self.agent, len(kv_caches), cfg.lease_seconds,
                                             cfg.load_timeout, self._lock, self._pool)
             self._decode = PDDecodeWorker(self.agent, cfg.load_timeout, self._lock, self._pool,
-                                          tp_rank=cfg.tp_rank, tp_size=cfg.tp_size)
+                                          tp_rank=cfg.tp_rank, tp_size=cfg.tp_size,
+                                          total_kv_heads=self.total_kv_heads,
+                                          staging_blocks=self._staging_blocks(cache),
+                                          agent_kwargs=self._agent_kwargs())
             self._prefill.start()
         listening = cfg.serves_prefill
         logger.info("kvmove: %s agent %s over %d layers of %s (%s)%s", self._side,
@@ -112,13 +123,30 @@ class PDWorker:
         return {KVRole.PRODUCER: "prefill", KVRole.CONSUMER: "decode"}.get(self.config.role,
                                                                          "pd")
 
-    def _start_agent(self, cache: kvmove.KVCache) -> kvmove.Agent:
+    def _staging_blocks(self, cache: kvmove.KVCache) -> int:
+        """Staging blocks per prefill rank of another TP: ``staging_blocks``, else room for
+        two of the longest requests (``max_model_len``), at most a quarter of the cache's."""
+        if self.config.staging_blocks:
+            return int(self.config.staging_blocks)
+        longest = -(-self.max_model_len // self.layout.block_size)
+        return max(1, min(2 * longest, cache.num_blocks // 4))
+
+    def _agent_kwargs(self) -> dict[str, Any]:
+        """This worker's agents' settings (its own and its staging areas')."""
         cfg = self.config
         key = key_from_file(cfg.key_file).secret if cfg.key_file else None
+        return {"transports": cfg.transports, "checksums": cfg.checksums, "key": key,
+                "host": cfg.host, "net_devices": cfg.net_devices}
+
+    def _start_agent(self, cache: kvmove.KVCache) -> kvmove.Agent:
+        """This rank's agent, declaring the KV heads it holds (``tp.rank_heads``): a peer
+        holding other heads is refused before any byte moves."""
+        cfg = self.config
         dp = f"dp{cfg.dp_rank}-" if cfg.dp_rank else ""
+        first = cfg.tp_rank * cache.layout.num_kv_heads
+        heads = (first, self.total_kv_heads) if self.total_kv_heads % cfg.tp_size == 0 else None
         agent = kvmove.Agent(f"vllm-{self._side}-{cfg.engine_id}-{dp}{cfg.tp_rank}", cache,
-                             transports=cfg.transports, checksums=cfg.checksums, key=key,
-                             host=cfg.host, net_devices=cfg.net_devices)
+                             kv_heads=heads, **self._agent_kwargs())
         if cfg.serves_prefill:
             agent.listen(cfg.host, cfg.listen_port)
         return agent
@@ -126,6 +154,8 @@ class PDWorker:
     def shutdown(self) -> None:
         if self._prefill is not None:
             self._prefill.close()
+        if self._decode is not None:
+            self._decode.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.agent is not None:
             self.agent.close()
