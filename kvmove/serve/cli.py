@@ -34,7 +34,7 @@ from kvmove.errors import ConfigError, KVMoveError
 from kvmove.integrations.vllm.params import TransferMode
 from kvmove.serve.config import MODES, ROUTINGS, ConnectionLimits, Mode, ServeConfig
 from kvmove.serve.planner import Bounds, parse_bounds
-from kvmove.serve.vllm.pools import KV_MODES, ProxyConfig
+from kvmove.serve.vllm.proxy_config import KV_MODES, ProxyConfig
 
 # Flags that configure kvmove's own engine workers: meaningless in front of vLLM.
 _ENGINE_ONLY = ("mode", "workers", "prefill", "decode", "chunk_size", "model", "num_blocks",
@@ -337,9 +337,30 @@ def _pair(bounds: Bounds | None) -> tuple[int, int] | None:
     return (bounds.low, bounds.high) if bounds is not None else None
 
 
+# What the extras bring: missing at run time, the install lacks an extra (not a bug here).
+_PROXY_MODULES = {"fastapi", "uvicorn", "prometheus_client", "httpx", "starlette", "pydantic",
+                  "anyio", "h11"}
+_SERVE_MODULES = _PROXY_MODULES | {"torch", "safetensors", "tokenizers", "jinja2", "ray"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    try:
+        return _main(parser, args, argv)
+    except ModuleNotFoundError as error:
+        proxy = args.vllm_prefill or args.vllm_decode
+        if (error.name or "").split(".")[0] not in (_PROXY_MODULES if proxy else _SERVE_MODULES):
+            raise
+        extra, what = ("proxy", "--vllm-prefill/--vllm-decode") if proxy else (
+            "serve,ray" if args.ray else "serve", "serving the engine")
+        print(f"kvmove-serve: error: {what} needs kvmove's {extra!r} extra: pip install "
+              f"'kvmove[{extra}]' (missing module {error.name!r})", file=sys.stderr)
+        return 2
+
+
+def _main(parser: argparse.ArgumentParser, args: argparse.Namespace,
+          argv: list[str] | None) -> int:
     try:
         proxy = _proxy_config(parser, args, argv)
         if proxy is not None:

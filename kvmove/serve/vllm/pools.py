@@ -1,6 +1,6 @@
-"""The vLLM instances ``kvmove-serve --vllm-prefill ... --vllm-decode ...`` fronts: its
-configuration, the two pools and their Prometheus metrics (``proxy.py`` speaks the protocol
-over them).
+"""The vLLM instances ``kvmove-serve --vllm-prefill ... --vllm-decode ...`` fronts: the two
+pools and their Prometheus metrics (``proxy.py`` speaks the protocol over them; the
+configuration is ``proxy_config.py``'s).
 
 A pool picks the instance with the fewest requests in flight, ties in turn (round robin): a
 proxy sees every request it sends, so its own count is exact for instances it alone feeds and
@@ -16,59 +16,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvmove.errors import ConfigError
-from kvmove.integrations.vllm.params import KVTransferParams, TransferMode
-from kvmove.serve.config import LOOPBACK_HOSTS, ConnectionLimits
+from kvmove.integrations.vllm.params import KVTransferParams
+from kvmove.serve.vllm.proxy_config import KV_MODES, ProxyConfig
 
 __all__ = ["KV_MODES", "Instance", "Pool", "ProxyConfig", "ProxyMetrics"]
 
-KV_MODES = tuple(mode.value for mode in TransferMode)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                     120.0)
-
-
-@dataclass(frozen=True, slots=True)
-class ProxyConfig:
-    """What the proxy needs; ``__post_init__`` refuses what cannot work."""
-
-    prefill: tuple[str, ...]
-    decode: tuple[str, ...]
-    kv_mode: TransferMode = TransferMode.PUSH
-    host: str = "127.0.0.1"
-    port: int = 8000
-    request_timeout: float = 120.0  # seconds: any upstream call, and a stream's gap
-    max_pending: int = 256
-    max_body_bytes: int = 4 * 2**20
-    connections: ConnectionLimits = ConnectionLimits()
-    allowed_hosts: tuple[str, ...] | None = None
-    log_level: str = "info"
-
-    def __post_init__(self) -> None:
-        for flag, urls in (("--vllm-prefill", self.prefill), ("--vllm-decode", self.decode)):
-            if not urls:
-                raise ConfigError(f"{flag} needs at least one URL")
-            for url in urls:
-                if not url.startswith(("http://", "https://")) or url.endswith("/"):
-                    raise ConfigError(f"{flag} {url!r} is not an http(s) URL without a "
-                                      "trailing slash, like http://10.0.0.1:8100")
-            if len(set(urls)) != len(urls):
-                raise ConfigError(f"{flag} names an instance twice: {' '.join(urls)}")
-        if self.kv_mode not in KV_MODES:
-            raise ConfigError(f"--kv-mode must be one of {', '.join(KV_MODES)}, got "
-                              f"{self.kv_mode!r}")
-        object.__setattr__(self, "kv_mode", TransferMode(self.kv_mode))
-        if not self.request_timeout > 0:
-            raise ConfigError(f"--request-timeout must be positive, got {self.request_timeout}")
-        for name in ("max_pending", "max_body_bytes"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-
-    def hosts(self) -> frozenset[str] | None:
-        """The Host names served, as ``ServeConfig.hosts`` (DNS rebinding); None: any."""
-        names = self.allowed_hosts or (*LOOPBACK_HOSTS, self.host)
-        if "*" in names:
-            return None
-        return frozenset(n.lower().strip("[]") for n in names)
 
 
 @dataclass(eq=False)
