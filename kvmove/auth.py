@@ -112,8 +112,9 @@ def resolve_key(key: bytes | str | None = None) -> DeploymentKey:
     return DeploymentKey(_host_key(), "host key")
 
 
-def key_from_file(path: str) -> DeploymentKey:
+def key_from_file(path: str, what: str = "KVMOVE_KEY_FILE") -> DeploymentKey:
     """The key a file holds (surrounding whitespace stripped), as ``KVMOVE_KEY_FILE`` reads it.
+    ``what`` names where the path came from in errors (``--key-file`` for a command line's).
 
     Raises:
         ConfigError: the file cannot be read, or holds fewer than ``MIN_KEY_BYTES``.
@@ -121,7 +122,7 @@ def key_from_file(path: str) -> DeploymentKey:
     try:
         data = Path(path).read_bytes().strip()
     except OSError as error:
-        raise ConfigError(f"cannot read KVMOVE_KEY_FILE {path!r}: {error.strerror}") from None
+        raise ConfigError(f"cannot read {what} {path!r}: {error.strerror}") from None
     return DeploymentKey(_checked(data, f"the key in {path!r}"), "KVMOVE_KEY_FILE")
 
 

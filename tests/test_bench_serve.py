@@ -406,7 +406,7 @@ needs_server = pytest.mark.skipif(not _serve_available(),
 def test_a_server_that_cannot_start_ends_the_run_with_its_error() -> None:
     config = ServeBenchConfig(modes=("colocated",), model="/nonexistent/model", timeout=60)
     with pytest.raises(BenchError, match=r"exited with status 2 before it was ready: .*"
-                       "neither a preset nor a directory"):
+                       "no such directory, and not a preset"):
         serve.run(config)
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import kvmove
 from kvmove import _log
-from kvmove.errors import ConfigError, KVMoveError
+from kvmove.errors import ConfigError, KVMoveError, UCXError
 from kvmove.integrations.vllm.params import TransferMode
 from kvmove.serve.config import MODES, ROUTINGS, ConnectionLimits, Mode, ServeConfig
 from kvmove.serve.planner import Bounds, parse_bounds
@@ -71,9 +71,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="disagg: add and drain prefill and decode workers as their queues and "
                    "utilisation say, within --prefill-workers / --decode-workers (docs/"
                    "serving.md, How the planner decides)")
-    p.add_argument("--prefill-workers", type=parse_bounds, default=None, metavar="MIN:MAX",
+    p.add_argument("--prefill-workers", type=_bounds, default=None, metavar="MIN:MAX",
                    help="the planner's bounds on the prefill pool (default 1:2x --prefill)")
-    p.add_argument("--decode-workers", type=parse_bounds, default=None, metavar="MIN:MAX",
+    p.add_argument("--decode-workers", type=_bounds, default=None, metavar="MIN:MAX",
                    help="the planner's bounds on the decode pool (default 1:2x --decode)")
     p.add_argument("--planner-interval", type=float, default=_DEFAULTS.planner_interval,
                    help="seconds between the planner's samples (default 1)")
@@ -112,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--store-host-gb", type=float, default=0.0,
                    help="a KVStore host-memory tier of this many GB per prefill or colocated "
                    "worker (default 0: none)")
-    p.add_argument("--store-disk-gb", type=float, default=16.0,
+    p.add_argument("--store-disk-gb", type=float, default=None,
                    help="the disk tier's size per worker with --store-dir (default 16)")
     p.add_argument("--no-checksums", action="store_true",
                    help="no per-block checksums on the KV hand-off (default: on; the decode "
@@ -188,9 +188,12 @@ def _model_facts(model: str) -> tuple[object, int]:
         config, path = MODEL_PRESETS[model], None
     else:
         config_file = os.path.join(model, "config.json")
+        if not os.path.isdir(model):
+            raise ConfigError(f"--model {model!r}: no such directory, and not a preset (one "
+                              f"of {', '.join(MODEL_PRESETS)})")
         if not os.path.isfile(config_file):
-            raise ConfigError(f"--model {model!r} is neither a preset nor a directory with a "
-                              "config.json")
+            raise ConfigError(f"--model {model!r}: the directory has no config.json (a "
+                              "Hugging Face checkpoint's)")
         with open(config_file) as f:
             config, path = ModelConfig.from_hf(json.load(f)), model
     return load_tokenizer(path, config), config.max_position_embeddings
@@ -333,6 +336,39 @@ def _ray_resources(parser: argparse.ArgumentParser,
     return resources
 
 
+def _bounds(text: str) -> Bounds:
+    """``parse_bounds`` as an argparse type: its message, not "invalid parse_bounds value"."""
+    try:
+        return parse_bounds(text)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _store_disk_gb(args: argparse.Namespace) -> float:
+    """--store-disk-gb, which sizes --store-dir's tier: refused without it (it was ignored)."""
+    if args.store_disk_gb is None:
+        return _DEFAULTS.store_disk_gb
+    if args.store_dir is None:
+        raise ConfigError("--store-disk-gb sizes the disk tier of --store-dir, which is not "
+                          "given")
+    return float(args.store_disk_gb)
+
+
+def _check_transports(transports: str | None) -> None:
+    """--transports that UCX cannot use here are a configuration error (exit 2), found
+    before any worker starts: a throwaway agent's UCX context tries them."""
+    if transports is None:
+        return
+    layout = kvmove.KVSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16",
+                           block_size=4)
+    try:
+        kvmove.Agent("kvmove-serve-transports", kvmove.KVCache(layout, 1),
+                     transports=transports).close()
+    except UCXError as error:
+        raise ConfigError(f"--transports {transports!r}: UCX cannot use them here "
+                          f"({error})") from None
+
+
 def _pair(bounds: Bounds | None) -> tuple[int, int] | None:
     return (bounds.low, bounds.high) if bounds is not None else None
 
@@ -376,7 +412,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace,
             transports=args.transports, request_timeout=args.request_timeout,
             transfer_timeout=args.transfer_timeout,
             pin_cpus=not args.no_pin_cpus, store_dir=args.store_dir,
-            store_host_gb=args.store_host_gb, store_disk_gb=args.store_disk_gb,
+            store_host_gb=args.store_host_gb, store_disk_gb=_store_disk_gb(args),
             checksums=not args.no_checksums, restart=not args.no_restart,
             log_level=log_level(args.log_level), max_pending=args.max_pending,
             max_body_bytes=args.max_body_bytes, connections=_connection_limits(args),
@@ -386,6 +422,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace,
             allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(","))
             if args.allowed_hosts is not None else None,
             ray=args.ray, ray_resources=_ray_resources(parser, args.ray_resources))
+        _check_transports(config.transports)
         _setup_logging(config.log_level)
         return asyncio.run(_serve(config))
     except ConfigError as error:

@@ -132,7 +132,7 @@ class ServeConfig:
             raise ConfigError(f"log_level must be one of {sorted(LEVELS)}, "
                               f"got {self.log_level!r}")
         if self.key_file is not None:
-            key_from_file(self.key_file)  # readable and long enough, or ConfigError now
+            key_from_file(self.key_file, "--key-file")  # readable, long enough, or an error
         if not is_loopback(self.agent_host) and self.key_file is None and \
                 resolve_key().host_only:
             raise ConfigError(f"agent_host {self.agent_host!r} is not loopback: give the "
