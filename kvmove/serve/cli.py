@@ -356,7 +356,8 @@ def _store_disk_gb(args: argparse.Namespace) -> float:
 
 def _check_transports(transports: str | None) -> None:
     """--transports that UCX cannot use here are a configuration error (exit 2), found
-    before any worker starts: a throwaway agent's UCX context tries them."""
+    before any worker starts: a throwaway agent's UCX context tries them. Not with --ray,
+    whose workers may run on hosts with other devices."""
     if transports is None:
         return
     layout = kvmove.KVSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16",
@@ -422,7 +423,8 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace,
             allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(","))
             if args.allowed_hosts is not None else None,
             ray=args.ray, ray_resources=_ray_resources(parser, args.ray_resources))
-        _check_transports(config.transports)
+        if not config.ray:  # Ray's workers may run on hosts with other devices than this
+            _check_transports(config.transports)
         _setup_logging(config.log_level)
         return asyncio.run(_serve(config))
     except ConfigError as error:
