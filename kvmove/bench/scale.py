@@ -137,11 +137,19 @@ def _lease_batch(receiver: Agent, sender: Agent, count: int, batch: int,
                  timeout: float) -> float:
     """Seconds from the first lease to the last load complete: ``count`` requests of block
     ``i`` (every layer) each into block ``i`` of its own lease."""
+    return _stream_all(receiver, [(sender, [i], [i], f"b{batch}-r{i}") for i in range(count)],
+                       timeout)
+
+
+def _stream_all(receiver: Agent, jobs: list[tuple[Agent, list[int], list[int], str]],
+                timeout: float) -> float:
+    """Each job ``(sender, src_ids, dst_ids, request_id)`` leased at once and streamed (every
+    layer); seconds from the first lease to the last load complete."""
     start = time.perf_counter()
-    loads = [receiver.expect(sender.name, f"b{batch}-r{i}", [i], timeout=timeout).start_load()
-             for i in range(count)]
-    streams = [sender.stream_to(receiver.name, [i], [i], f"b{batch}-r{i}", epoch=load.epoch)
-               for i, load in enumerate(loads)]
+    loads = [receiver.expect(sender.name, request, dst, timeout=timeout).start_load()
+             for sender, _, dst, request in jobs]
+    streams = [sender.stream_to(receiver.name, src, dst, request, epoch=load.epoch)
+               for (sender, src, dst, request), load in zip(jobs, loads)]
     for stream in streams:
         for layer in range(LAYOUT.num_layers):
             stream.save_layer(layer)
@@ -208,23 +216,9 @@ def _all_stream(receiver: Agent, senders: list[Agent], blocks: int, round_: int,
     """Every sender streams its ``blocks`` blocks into its own lease at once; seconds from the
     first lease to the last load complete. Verified."""
     receiver.cache.numpy()[...] = 0
-    start = time.perf_counter()
-    loads, streams = [], []
-    for p, sender in enumerate(senders):
-        dst = list(range(p * blocks, (p + 1) * blocks))
-        load = receiver.expect(sender.name, f"p{round_}", dst, timeout=timeout).start_load()
-        loads.append(load)
-        streams.append(sender.stream_to(receiver.name, list(range(blocks)), dst, f"p{round_}",
-                                        epoch=load.epoch))
-    for stream in streams:
-        for layer in range(LAYOUT.num_layers):
-            stream.save_layer(layer)
-        stream.finish()
-    for load in loads:
-        load.wait_all(timeout)
-    seconds = time.perf_counter() - start
-    for stream in streams:
-        stream.wait_for_save(timeout)
+    seconds = _stream_all(receiver, [(sender, list(range(blocks)),
+                                      list(range(p * blocks, (p + 1) * blocks)), f"p{round_}")
+                                     for p, sender in enumerate(senders)], timeout)
     for p, sender in enumerate(senders):
         _verify(receiver.cache, sender.cache, range(blocks), offset=p * blocks)
     return seconds
