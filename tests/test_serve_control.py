@@ -411,7 +411,7 @@ def test_finding_1_workers_share_the_key_file_they_are_given(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("content, message", [(b"short", "at least 16 bytes"),
-                                              (None, "cannot read KVMOVE_KEY_FILE")])
+                                              (None, "cannot read --key-file")])
 def test_finding_1_a_bad_key_file_is_refused_before_anything_starts(tmp_path, content,
                                                                      message) -> None:
     path = tmp_path / "k"
