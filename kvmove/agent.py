@@ -236,11 +236,7 @@ class Agent:
 
     def peer_kv_heads(self, name: str) -> tuple[int, int, int]:
         """``(first, count, total)``: the model's KV heads the peer's cache holds, as its
-        metadata says (a tensor-parallel rank's ``kv_heads``; ``(0, n, n)`` for all of them).
-
-        Raises:
-            PeerError: unknown peer.
-        """
+        metadata says (its ``kv_heads``; ``(0, n, n)``: all). PeerError for an unknown peer."""
         shape = self._core.peer_shape(name)
         return shape.head_first, shape.num_kv_heads, shape.total_kv_heads
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvmove.agent import Agent
@@ -121,16 +121,7 @@ class StagingArea:
             ConfigError: ``dst_ids`` do not hold ``num_tokens`` in ``cache``'s block size, and
                 what ``Agent.expect`` raises.
         """
-        _check_covers("dst_ids", len(dst_ids), num_tokens, self.cache.layout.block_size)
-        ids = self._allocate(num_tokens)
-        if ids is None:
-            return None
-        try:
-            stream = self.agent.expect(peer, request_id, ids, timeout=timeout)
-        except BaseException:
-            self._free(ids)
-            raise
-        return StagedLoad(self, stream, list(dst_ids), num_tokens)
+        return self._lease(self.agent.expect, peer, request_id, dst_ids, num_tokens, timeout)
 
     def offer(self, peer: str, request_id: str, dst_ids: Sequence[int], num_tokens: int, *,
               timeout: float = 60.0) -> StagedLoad | None:
@@ -142,12 +133,18 @@ class StagingArea:
             ConfigError: ``dst_ids`` do not hold ``num_tokens`` in ``cache``'s block size, and
                 what ``Agent.offer`` raises.
         """
+        return self._lease(self.agent.offer, peer, request_id, dst_ids, num_tokens, timeout)
+
+    def _lease(self, lease: Callable[..., LoadStream | None], peer: str, request_id: str,
+               dst_ids: Sequence[int], num_tokens: int, timeout: float) -> StagedLoad | None:
+        """``lease`` (the agent's expect or offer) on staging blocks for ``num_tokens``
+        tokens; their blocks back if it raises; None when they do not fit right now."""
         _check_covers("dst_ids", len(dst_ids), num_tokens, self.cache.layout.block_size)
         ids = self._allocate(num_tokens)
         if ids is None:
             return None
         try:
-            stream = self.agent.offer(peer, request_id, ids, timeout=timeout)
+            stream = lease(peer, request_id, ids, timeout=timeout)
         except BaseException:
             self._free(ids)
             raise
