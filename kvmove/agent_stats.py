@@ -53,3 +53,14 @@ class AgentStats:
     acks_missed: int
     unknown_senders: int
     messages_dropped: int
+
+    def trouble(self) -> str:
+        """The counters that say messages went astray or peers were cut off, those not 0, as
+        ``"unknown_senders=2, acks_missed=1"`` ("" when all are 0): for a failure's log line."""
+        return ", ".join(f"{name}={getattr(self, name)}" for name in TROUBLE
+                         if getattr(self, name))
+
+
+# AgentStats.trouble's counters.
+TROUBLE = ("unknown_senders", "messages_dropped", "messages_refused", "senders_disconnected",
+           "leases_expired", "acks_missed", "leases_quarantined")

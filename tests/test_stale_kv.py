@@ -118,9 +118,10 @@ def test_a_sender_late_after_the_lease_expired_changes_no_byte_of_the_next_reque
     old request's sender runs: every layer saved, finished. It is refused at its Begin, and
     0 bytes of the new request's blocks change."""
     old, ids = pair.lease("old", 4, timeout=0.2)
-    with pytest.raises(TimeoutError, match="expired"):
+    with pytest.raises(TimeoutError, match=r"expired: .*\(no Begin from the sender arrived\)"):
         old.wait_all(WAIT)
     assert old.released and pair.dec.stats().leases_expired == 1
+    assert pair.dec.stats().trouble() == "leases_expired=1"   # what a failure's log line adds
     pair.cache.pool.free(ids)
     new_ids = pair.cache.pool.allocate(4)
     assert sorted(new_ids) == sorted(ids), "the allocator gives the freed blocks back"
@@ -151,7 +152,8 @@ def test_a_slow_sender_is_cancelled_and_its_blocks_come_back_only_after_it_stopp
     src = pair.sender_blocks(4)
     pair.far.call("run_stream", "dec", src, ids, "slow", old.epoch, list(range(L)), 3003, 0.1,
                   b"", WAIT)
-    with pytest.raises(TimeoutError, match="expired"):
+    with pytest.raises(TimeoutError, match=r"expired: .*\(the sender began; \d+ of "
+                                           rf"{L} layers landed, no Final\)"):
         old.wait_all(WAIT)
     assert old.wait_released(WAIT), "the sender never answered the Cancel"
     landed = sum(old.layers_ready())
@@ -539,6 +541,37 @@ def test_a_final_that_is_never_acknowledged_fails_the_sender_after_its_ack_timeo
     pair = Pair(receiver_kwargs={"ack_timeout": 0.5})
     try:
         _final_without_ack(pair)
+    finally:
+        pair.close()
+
+
+def test_a_begin_never_answered_fails_the_sender_saying_the_begin_left():
+    """The receiver is paused before the sender's Begin (on a connection a first stream
+    set up): the stream fails at the ack timeout with nothing written, and its message says
+    the Begin was sent (the silence is the receiver's or the network's, not a queue here)."""
+    pair = Pair(receiver_kwargs={"ack_timeout": 0.5})
+    try:
+        src = pair.cache.pool.allocate(2)
+        epoch = pair.far.call("expect", "dec", "first", [0, 1])
+        first = pair.dec.stream_to("pre", src, [0, 1], "first", epoch=epoch)
+        for layer in range(L):
+            first.save_layer(layer)
+        first.finish(b"")
+        first.wait_for_save(WAIT)
+        epoch = pair.far.call("expect", "dec", "unanswered", [2, 3])
+        pair.far.pause()
+        try:
+            stream = pair.dec.stream_to("pre", src, [2, 3], "unanswered", epoch=epoch)
+            for layer in range(L):   # held here until a Go
+                stream.save_layer(layer)
+            stream.finish(b"")
+            with pytest.raises(TimeoutError, match=r"no answer to the Begin of .*'unanswered'.*"
+                               r"\(nothing was written; the Begin was sent\)"):
+                stream.wait_for_save(WAIT)
+            assert stream.state == StreamState.FAILED
+        finally:
+            pair.far.resume()
+        pair.cache.pool.free(src)
     finally:
         pair.close()
 

@@ -466,6 +466,11 @@ std::vector<bool> LoadStream::layers_ready() const {
     return std::vector<bool>(ready_.begin(), ready_.end());
 }
 
+int64_t LoadStream::num_layers_landed() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return std::count(landed_.begin(), landed_.end(), 1);
+}
+
 std::string LoadStream::payload() const {
     std::lock_guard<std::mutex> lock(mu_);
     return payload_;

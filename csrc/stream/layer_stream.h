@@ -160,6 +160,7 @@ public:
     void wait_for_layer(int64_t layer, double timeout_seconds) const;
     std::string wait_all(double timeout_seconds) const;  // returns the Final's payload
     std::vector<bool> layers_ready() const;
+    int64_t num_layers_landed() const;  // layers whose message arrived (checked or not)
     std::string payload() const;
     // True once no byte of this stream can land in the blocks any more.
     bool released() const;

@@ -183,9 +183,15 @@ void StreamProtocol::tick(double now) {
         }
         ++stats_.leases_expired;
         const std::shared_ptr<LoadStream> load = it->second.load;
-        end_lease(it->second, StreamState::Failed, ErrorKind::Timeout,
-                  "the lease of " + describe(load->request_id(), load->peer()) +
-                      " expired: not complete by its deadline");
+        end_lease(
+            it->second, StreamState::Failed, ErrorKind::Timeout,
+            "the lease of " + describe(load->request_id(), load->peer()) +
+                " expired: not complete by its deadline (" +
+                (it->second.phase == Lease::Phase::Granted
+                     ? std::string("no Begin from the sender arrived")
+                     : "the sender began; " + std::to_string(load->num_layers_landed()) + " of " +
+                           std::to_string(load->num_layers()) + " layers landed, no Final") +
+                ")");
     }
     std::sort(silent.begin(), silent.end());
     silent.erase(std::unique(silent.begin(), silent.end()), silent.end());
@@ -204,7 +210,11 @@ void StreamProtocol::tick(double now) {
                 (begun ? "no acknowledgement of the Final of " : "no answer to the Begin of ") +
                     describe(s->request_id(), s->peer()) + " within " +
                     std::to_string(config_.ack_timeout_seconds) + " s" +
-                    (begun ? "" : " (nothing was written)"));
+                    (begun ? ""
+                     : it->second.begin_sent
+                         ? " (nothing was written; the Begin was sent)"
+                         : " (nothing was written; the Begin is still unsent here: behind "
+                           "earlier transfers to that peer, or not taken by UCX)"));
             it = sending_.erase(it);
         } else {
             ++it;

@@ -162,7 +162,8 @@ private:
     };
     struct Sending {
         std::shared_ptr<SaveStream> stream;
-        double deadline;  // of the Begin's answer, then (once its Final is out) of the Ack
+        double deadline;          // of the Begin's answer, then (once its Final is out) of the Ack
+        bool begin_sent = false;  // the Begin's send completed here (for the timeout's message)
     };
     struct Lease {
         enum class Phase { Granted, Engaged, Cancelling };

@@ -38,7 +38,13 @@ std::shared_ptr<SaveStream> StreamProtocol::stream_to(const std::string& peer,
         // Ask first: nothing is written before the receiver's Go.
         port_.send(peer,
                    encode(lease_message(MessageKind::Begin, request_id, epoch, stream->ids_hash())),
-                   [this, stream](const PortOutcome& o) {
+                   [this, stream, peer, epoch](const PortOutcome& o) {
+                       if (o.ok) {
+                           auto it = sending_.find(SendKey{peer, epoch});
+                           if (it != sending_.end() && it->second.stream == stream) {
+                               it->second.begin_sent = true;
+                           }
+                       }
                        if (!o.ok && stream->complete(StreamState::Failed, o.kind,
                                                      "cannot ask '" + stream->peer() +
                                                          "' for its lease: " + o.error)) {

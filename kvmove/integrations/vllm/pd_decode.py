@@ -145,9 +145,9 @@ class PDDecodeWorker:
             logger.warning("kvmove: load of %s: %s", spec.req_id, error)
         except Exception as error:  # noqa: BLE001 - any failure: recompute, never hang
             errors = list(spec.blocks)
-            logger.warning("kvmove: load of %s from %s:%d failed after %.1f s: %s",
+            logger.warning("kvmove: load of %s from %s:%d failed after %.1f s: %s%s",
                            spec.req_id, spec.remote_host, spec.remote_port,
-                           time.monotonic() - started, error)
+                           time.monotonic() - started, error, self._trouble(incoming))
         if incoming.loads and errors:
             self._release(incoming)
         self._end(incoming, errors)
@@ -192,6 +192,14 @@ class PDDecodeWorker:
                 raise TimeoutError(f"no room in staging area {area.agent.name} for "
                                    f"{len(spec.blocks)} blocks within {self.timeout:.0f} s")
             time.sleep(STAGING_POLL_SECONDS)
+
+    def _trouble(self, incoming: _Incoming) -> str:
+        """What the agents of a failed load counted going astray (``AgentStats.trouble``):
+        "; agent X: unknown_senders=1", or ""."""
+        agents = {load.area.agent if isinstance(load, StagedLoad) else self.agent
+                  for load in incoming.loads} or {self.agent}
+        said = [f"agent {agent.name}: {agent.stats().trouble()}" for agent in agents]
+        return "".join(f"; {line}" for line in said if not line.endswith(": "))
 
     def _bad_blocks(self, incoming: _Incoming) -> list[int]:
         """The blocks a checksum failure spoiled: those the stream names on the cache's own

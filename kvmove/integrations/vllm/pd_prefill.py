@@ -311,8 +311,9 @@ class PDPrefillWorker:
                         len(out.blocks), one.overlapped, self.num_layers,
                         1e3 * (time.monotonic() - started))
         except KVMoveError as error:
-            logger.warning("kvmove: sending %s to %s failed: %s", out.key, one.stream.peer,
-                           error)
+            trouble = self.agent.stats().trouble()
+            logger.warning("kvmove: sending %s to %s failed: %s%s", out.key, one.stream.peer,
+                           error, f" (agent {self.agent.name}: {trouble})" if trouble else "")
             try:
                 one.stream.abort(timeout=self.timeout)
             except KVMoveError:
