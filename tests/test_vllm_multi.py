@@ -38,7 +38,7 @@ def multi_config() -> str:
     pd = json.loads(kv_transfer_config("kv_producer", kv_port=free_port(),
                                        lease_seconds=30.0, load_timeout=20.0))
     offload = json.loads(kv_transfer_config("kv_both", kv_port=free_port(), offload=True,
-                                            store_host_gb=0.05, load_rule="always"))
+                                            store_host_gb=0.05, load_policy="always"))
     return json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_both",
                        "kv_load_failure_policy": "recompute",
                        "kv_connector_extra_config": {"connectors": [pd, offload]}})

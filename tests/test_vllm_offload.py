@@ -54,12 +54,12 @@ def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-offload")
     model = write_checkpoint(str(root / "model"))
     disk = str(root / "store")
-    # load_rule "always": with the measured rule a tiny model's recompute (~0.3 ms a block
+    # load_policy "always": with "auto" a tiny model's recompute (~0.3 ms a block
     # here) and a 64 KiB O_DIRECT read are too close to call, and the second request may
     # load its host blocks alone; these tests are about what is loaded, not when it pays.
     config = kv_transfer_config("kv_both", kv_port=free_port(), offload=True,
                                 store_host_gb=HOST_BLOCKS * _block_nbytes() / (1 << 30),
-                                store_disk_dir=disk, store_disk_gb=0.01, load_rule="always")
+                                store_disk_dir=disk, store_disk_gb=0.01, load_policy="always")
     with VLLMServer(model, name="plain", args=SERVER_ARGS, log_dir=str(root)) as plain, \
             VLLMServer(model, name="offload", kv_config=config, args=SERVER_ARGS,
                        log_dir=str(root)) as offload:

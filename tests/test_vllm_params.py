@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kvmove.errors import ConfigError
-from kvmove.integrations.vllm.config import ConnectorConfig, KVRole, LoadRule
+from kvmove.integrations.vllm.config import ConnectorConfig, KVRole, LoadPolicy
 from kvmove.integrations.vllm.params import KVTransferParams, TransferMode, mark_handed_off
 
 from helpers.checks import WORKDIR
@@ -200,13 +200,35 @@ def test_a_prefill_needs_a_host() -> None:
         ConnectorConfig.from_vllm(_vllm_config("kv_producer", host=""))
 
 
-def test_load_rule_is_an_enum() -> None:
-    config = ConnectorConfig.from_vllm(_vllm_config("kv_both", offload=True, load_rule="never"))
-    assert config.load_rule is LoadRule.NEVER
-    assert ConnectorConfig.from_vllm(_vllm_config("kv_both")).load_rule is LoadRule.MEASURED
-    with pytest.raises(ConfigError, match=r"'load_rule'\] must be one of \['measured', "
+def test_load_policy_speaks_the_stores_words() -> None:
+    """The connector's key and values are KVStore's (``load_policy``: auto, always; and
+    never), checked as an enum."""
+    config = ConnectorConfig.from_vllm(_vllm_config("kv_both", offload=True,
+                                                    load_policy="never"))
+    assert config.load_policy is LoadPolicy.NEVER
+    assert ConnectorConfig.from_vllm(_vllm_config("kv_both")).load_policy is LoadPolicy.AUTO
+    with pytest.raises(ConfigError, match=r"'load_policy'\] must be one of \['auto', "
                                           r"'always', 'never'\], got 'sometimes'"):
-        ConnectorConfig.from_vllm(_vllm_config("kv_both", load_rule="sometimes"))
+        ConnectorConfig.from_vllm(_vllm_config("kv_both", load_policy="sometimes"))
+
+
+@pytest.mark.parametrize(("rule", "policy"), [("measured", LoadPolicy.AUTO),
+                                              ("always", LoadPolicy.ALWAYS),
+                                              ("never", LoadPolicy.NEVER)])
+def test_the_old_load_rule_key_still_works_with_a_warning(caplog, rule: str,
+                                                          policy: LoadPolicy) -> None:
+    """A config written for the old name keeps working (its value translated), and the log
+    says the new name; both names at once, or an old value that never existed, are refused."""
+    with caplog.at_level("WARNING", logger="vllm.kvmove.config"):
+        config = ConnectorConfig.from_vllm(_vllm_config("kv_both", offload=True,
+                                                        load_rule=rule))
+    assert config.load_policy is policy
+    assert "['load_rule'] is now 'load_policy'" in caplog.text
+    with pytest.raises(ConfigError, match="both 'load_policy' and 'load_rule'"):
+        ConnectorConfig.from_vllm(_vllm_config("kv_both", load_rule=rule, load_policy="auto"))
+    with pytest.raises(ConfigError, match=r"'load_rule'\] \(now 'load_policy'\) must be one "
+                                          r"of \['always', 'measured', 'never'\], got 'auto'"):
+        ConnectorConfig.from_vllm(_vllm_config("kv_both", load_rule="auto"))
 
 
 def test_net_devices_is_a_setting_of_its_own() -> None:

@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import enum
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import kvmove
 from kvmove.errors import ConfigError
+
+# Under "vllm.": vLLM's handlers print it beside its own lines.
+logger = logging.getLogger("vllm.kvmove.config")
 
 
 class KVRole(enum.StrEnum):
@@ -20,12 +24,19 @@ class KVRole(enum.StrEnum):
     BOTH = "kv_both"           # either, per request (its kv_transfer_params), as NixlConnector
 
 
-class LoadRule(enum.StrEnum):
-    """Offload's ``load_rule``: which stored blocks a request loads instead of computing."""
+class LoadPolicy(enum.StrEnum):
+    """Offload's ``load_policy``: which stored blocks a request loads instead of computing
+    (``KVStore``'s ``load_policy`` values, and ``never``)."""
 
-    MEASURED = "measured"      # those whose load beats recomputing them (measured)
+    AUTO = "auto"              # those whose load beats recomputing them (measured)
     ALWAYS = "always"          # whatever is stored
     NEVER = "never"            # none: store, never load
+
+
+# The key's old name and values (the store said load_policy, the connector load_rule): still
+# taken, with a warning.
+OLD_LOAD_RULE = {"measured": LoadPolicy.AUTO, "always": LoadPolicy.ALWAYS,
+                 "never": LoadPolicy.NEVER}
 
 
 # kv_connector_extra_config keys, their types and defaults (docs/vllm.md explains each).
@@ -47,7 +58,7 @@ EXTRA_KEYS: dict[str, tuple[type | tuple[type, ...], Any]] = {
     "store_host_gb": ((int, float), 1.0),
     "store_disk_dir": ((str, type(None)), None),
     "store_disk_gb": ((int, float), 16.0),
-    "load_rule": (str, LoadRule.MEASURED.value),
+    "load_policy": (str, LoadPolicy.AUTO.value),
 }
 
 
@@ -132,6 +143,7 @@ def _dp_rank(parallel: Any) -> int:
 
 def parse_extra(extra: dict[str, Any]) -> dict[str, Any]:
     """``kv_connector_extra_config`` checked against ``EXTRA_KEYS``, defaults filled in."""
+    extra = _renamed_load_rule(extra)
     unknown = sorted(set(extra) - set(EXTRA_KEYS))
     if unknown:
         raise ConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; kvmove's "
@@ -152,12 +164,31 @@ def parse_extra(extra: dict[str, Any]) -> dict[str, Any]:
     if isinstance(staging_blocks, int) and staging_blocks < 1:
         raise ConfigError(f"kv_connector_extra_config['staging_blocks'] must be a positive "
                           f"int, got {staging_blocks!r}")
-    rules = [r.value for r in LoadRule]
-    if settings["load_rule"] not in rules:
-        raise ConfigError(f"kv_connector_extra_config['load_rule'] must be one of {rules}, "
-                          f"got {settings['load_rule']!r}")
-    settings["load_rule"] = LoadRule(settings["load_rule"])
+    policies = [p.value for p in LoadPolicy]
+    if settings["load_policy"] not in policies:
+        raise ConfigError(f"kv_connector_extra_config['load_policy'] must be one of "
+                          f"{policies}, got {settings['load_policy']!r}")
+    settings["load_policy"] = LoadPolicy(settings["load_policy"])
     return settings
+
+
+def _renamed_load_rule(extra: dict[str, Any]) -> dict[str, Any]:
+    """``load_rule`` (the old name) as ``load_policy``, with a warning; both: an error."""
+    if "load_rule" not in extra:
+        return extra
+    extra = dict(extra)
+    rule = extra.pop("load_rule")
+    if "load_policy" in extra:
+        raise ConfigError("kv_connector_extra_config has both 'load_policy' and 'load_rule' "
+                          "(its old name): keep 'load_policy'")
+    if rule not in OLD_LOAD_RULE:
+        raise ConfigError(f"kv_connector_extra_config['load_rule'] (now 'load_policy') must be "
+                          f"one of {sorted(OLD_LOAD_RULE)}, got {rule!r}")
+    extra["load_policy"] = OLD_LOAD_RULE[rule].value
+    logger.warning("kvmove: kv_connector_extra_config['load_rule'] is now 'load_policy' "
+                   "(auto, always, never: the KVStore's words); read %r as load_policy %r",
+                   rule, extra["load_policy"])
+    return extra
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:

@@ -50,7 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 import kvmove
 from kvmove.errors import ConfigError, TimeoutError
-from kvmove.integrations.vllm.config import ConnectorConfig, LoadRule, layout_of, wrap_kv_caches
+from kvmove.integrations.vllm.config import ConnectorConfig, LoadPolicy, layout_of, wrap_kv_caches
 from kvmove.runtime import unpinned
 from kvmove.store import decide_load
 
@@ -127,7 +127,7 @@ class OffloadScheduler:
         _log_to_vllm()
         self.layout = layout_of(vllm_config)
         self.block_size = self.layout.block_size
-        self.load_rule = config.load_rule
+        self.load_policy = config.load_policy
         self._index: dict[int, str] = {}   # store key -> tier: the worker store's mirror
         self._read_gbps: dict[str, float | None] = {}
         self._prefill_tps: float | None = None
@@ -139,7 +139,7 @@ class OffloadScheduler:
                                    num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens to load: the stored blocks after the computed ones that the measured rule
         says to load. Never the whole prompt: vLLM computes at least its last token."""
-        if self.load_rule is LoadRule.NEVER or not self._index:
+        if self.load_policy is LoadPolicy.NEVER or not self._index:
             return 0, False
         start = num_computed_tokens // self.block_size
         limit = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
@@ -152,7 +152,7 @@ class OffloadScheduler:
             tiers.append(tier)
         if not keys:
             return 0, False
-        policy = "always" if self.load_rule is LoadRule.ALWAYS else "auto"
+        policy = "always" if self.load_policy is LoadPolicy.ALWAYS else "auto"
         found = decide_load(tiers, self._read_gbps, self._prefill_tps, self.layout, policy)
         logger.info("kvmove offload: request %s: %d stored blocks after %d computed tokens "
                     "(%s), load %d: est. load %s s, recompute %s s", request.request_id,
