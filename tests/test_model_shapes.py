@@ -65,6 +65,18 @@ def test_rejects_a_path_that_is_nothing(tmp_path: Path) -> None:
         resolve_model("nowhere", 16)
 
 
+@pytest.mark.parametrize("model", ["meta-llama/Llama-3.1-8B", "deepseek-ai/DeepSeek-V3"])
+def test_a_hugging_face_id_gets_told_to_download_its_config(model: str) -> None:
+    with pytest.raises(ConfigError, match=rf"'{model}' looks like a Hugging Face id, .*"
+                                          rf"hf download {model} config.json --local-dir DIR"):
+        resolve_model(model, 16)
+
+
+def test_a_missing_path_with_a_slash_is_no_hugging_face_id() -> None:
+    with pytest.raises(ConfigError, match=r"is neither a preset"):
+        resolve_model("./models/x", 16)
+
+
 def test_rejects_a_directory_without_config(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="has no config.json"):
         resolve_model(str(tmp_path), 16)

@@ -11,6 +11,7 @@ no torch.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, replace
 
 from kvmove.engine.config import ModelConfig
@@ -45,6 +46,10 @@ def _preset_shape(name: str) -> ModelConfig:
 PRESET_SHAPES: dict[str, ModelConfig] = {name: _preset_shape(name) for name in PRESETS}
 
 
+# "org/name" that is no path here: a Hugging Face model id.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
 @dataclass(frozen=True, slots=True)
 class ModelChoice:
     """What ``--model`` named: a display name, the model's shape and its KV layout."""
@@ -71,6 +76,11 @@ def resolve_model(model: str, block_size: int, dtype: str | None = None) -> Mode
                            KVSpec.preset(model, dtype=dtype or "float16",
                                            block_size=block_size))
     if not os.path.exists(model):
+        if HUB_ID.fullmatch(model):
+            raise ConfigError(f"--model {model!r} looks like a Hugging Face id, and kvmove "
+                              f"reads no hub (nothing is downloaded): download its config.json "
+                              f"(hf download {model} config.json --local-dir DIR) and pass "
+                              f"DIR or the file; or a preset ({', '.join(PRESETS)})")
         raise ConfigError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor "
                           "a config.json or a directory holding one")
     shape = ModelConfig.from_hf_file(model, shape_only=True)
