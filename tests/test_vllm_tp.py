@@ -42,6 +42,12 @@ def _args(tp: int, *more: str) -> tuple[str, ...]:
     return ("--block-size", str(BLOCK_SIZE), "--tensor-parallel-size", str(tp), *more)
 
 
+def _kvmove_lines(server: VLLMServer, *words: str) -> list[str]:
+    """The server's kvmove log lines holding any of ``words``."""
+    return [line for line in server.log_text().splitlines() if "kvmove" in line and
+            any(word in line for word in words)]
+
+
 def _env(tp: int) -> dict[str, str]:
     return ENV if tp > 1 else {}
 
@@ -81,19 +87,21 @@ def test_pd_between_tensor_parallel_sizes_gives_a_plain_vllms_answers(
         # each request, on each decode rank (a new push proxy's first request goes the pull
         # way: it learns the prefill's kvmove address from that answer)
         expected_loads = decode_tp * len(PROMPTS) * len(modes)
-        if prefill_tp == decode_tp:
-            assert len(loads) == expected_loads, loads
-        else:
-            # Known open (issue 29 stays open): on 2 overloaded cores a prefill's Begin to a
-            # decode's staging agent has gone unanswered for 10 s, and that one request was
-            # recomputed (its answer still right, as asserted above). At most one per run.
-            assert len(loads) >= expected_loads - 1, loads
+        # Known open (issue 29 stays open): in CI, on 2 loaded cores, a push-mode lease of an
+        # unequal-TP decode's staging agent has expired unengaged (its prefill rank's Begin
+        # unanswered for 10 s), and that one request was recomputed: its answer still right, as
+        # asserted above. Not reproduced in 9 runs here; the log lines now say where the Begin
+        # went. At most one such load per run, and no other kind of failure.
+        expired = [line for line in _kvmove_lines(decode, "failed")
+                   if "expired" in line and "no Begin from the sender arrived" in line]
+        tolerated = 1 if prefill_tp != decode_tp and len(expired) == 1 else 0
+        assert len(loads) == expected_loads - tolerated, (loads, expired)
         assert {mode for _, mode, *_ in loads} == set(modes), loads
         # no load refused or failed (a prefill's late acknowledgement of a Final on the loaded
         # 2-core CI machine is not a wrong pairing: the decode loaded, as counted above)
         for server, words in ((decode, ("refused", "differ", "failed")),
                               (prefill, ("refused", "differ"))):
-            bad = [line for line in server.log_text().splitlines() if "kvmove" in line and
-                   any(word in line for word in words)]
+            bad = [line for line in _kvmove_lines(server, *words)
+                   if line not in expired[:tolerated]]
             assert not bad, f"{server.name}: {bad}"
         assert wait_idle(prefill, decode) == {prefill.name: 0.0, decode.name: 0.0}
