@@ -14,7 +14,9 @@ import os
 import re
 from dataclasses import dataclass, replace
 
-from kvmove.engine.config import ModelConfig
+from kvmove.bench import model_arch
+from kvmove.bench.model_arch import ARCH_MODEL_TYPES, DENSE, Arch
+from kvmove.engine.config import SHAPE_MODEL_TYPES, ModelConfig
 from kvmove.errors import ConfigError
 from kvmove.kv_spec import PRESETS, KVSpec
 
@@ -57,6 +59,7 @@ class ModelChoice:
     name: str
     shape: ModelConfig
     layout: KVSpec
+    arch: Arch = DENSE   # MLA and MoE parts (model_arch.py)
 
 
 def resolve_model(model: str, block_size: int, dtype: str | None = None) -> ModelChoice:
@@ -83,7 +86,15 @@ def resolve_model(model: str, block_size: int, dtype: str | None = None) -> Mode
                               f"DIR or the file; or a preset ({', '.join(PRESETS)})")
         raise ConfigError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor "
                           "a config.json or a directory holding one")
-    shape = ModelConfig.from_hf_file(model, shape_only=True)
-    layout = shape.kv_spec(block_size)
+    hf = ModelConfig.read_hf_file(model)
+    model_type = hf.get("model_type", "llama")
+    if model_type not in SHAPE_MODEL_TYPES + ARCH_MODEL_TYPES:
+        raise ConfigError(f"--model {model!r}: model_type {model_type!r} is not one the "
+                          f"planner reads ({', '.join(SHAPE_MODEL_TYPES + ARCH_MODEL_TYPES)})")
+    if model_type in ARCH_MODEL_TYPES:
+        shape, arch = model_arch.from_hf(hf)
+    else:
+        shape, arch = ModelConfig.from_hf(hf, shape_only=True), DENSE
+    layout = arch.kv_spec(shape, block_size)
     return ModelChoice(os.path.normpath(model), shape,
-                       replace(layout, dtype=dtype) if dtype else layout)
+                       replace(layout, dtype=dtype) if dtype else layout, arch)

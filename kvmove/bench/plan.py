@@ -22,11 +22,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvmove.bench import prefill as prefill_estimate
-from kvmove.bench.model_shapes import resolve_model
+from kvmove.bench.model_shapes import ModelChoice, resolve_model
 from kvmove.bench.options import add_prompt_args
 from kvmove.bench.prefill import PrefillEstimate
 from kvmove.bench.report import aligned, human_bytes, ms
-from kvmove.engine.config import ModelConfig
 from kvmove.errors import ConfigError
 from kvmove.kv_spec import DTYPE_BYTES, KVSpec
 from kvmove.validation import require_positive_finite, require_positive_int
@@ -377,19 +376,22 @@ def _typed(parse: Any) -> Any:
 
 def run_command(args: argparse.Namespace) -> int:
     choice = resolve_model(args.model, args.block_size, args.dtype)
-    estimate = _prefill(args, choice.shape)
+    estimate = _prefill(args, choice)
     links = merge_links(DEFAULT_LINKS, args.link)
-    result = plan(choice.layout, args.tokens, estimate.ms, links, model=choice.name,
+    described = choice.arch.describe()
+    result = plan(choice.layout, args.tokens, estimate.ms, links,
+                  model=f"{choice.name} ({described})" if described else choice.name,
                   prefill=estimate)
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))
     return 0
 
 
-def _prefill(args: argparse.Namespace, shape: ModelConfig) -> PrefillEstimate:
+def _prefill(args: argparse.Namespace, choice: ModelChoice) -> PrefillEstimate:
     """--prefill-ms as given, else this machine's engine rate, else FLOPs on --gpu."""
     if args.prefill_ms is not None:
         return prefill_estimate.given(args.prefill_ms)
     if args.engine_report is not None:
-        return prefill_estimate.from_engine_report(shape, args.tokens, args.engine_report)
-    return prefill_estimate.on_accelerator(shape, args.tokens, args.gpu, args.tp,
-                                           args.utilization)
+        return prefill_estimate.from_engine_report(choice.shape, args.tokens,
+                                                   args.engine_report, choice.arch)
+    return prefill_estimate.on_accelerator(choice.shape, args.tokens, args.gpu, args.tp,
+                                           args.utilization, choice.arch)

@@ -26,6 +26,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from kvmove.bench.model_arch import DENSE, Arch
 from kvmove.engine.config import ModelConfig
 from kvmove.errors import ConfigError
 from kvmove.validation import require_positive_finite, require_positive_int
@@ -75,12 +76,18 @@ def parse_accelerator(text: str) -> Accelerator:
                           f"got {tflops!r}") from None
 
 
-def matmul_params(shape: ModelConfig) -> int:
+def matmul_params(shape: ModelConfig, arch: Arch = DENSE) -> int:
     """Weights every token multiplies: per layer q, o (heads x head_dim), k, v (KV heads x
-    head_dim) and the MLP's gate, up and down; times the layers."""
-    attention = 2 * shape.hidden_size * (shape.num_heads + shape.num_kv_heads) * shape.head_dim
-    mlp = 3 * shape.hidden_size * shape.intermediate_size
-    return shape.num_layers * (attention + mlp)
+    head_dim) and the MLP's gate, up and down; times the layers. MLA and MoE as
+    ``kvmove.bench.model_arch`` says (an MoE token: its active experts only)."""
+    hidden = shape.hidden_size
+    if arch.mla is not None:
+        attention = arch.mla.params_per_layer(hidden, shape.num_heads)
+    else:
+        attention = 2 * hidden * (shape.num_heads + shape.num_kv_heads) * shape.head_dim
+    mlp = (arch.moe.mlp_params(shape) if arch.moe is not None
+           else shape.num_layers * 3 * hidden * shape.intermediate_size)
+    return shape.num_layers * attention + mlp
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,14 +103,17 @@ class PrefillFlops:
         return self.weights + self.lm_head + self.attention
 
 
-def prefill_flops(shape: ModelConfig, num_tokens: int) -> PrefillFlops:
+def prefill_flops(shape: ModelConfig, num_tokens: int, arch: Arch = DENSE) -> PrefillFlops:
     """FLOPs of one ``num_tokens``-token prefill of ``shape`` (the module docstring)."""
     require_positive_int("num_tokens", num_tokens)
     pairs_x2 = num_tokens * (num_tokens + 1)
+    # QK^T and PV dimensions per head (MLA: nope + rope, and v)
+    qk_pv = (2 * shape.head_dim if arch.mla is None else
+             arch.mla.qk_nope_head_dim + arch.mla.qk_rope_head_dim + arch.mla.v_head_dim)
     return PrefillFlops(
-        weights=2.0 * matmul_params(shape) * num_tokens,
+        weights=2.0 * matmul_params(shape, arch) * num_tokens,
         lm_head=2.0 * shape.hidden_size * shape.vocab_size,
-        attention=2.0 * shape.num_layers * shape.num_heads * shape.head_dim * pairs_x2)
+        attention=1.0 * shape.num_layers * shape.num_heads * qk_pv * pairs_x2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,12 +140,13 @@ def given(ms: float) -> PrefillEstimate:
 
 
 def on_accelerator(shape: ModelConfig, num_tokens: int, gpu: Accelerator, tp: int = 1,
-                   utilization: float = DEFAULT_UTILIZATION) -> PrefillEstimate:
+                   utilization: float = DEFAULT_UTILIZATION,
+                   arch: Arch = DENSE) -> PrefillEstimate:
     """FLOPs over ``tp`` GPUs' peak times ``utilization`` (0 < utilization <= 1)."""
     require_positive_int("tp", tp)
     if not 0.0 < utilization <= 1.0:
         raise ConfigError(f"utilization must be in (0, 1], got {utilization!r}")
-    flops = prefill_flops(shape, num_tokens)
+    flops = prefill_flops(shape, num_tokens, arch)
     rate = tp * gpu.dense_bf16_tflops * 1e12 * utilization
     basis = (f"estimated: {flops.total:.3g} FLOPs on {tp} x {gpu.name} at "
              f"{gpu.dense_bf16_tflops:g} TFLOP/s dense bf16 peak, "
@@ -146,7 +157,8 @@ def on_accelerator(shape: ModelConfig, num_tokens: int, gpu: Accelerator, tp: in
         "peak_tflops": gpu.dense_bf16_tflops, "tp": tp, "utilization": utilization})
 
 
-def from_engine_report(shape: ModelConfig, num_tokens: int, path: str) -> PrefillEstimate:
+def from_engine_report(shape: ModelConfig, num_tokens: int, path: str,
+                       arch: Arch = DENSE) -> PrefillEstimate:
     """This model's FLOPs at the FLOP rate of the reference engine's measured prefill in a
     ``kvmove-bench engine --json`` report (``path``).
 
@@ -155,7 +167,7 @@ def from_engine_report(shape: ModelConfig, num_tokens: int, path: str) -> Prefil
     """
     engine_shape, engine_tokens, seconds = _read_engine_report(path)
     rate = prefill_flops(engine_shape, engine_tokens).total / seconds
-    flops = prefill_flops(shape, num_tokens).total
+    flops = prefill_flops(shape, num_tokens, arch).total
     basis = (f"this machine's engine prefill ({engine_tokens:,} tokens in {seconds * 1e3:,.0f} "
              f"ms = {rate / 1e12:.3g} TFLOP/s achieved, {path}), scaled by FLOPs: "
              f"{flops:.3g} FLOPs")

@@ -22,9 +22,10 @@ __all__ = ["MODEL_PRESETS", "SHAPE_MODEL_TYPES", "ModelConfig"]
 
 # model_type values whose config.json spells a dense decoder's shape with Llama's field names
 # (layers, heads, KV heads, head_dim, MLP width, vocabulary). ``from_hf(shape_only=True)``
-# accepts them; the engine runs only "llama". Mixture-of-experts types (e.g. "qwen3_moe",
-# "mixtral") are left out on purpose: their intermediate_size is one expert's, so a dense
-# FLOP count from it would be wrong.
+# accepts them; the engine runs only "llama". Mixture-of-experts and MLA types (e.g.
+# "qwen3_moe", "mixtral", "deepseek_v3") are left out on purpose: their intermediate_size is
+# one expert's and their KV is no K and V per head, so a dense shape would be wrong; the
+# planner reads them with kvmove.bench.model_arch.
 SHAPE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -136,6 +137,15 @@ class ModelConfig:
         Raises:
             ConfigError: no such file, or not JSON, or what ``from_hf`` refuses.
         """
+        return cls.from_hf(cls.read_hf_file(path), shape_only=shape_only)
+
+    @staticmethod
+    def read_hf_file(path: str) -> dict[str, Any]:
+        """The parsed ``config.json`` file ``path``, or the one in directory ``path``.
+
+        Raises:
+            ConfigError: no such file, or not a JSON object.
+        """
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
             raise ConfigError(f"{path!r} has no config.json" if os.path.isdir(path)
@@ -147,7 +157,7 @@ class ModelConfig:
             raise ConfigError(f"cannot read {file!r} as a config.json: {error}") from None
         if not isinstance(hf, dict):
             raise ConfigError(f"{file!r} holds a JSON {type(hf).__name__}, not an object")
-        return cls.from_hf(hf, shape_only=shape_only)
+        return hf
 
 
 def _check_model_type(hf: dict[str, Any], allowed: tuple[str, ...]) -> None:
