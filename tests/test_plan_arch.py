@@ -99,3 +99,15 @@ def test_a_model_type_the_planner_cannot_read_names_those_it_can(tmp_path: Path)
     with pytest.raises(ConfigError, match=r"model_type 'gemma3' is not one the planner reads "
                                           r"\(llama, .*deepseek_v3, mixtral, qwen3_moe\)"):
         resolve_model(str(write_config(tmp_path, {**MIXTRAL_8X7B, "model_type": "gemma3"})), 16)
+
+
+def test_plan_plot_draws_the_links_against_the_prefill(tmp_path: Path) -> None:
+    """``--plot``: a PNG of the transfer per link beside the prefill (matplotlib, the bench
+    extra, which the test extra carries too)."""
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plan.png"
+    out = subprocess.run([sys.executable, "-m", "kvmove.bench.cli", "plan", "--model",
+                          str(write_config(tmp_path, DEEPSEEK_V3)), "--plot", str(png)],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

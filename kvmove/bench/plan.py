@@ -23,9 +23,9 @@ from typing import Any
 
 from kvmove.bench import prefill as prefill_estimate
 from kvmove.bench.model_shapes import ModelChoice, resolve_model
-from kvmove.bench.options import add_prompt_args
+from kvmove.bench.options import add_prompt_args, check_plot
 from kvmove.bench.prefill import PrefillEstimate
-from kvmove.bench.report import aligned, human_bytes, ms
+from kvmove.bench.report import aligned, human_bytes, ms, pyplot, save_figure
 from kvmove.errors import ConfigError
 from kvmove.kv_spec import DTYPE_BYTES, KVSpec
 from kvmove.validation import require_positive_finite, require_positive_int
@@ -360,6 +360,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                      help="KV element type (default: float16 for a preset, the checkpoint's "
                      "dtype for a config.json)")
     sub.add_argument("--json", action="store_true", help="print the plan as JSON only")
+    sub.add_argument("--plot", metavar="PNG", default=None,
+                     help="also draw transfer time per link against the prefill, as bars, to "
+                     "this PNG (needs matplotlib: kvmove[bench])")
     sub.set_defaults(run=run_command)
 
 
@@ -375,6 +378,8 @@ def _typed(parse: Any) -> Any:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    if args.plot:
+        check_plot(args.plot)
     choice = resolve_model(args.model, args.block_size, args.dtype)
     estimate = _prefill(args, choice)
     links = merge_links(DEFAULT_LINKS, args.link)
@@ -383,7 +388,30 @@ def run_command(args: argparse.Namespace) -> int:
                   model=f"{choice.name} ({described})" if described else choice.name,
                   prefill=estimate)
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))
+    if args.plot:
+        plot_plan(result, args.plot)
     return 0
+
+
+def plot_plan(result: Plan, path: str) -> None:
+    """Per link, bars of the whole transfer and of what streaming leaves exposed, beside a
+    line at the prefill time (a log scale: links differ by orders of magnitude)."""
+    plt = pyplot()
+    rows = list(result.rows)
+    fig, ax = plt.subplots(figsize=(8, 2.0 + 0.6 * len(rows)))
+    where = range(len(rows))
+    ax.barh([y + 0.2 for y in where], [r.transfer_ms for r in rows], height=0.4,
+            label="transfer, whole prompt (ms)")
+    ax.barh([y - 0.2 for y in where], [max(r.exposed_ms, 1e-3) for r in rows], height=0.4,
+            label="exposed when streamed layer by layer (ms)")
+    ax.axvline(result.prefill_ms, color="black", linestyle="--",
+               label=f"prefill {result.prefill_ms:,.0f} ms")
+    ax.set_yticks(list(where), [f"{r.link.name} ({r.link.gbytes_per_s:g} GB/s)" for r in rows])
+    ax.set(xscale="log", xlabel="ms")
+    ax.set_title(f"{result.model or 'KV'}\n{result.num_tokens:,} tokens, "
+                 f"{human_bytes(result.kv_bytes)} of KV", fontsize=9)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2)
+    save_figure(fig, path)
 
 
 def _prefill(args: argparse.Namespace, choice: ModelChoice) -> PrefillEstimate:
