@@ -4,9 +4,14 @@ exports each as a metric."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["AgentStats"]
+if TYPE_CHECKING:
+    from kvmove.agent import Agent
+
+__all__ = ["AgentStats", "trouble_note"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +64,13 @@ class AgentStats:
         ``"unknown_senders=2, acks_missed=1"`` ("" when all are 0): for a failure's log line."""
         return ", ".join(f"{name}={getattr(self, name)}" for name in TROUBLE
                          if getattr(self, name))
+
+
+def trouble_note(agents: Iterable[Agent]) -> str:
+    """``"; agent X: unknown_senders=1"`` for each of ``agents`` whose ``trouble()`` is not
+    empty ("" when none): what a failure's log line adds."""
+    said = ((agent.name, agent.stats().trouble()) for agent in agents)
+    return "".join(f"; agent {name}: {trouble}" for name, trouble in said if trouble)
 
 
 # AgentStats.trouble's counters.

@@ -55,7 +55,7 @@ def test_moe_flops_count_the_active_parameters(tmp_path: Path, config: dict,
 
 def test_deepseek_v3_caches_one_latent_per_token_and_layer(tmp_path: Path) -> None:
     """512 + 64 elements, bf16: 1,152 bytes per token and layer, 70,272 over 61 layers (its
-    128 heads of K and V would take 4 MiB a token): what the plan moves."""
+    128 heads of K and V would take 4.8 MiB a token): what the plan moves."""
     choice = resolve_model(str(write_config(tmp_path, DEEPSEEK_V3)), 64)
     assert choice.layout == KVSpec(61, 1, 576, dtype="bfloat16", block_size=64, mla=True)
     assert choice.layout.bytes_per_token_per_layer == 1152

@@ -24,6 +24,7 @@ import pytest
 
 import kvmove
 from kvmove import StreamState
+from kvmove.agent_stats import trouble_note
 from kvmove.bench.harness import ChildError
 from kvmove.errors import ChecksumError, PeerError, TimeoutError, TransferError
 
@@ -122,6 +123,7 @@ def test_a_sender_late_after_the_lease_expired_changes_no_byte_of_the_next_reque
         old.wait_all(WAIT)
     assert old.released and pair.dec.stats().leases_expired == 1
     assert pair.dec.stats().trouble() == "leases_expired=1"   # what a failure's log line adds
+    assert trouble_note([pair.dec]) == "; agent dec: leases_expired=1"
     pair.cache.pool.free(ids)
     new_ids = pair.cache.pool.allocate(4)
     assert sorted(new_ids) == sorted(ids), "the allocator gives the freed blocks back"

@@ -88,7 +88,8 @@ class Arch:
                       dtype=shape.dtype, block_size=block_size, mla=True)
 
     def describe(self) -> str:
-        """"" for a dense model, else e.g. "MLA latent 576; MoE 8 of 256 experts + 1 shared"."""
+        """Empty for a dense model, else e.g. "MLA latent 576 per token and layer; MoE 8 of 256
+        experts + 1 shared active"."""
         parts = []
         if self.mla is not None:
             parts.append(f"MLA latent {self.mla.latent} per token and layer")

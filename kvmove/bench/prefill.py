@@ -113,7 +113,7 @@ def prefill_flops(shape: ModelConfig, num_tokens: int, arch: Arch = DENSE) -> Pr
     return PrefillFlops(
         weights=2.0 * matmul_params(shape, arch) * num_tokens,
         lm_head=2.0 * shape.hidden_size * shape.vocab_size,
-        attention=1.0 * shape.num_layers * shape.num_heads * qk_pv * pairs_x2)
+        attention=float(shape.num_layers * shape.num_heads * qk_pv * pairs_x2))
 
 
 @dataclass(frozen=True, slots=True)

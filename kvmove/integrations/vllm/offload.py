@@ -152,8 +152,9 @@ class OffloadScheduler:
             tiers.append(tier)
         if not keys:
             return 0, False
-        policy = "always" if self.load_policy is LoadPolicy.ALWAYS else "auto"
-        found = decide_load(tiers, self._read_gbps, self._prefill_tps, self.layout, policy)
+        # auto or always: the store's own words (never returned above)
+        found = decide_load(tiers, self._read_gbps, self._prefill_tps, self.layout,
+                            self.load_policy.value)
         logger.info("kvmove offload: request %s: %d stored blocks after %d computed tokens "
                     "(%s), load %d: est. load %s s, recompute %s s", request.request_id,
                     len(keys), num_computed_tokens, "/".join(sorted(set(tiers))),

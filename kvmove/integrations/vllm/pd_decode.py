@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kvmove
+from kvmove.agent_stats import trouble_note
 from kvmove.errors import ChecksumError, ConfigError
 from kvmove.integrations.vllm.pd_specs import LoadSpec
 from kvmove.integrations.vllm.tp import Source, rank_heads, share_key, sources
@@ -194,12 +195,10 @@ class PDDecodeWorker:
             time.sleep(STAGING_POLL_SECONDS)
 
     def _trouble(self, incoming: _Incoming) -> str:
-        """What the agents of a failed load counted going astray (``AgentStats.trouble``):
-        "; agent X: unknown_senders=1", or ""."""
+        """What the agents of a failed load counted going astray (``trouble_note``)."""
         agents = {load.area.agent if isinstance(load, StagedLoad) else self.agent
                   for load in incoming.loads} or {self.agent}
-        said = [f"agent {agent.name}: {agent.stats().trouble()}" for agent in agents]
-        return "".join(f"; {line}" for line in said if not line.endswith(": "))
+        return trouble_note(agents)
 
     def _bad_blocks(self, incoming: _Incoming) -> list[int]:
         """The blocks a checksum failure spoiled: those the stream names on the cache's own

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import kvmove
 from kvmove import Offer
+from kvmove.agent_stats import trouble_note
 from kvmove.errors import ConfigError, KVMoveError
 from kvmove.integrations.vllm.pd_outgoing import Blocks, Outgoing, Send, Share
 from kvmove.integrations.vllm.pd_specs import PushSpec, SendSpec
@@ -311,9 +312,8 @@ class PDPrefillWorker:
                         len(out.blocks), one.overlapped, self.num_layers,
                         1e3 * (time.monotonic() - started))
         except KVMoveError as error:
-            trouble = self.agent.stats().trouble()
             logger.warning("kvmove: sending %s to %s failed: %s%s", out.key, one.stream.peer,
-                           error, f" (agent {self.agent.name}: {trouble})" if trouble else "")
+                           error, trouble_note([self.agent]))
             try:
                 one.stream.abort(timeout=self.timeout)
             except KVMoveError:
