@@ -6,10 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from kvmove.agent import Agent
+from typing import Protocol
 
 __all__ = ["AgentStats", "trouble_note"]
 
@@ -66,7 +63,17 @@ class AgentStats:
                          if getattr(self, name))
 
 
-def trouble_note(agents: Iterable[Agent]) -> str:
+class _Counted(Protocol):
+    """An ``Agent``, as ``trouble_note`` uses it (a Protocol: kvmove.agent imports this
+    module)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def stats(self) -> AgentStats: ...
+
+
+def trouble_note(agents: Iterable[_Counted]) -> str:
     """``"; agent X: unknown_senders=1"`` for each of ``agents`` whose ``trouble()`` is not
     empty ("" when none): what a failure's log line adds."""
     said = ((agent.name, agent.stats().trouble()) for agent in agents)
