@@ -135,6 +135,36 @@ def test_pull_and_push_give_single_vllm_text_with_the_kv_moved(fleet):
         assert blocks == -(-tokens // BLOCK_SIZE)
 
 
+def metric_sum(server: VLLMServer, name: str) -> float:
+    """A metric of vLLM's ``/metrics``, summed over its labels."""
+    text = httpx.get(server.url + "/metrics", timeout=10.0).text
+    return sum(float(value) for value in
+               re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def test_the_hand_offs_reach_vllms_metrics(fleet):
+    """kvmove's stats in vLLM's own /metrics (get_kv_connector_stats): the decode's loads and
+    the prefill's sends, as many and as large as the logs say, and no failure."""
+    complete(fleet["push"].url, PROMPTS[3])
+    logged = loads(fleet["decode"])
+    nbytes = sum(n for _, _, _, _, n in logged)
+    deadline = time.monotonic() + 30.0
+    while True:   # vLLM updates its metrics every step, logs them every 10 s
+        got = {side: (metric_sum(fleet[server], f"vllm:kvmove_{side}_seconds_count"),
+                      metric_sum(fleet[server], f"vllm:kvmove_{side}_bytes_sum"))
+               for side, server in (("load", "decode"), ("send", "prefill"))}
+        said = "KV Transfer metrics:" in fleet["decode"].log_text()
+        if (got["load"] == got["send"] == (len(logged), nbytes) and said) or \
+                time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert got["load"] == (len(logged), nbytes), got
+    assert got["send"] == (len(logged), nbytes), got
+    for server, side in (("decode", "loads"), ("prefill", "sends")):
+        assert metric_sum(fleet[server], f"vllm:kvmove_failed_{side}_total") == 0
+    assert said
+
+
 def test_streamed_completion_through_push(fleet):
     """A streamed answer through the push proxy, chunk by chunk, is the same text."""
     prompt = PROMPTS[2]

@@ -8,7 +8,7 @@ every call to them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -20,10 +20,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvmove.integrations.vllm.config import ConnectorConfig
 from kvmove.integrations.vllm.sides import ConnectorScheduler, ConnectorWorker
+from kvmove.integrations.vllm.stats import KVMoveConnectorStats, KVMovePromMetrics
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -86,6 +88,11 @@ class KVMoveConnector(KVConnectorBase_V1):
     def has_pending_push_work(self) -> bool:
         return self.scheduler.has_pending_work()
 
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """Offload: what kvmove's tiers stored and dropped, as vLLM's KV events
+        (``kv_events.py``); published only with vLLM's ``--kv-events-config``."""
+        return self.scheduler.take_events()
+
     # ---- worker side ----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -115,6 +122,28 @@ class KVMoveConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         # Offload reports its store's changes to the scheduler's index; P/D reports nothing.
         return self.worker.build_connector_worker_meta()
+
+    # ---- vLLM's metrics (stats.py) --------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVMoveConnectorStats | None:
+        """This worker's hand-offs (or store loads and saves) since vLLM last asked."""
+        if self._worker is None:
+            return None   # the scheduler's side moves no bytes
+        data = self._worker.take_stats()
+        return None if data is None else KVMoveConnectorStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVMoveConnectorStats | None:
+        return KVMoveConnectorStats(data=data) if data is not None else KVMoveConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVMovePromMetrics:
+        return KVMovePromMetrics(vllm_config, metric_types, labelnames,
+                                 per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -51,6 +51,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 import kvmove
 from kvmove.errors import ConfigError, TimeoutError
 from kvmove.integrations.vllm.config import ConnectorConfig, LoadPolicy, layout_of, wrap_kv_caches
+from kvmove.integrations.vllm.kv_events import StoreEvents
+from kvmove.integrations.vllm.tally import Tally
 from kvmove.runtime import unpinned
 from kvmove.store import decide_load
 
@@ -134,6 +136,7 @@ class OffloadScheduler:
         self._plans: dict[str, tuple[int, list[int], tuple[str, ...]]] = {}
         self._loads: list[tuple[str, list[int], list[int]]] = []
         self._tracked: dict[str, _Tracked] = {}
+        self.events = StoreEvents(vllm_config, self.block_size)   # vLLM's KV events
 
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int, bool]:
@@ -207,6 +210,7 @@ class OffloadScheduler:
             return
         keys = [store_key(h) for h in hashes[tracked.saved:full]]
         meta.saves.append((req_id, keys, tracked.block_ids[tracked.saved:full]))
+        self.events.saving(tracked.request, tracked.saved, keys)
         tracked.saved = full
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -215,10 +219,10 @@ class OffloadScheduler:
         if not isinstance(report, OffloadWorkerMeta):
             return
         for key, tier in report.changes.items():
-            if tier is None:
-                self._index.pop(key, None)
-            else:
+            before = self._index.pop(key, None) if tier is None else self._index.get(key)
+            if tier is not None:
                 self._index[key] = tier
+            self.events.changed(key, before, tier)
         for req_id in report.failed:  # vLLM rewound it: save what it computes again
             tracked = self._tracked.get(req_id)
             if tracked is not None:
@@ -240,6 +244,10 @@ class OffloadScheduler:
 
     def has_pending_work(self) -> bool:
         return False
+
+    def take_events(self) -> list[Any]:
+        """vLLM's KV events for what the store did since the last call (``kv_events.py``)."""
+        return self.events.take()
 
     def shutdown(self) -> None:
         self._tracked.clear()
@@ -264,6 +272,7 @@ class OffloadWorker:
         self._step_start: float | None = None
         self._read_gbps: dict[str, float | None] = {}
         self._tps: float | None = None
+        self.tally = Tally()   # what vLLM's metrics show (get_kv_connector_stats)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Wraps vLLM's CPU KV tensors (``[num_blocks, num_kv_heads, block_size,
@@ -290,9 +299,11 @@ class OffloadWorker:
         handles = [(job, self.store.get(job[1], self.cache, job[2])) for job in self._meta.loads]
         for (req_id, _keys, ids), handle in handles:
             arrived = self._wait(handle, f"loading {len(ids)} blocks of request {req_id}")
+            self.tally.count("offload_blocks_loaded", arrived)
             if arrived < len(ids):
                 self._load_errors.update(ids[arrived:])
                 self._failed.add(req_id)
+                self.tally.count("offload_blocks_failed", len(ids) - arrived)
             logger.info("kvmove offload: loaded %d of %d blocks (%d tokens, %d bytes) of "
                         "request %s", arrived, len(ids), arrived * self.layout.block_size,
                         arrived * self.layout.bytes_per_block, req_id)
@@ -323,7 +334,8 @@ class OffloadWorker:
             return
         keys = [k for job in saves for k in job[1]]
         ids = [i for job in saves for i in job[2]]
-        self._wait(self.store.put(keys, self.cache, ids), f"storing {len(ids)} blocks")
+        stored = self._wait(self.store.put(keys, self.cache, ids), f"storing {len(ids)} blocks")
+        self.tally.count("offload_blocks_stored", stored)
 
     def _wait(self, handle: Any, what: str) -> int:
         try:
@@ -353,6 +365,10 @@ class OffloadWorker:
             return None
         self._read_gbps, self._tps = read, tps
         return OffloadWorkerMeta(changes, failed, read, tps)
+
+    def take_stats(self) -> dict[str, Any] | None:
+        """The store's loads and saves since the last call (``tally.py``)."""
+        return self.tally.take()
 
     def shutdown(self) -> None:
         if self.store is not None:

@@ -32,6 +32,7 @@ import kvmove
 from kvmove.agent_stats import trouble_note
 from kvmove.errors import ChecksumError, ConfigError
 from kvmove.integrations.vllm.pd_specs import LoadSpec
+from kvmove.integrations.vllm.tally import Tally
 from kvmove.integrations.vllm.tp import Source, rank_heads, share_key, sources
 from kvmove.staging import StagedLoad, StagingArea
 
@@ -78,8 +79,9 @@ class PDDecodeWorker:
     def __init__(self, agent: kvmove.Agent, timeout: float, lock: threading.Condition,
                  pool: ThreadPoolExecutor, tp_rank: int = 0, tp_size: int = 1,
                  total_kv_heads: int | None = None, staging_blocks: int = 0,
-                 agent_kwargs: dict[str, Any] | None = None) -> None:
+                 agent_kwargs: dict[str, Any] | None = None, tally: Tally | None = None) -> None:
         self.agent = agent
+        self.tally = tally or Tally()   # what vLLM's metrics show (get_kv_connector_stats)
         self.tp_rank, self.tp_size = tp_rank, tp_size  # this decode rank's
         # the model's KV heads (None: this rank's times tp_size)
         self.total_kv_heads = total_kv_heads or agent.cache.layout.num_kv_heads * tp_size
@@ -143,9 +145,11 @@ class PDDecodeWorker:
             errors: list[int] = []
         except ChecksumError as error:
             errors = self._bad_blocks(incoming)
+            self.tally.count("failed_loads")
             logger.warning("kvmove: load of %s: %s", spec.req_id, error)
         except Exception as error:  # noqa: BLE001 - any failure: recompute, never hang
             errors = list(spec.blocks)
+            self.tally.count("failed_loads")
             logger.warning("kvmove: load of %s from %s:%d failed after %.1f s: %s%s",
                            spec.req_id, spec.remote_host, spec.remote_port,
                            time.monotonic() - started, error, self._trouble(incoming))
@@ -209,6 +213,7 @@ class PDDecodeWorker:
 
     def _loaded(self, spec: LoadSpec, started: float) -> None:
         nbytes = len(spec.blocks) * self.agent.cache.block_nbytes
+        self.tally.loaded(nbytes, time.monotonic() - started)
         logger.info("kvmove: loaded %s (%s): %d tokens, %d blocks, %d bytes in %.1f ms",
                     spec.req_id, spec.mode.value, spec.num_tokens, len(spec.blocks), nbytes,
                     1e3 * (time.monotonic() - started))
@@ -296,6 +301,12 @@ class PDDecodeWorker:
                 name = agent.connect(host, port, timeout=self.timeout)
                 self._peers[(agent.name, host, port)] = name
             return name
+
+    @property
+    def agents(self) -> list[kvmove.Agent]:
+        """This rank's agent and its staging areas' (for their counters)."""
+        with self._connect_lock:
+            return [self.agent, *(area.agent for area in self._staging.values())]
 
     def close(self) -> None:
         """Closes the staging areas' agents (their loads fail)."""

@@ -62,6 +62,7 @@ class Share:
     stream: kvmove.SaveStream | None = None
     posted: set[int] = field(default_factory=set)  # streamed to the decode
     overlapped: int = 0            # layers posted before the forward pass ended
+    nbytes: int = 0                # what the stream sends (for the connector's stats)
 
     def _leave(self, *allowed: Send) -> None:
         assert self.send in allowed, f"{self.key}: {self.send} is not one of {allowed}"

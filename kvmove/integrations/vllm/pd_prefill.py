@@ -35,6 +35,7 @@ from kvmove.agent_stats import trouble_note
 from kvmove.errors import ConfigError, KVMoveError
 from kvmove.integrations.vllm.pd_outgoing import Blocks, Outgoing, Send, Share
 from kvmove.integrations.vllm.pd_specs import PushSpec, SendSpec
+from kvmove.integrations.vllm.tally import Tally
 from kvmove.integrations.vllm.tp import parse_share
 
 if TYPE_CHECKING:
@@ -62,8 +63,10 @@ class PDPrefillWorker:
     """Holds requests' KV for their decodes and streams it into the leases they offer."""
 
     def __init__(self, agent: kvmove.Agent, num_layers: int, lease_seconds: float,
-                 timeout: float, lock: threading.Condition, pool: ThreadPoolExecutor) -> None:
+                 timeout: float, lock: threading.Condition, pool: ThreadPoolExecutor,
+                 tally: Tally | None = None) -> None:
         self.agent = agent
+        self.tally = tally or Tally()   # what vLLM's metrics show (get_kv_connector_stats)
         self.num_layers = num_layers
         self.lease_seconds = lease_seconds
         self.timeout = timeout
@@ -245,6 +248,7 @@ class PDPrefillWorker:
             self._give_back_if_done(out)
             return
         one.stream_opened(stream)
+        one.nbytes = len(offer.blocks) * self.agent.cache.block_nbytes // shares
         self._post_ready(out)
 
     def _open_stream(self, out: Outgoing, offer: Offer) -> kvmove.SaveStream | None:
@@ -307,11 +311,13 @@ class PDPrefillWorker:
         started = time.monotonic()
         try:
             one.stream.wait_for_save(timeout=self.timeout)
+            self.tally.sent(one.nbytes, time.monotonic() - started)
             logger.info("kvmove: sent %s to %s (%d blocks, %d of %d layers during the forward "
                         "pass), acknowledged %.1f ms after the last", out.key, one.stream.peer,
                         len(out.blocks), one.overlapped, self.num_layers,
                         1e3 * (time.monotonic() - started))
         except KVMoveError as error:
+            self.tally.count("failed_sends")
             logger.warning("kvmove: sending %s to %s failed: %s%s", out.key, one.stream.peer,
                            error, trouble_note([self.agent]))
             try:

@@ -201,5 +201,8 @@ class PDScheduler:
     def has_pending_work(self) -> bool:
         return False
 
+    def take_events(self) -> list[Any]:
+        return []   # P/D keeps no tiers: vLLM's own events say what its cache holds
+
     def shutdown(self) -> None:
         return

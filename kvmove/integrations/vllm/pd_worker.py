@@ -41,6 +41,7 @@ from kvmove.integrations.vllm.config import (
 )
 from kvmove.integrations.vllm.pd_decode import PDDecodeWorker
 from kvmove.integrations.vllm.pd_prefill import PDPrefillWorker
+from kvmove.integrations.vllm.tally import Tally
 from kvmove.runtime import unpin, unpinned
 
 if TYPE_CHECKING:
@@ -86,6 +87,7 @@ class PDWorker:
         self._pool = ThreadPoolExecutor(8, thread_name_prefix="kvmove-vllm", initializer=unpin)
         self._prefill: PDPrefillWorker | None = None
         self._decode: PDDecodeWorker | None = None
+        self.tally = Tally()   # both parts count into it; vLLM takes it after each step
 
     @property
     def prefill(self) -> PDPrefillWorker:
@@ -106,12 +108,14 @@ class PDWorker:
         with unpinned():   # the agent's threads, its listener's and ours
             self.agent = self._start_agent(cache)
             self._prefill = PDPrefillWorker(self.agent, len(kv_caches), cfg.lease_seconds,
-                                            cfg.load_timeout, self._lock, self._pool)
+                                            cfg.load_timeout, self._lock, self._pool,
+                                            tally=self.tally)
             self._decode = PDDecodeWorker(self.agent, cfg.load_timeout, self._lock, self._pool,
                                           tp_rank=cfg.tp_rank, tp_size=cfg.tp_size,
                                           total_kv_heads=self.total_kv_heads,
                                           staging_blocks=self._staging_blocks(cache),
-                                          agent_kwargs=self._agent_kwargs())
+                                          agent_kwargs=self._agent_kwargs(),
+                                          tally=self.tally)
             self._prefill.start()
         listening = cfg.serves_prefill
         logger.info("kvmove: %s agent %s over %d layers of %s (%s)%s", self._side,
@@ -203,3 +207,8 @@ class PDWorker:
 
     def build_connector_worker_meta(self) -> None:
         return None   # the scheduler side needs no report from P/D workers
+
+    def take_stats(self) -> dict[str, Any] | None:
+        """What the hand-offs did since the last call (``tally.py``), with the counters of
+        this rank's agents (its own and its staging areas')."""
+        return self.tally.take(self.decode.agents if self._decode is not None else ())
