@@ -12,7 +12,7 @@ from typing import Any
 
 from kvmove import _C
 
-__all__ = ["BlockPool", "block_hashes", "runs"]
+__all__ = ["BlockPool", "block_hashes", "prefix_hashes", "runs"]
 
 
 class BlockPool:
@@ -145,6 +145,17 @@ def block_hashes(token_ids: Sequence[int] | Any, block_size: int,
         2
     """
     return _C.block_hashes(token_ids, block_size, parent, seed)
+
+
+def prefix_hashes(tokens: Sequence[int], block_size: int, seed: int = 0) -> list[int]:
+    """The hashes a prompt's cached prefix is looked up by: its full blocks, leaving at least
+    one token to compute (its logits give the next token). The one definition, shared by the
+    engine scheduler's match and ``kvmove-serve``'s KV-aware routers (in front of its own
+    engine and of vLLM), which must hash as it does."""
+    usable = (len(tokens) - 1) // block_size
+    if usable <= 0:
+        return []
+    return block_hashes(tokens[:usable * block_size], block_size, seed=seed)
 
 
 def runs(ids: Sequence[int]) -> list[tuple[int, int]]:

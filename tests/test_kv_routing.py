@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmove.block_pool import BlockPool
-from kvmove.engine.scheduler import prefix_hashes
+from kvmove.block_pool import BlockPool, prefix_hashes
 from kvmove.errors import PeerError
 from kvmove.serve.kv_events import MIN_SECONDS, KVEventSource, batches
 from kvmove.serve.kv_index import LOAD_TOKENS, Candidate, KVIndex, choose, cost, least_loaded

@@ -202,6 +202,20 @@ def test_misuse_exits_2(args, message, capsys):
     assert exit.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_repeated_pool_flags_add_up_and_routing_passes_through():
+    """``--vllm-prefill A --vllm-prefill B`` is both instances (argparse's store would keep B
+    alone, silently halving the pool)."""
+    from kvmove.serve import cli
+
+    argv = ["--vllm-prefill", "http://a:1", "--vllm-prefill", "http://b:1", "http://c:1",
+            "--vllm-decode", "http://d:1", "--routing", "least-loaded"]
+    parser = cli._parser()
+    config = cli._proxy_config(parser, parser.parse_args(argv), argv)
+    assert config is not None
+    assert config.prefill == ("http://a:1", "http://b:1", "http://c:1")
+    assert config.decode == ("http://d:1",) and config.routing == "least-loaded"
+
+
 def test_bad_url_exits_2(capsys):
     assert main(["--vllm-prefill", "a:1", "--vllm-decode", "http://b:1"]) == 2
     assert "not an http(s) URL" in capsys.readouterr().err

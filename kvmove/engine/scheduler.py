@@ -22,17 +22,17 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvmove.block_pool import BlockPool, block_hashes
+from kvmove.block_pool import BlockPool, block_hashes, prefix_hashes
 from kvmove.engine.prefix_store import PrefixStore
 from kvmove.engine.request import Request, RequestState
 from kvmove.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BatchScheduler", "Scheduled", "SchedulerConfig", "prefix_hashes"]
+__all__ = ["BatchScheduler", "Scheduled", "SchedulerConfig"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,11 +245,3 @@ class BatchScheduler:
         request.hashes += hashes
 
 
-def prefix_hashes(tokens: Sequence[int], block_size: int, seed: int = 0) -> list[int]:
-    """The hashes a prompt's cached prefix is looked up by: its full blocks, leaving at least
-    one token to compute (its logits give the next token). The one definition, shared by the
-    scheduler's match and ``kvmove-serve``'s KV-aware router, which must hash as it does."""
-    usable = (len(tokens) - 1) // block_size
-    if usable <= 0:
-        return []
-    return block_hashes(tokens[:usable * block_size], block_size, seed=seed)

@@ -66,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="where a request goes among the prefill (colocated) workers: kv: the "
                    "one whose cached prefix saves the most prefill, traded off against its "
                    "queue (docs/serving.md, How routing decides); least-loaded: the fewest "
-                   "requests in flight (default kv)")
+                   "requests in flight (default kv). In front of vLLM: among the "
+                   "--vllm-prefill instances, from their KV events (--kv-events-config)")
     p.add_argument("--planner", action="store_true",
                    help="disagg: add and drain prefill and decode workers as their queues and "
                    "utilisation say, within --prefill-workers / --decode-workers (docs/"
@@ -155,10 +156,11 @@ def _parser() -> argparse.ArgumentParser:
                    "prefill='{\"CPU\": 1, \"GPU\": 1}' (repeatable; default: one CPU and one "
                    "of the role's own resource, {\"prefill\": 1}, or one GPU where no node has "
                    "that resource and the cluster has GPUs)")
-    p.add_argument("--vllm-prefill", nargs="+", metavar="URL", default=None,
+    # extend: "--vllm-prefill A --vllm-prefill B" is both (store would keep B alone)
+    p.add_argument("--vllm-prefill", nargs="+", action="extend", metavar="URL", default=None,
                    help="front these vLLM prefill instances (with --vllm-decode) instead of "
                    "running engine workers; vLLM's P/D protocol (docs/serving.md)")
-    p.add_argument("--vllm-decode", nargs="+", metavar="URL", default=None,
+    p.add_argument("--vllm-decode", nargs="+", action="extend", metavar="URL", default=None,
                    help="the vLLM decode instances (with --vllm-prefill)")
     p.add_argument("--kv-mode", choices=KV_MODES, default=None,
                    help="with --vllm-*: push (kvmove's layer-wise hand-off, the decode "
@@ -310,7 +312,8 @@ def _proxy_config(parser: argparse.ArgumentParser, args: argparse.Namespace,
                      "with --vllm-prefill/--vllm-decode (vLLM runs the model)")
     return ProxyConfig(
         prefill=tuple(args.vllm_prefill), decode=tuple(args.vllm_decode),
-        kv_mode=TransferMode(args.kv_mode or TransferMode.PUSH), host=args.host, port=args.port,
+        kv_mode=TransferMode(args.kv_mode or TransferMode.PUSH), routing=args.routing,
+        host=args.host, port=args.port,
         request_timeout=args.request_timeout, max_pending=args.max_pending,
         max_body_bytes=args.max_body_bytes, connections=_connection_limits(args),
         log_level=log_level(args.log_level),
@@ -376,7 +379,7 @@ def _pair(bounds: Bounds | None) -> tuple[int, int] | None:
 
 # What the extras bring: missing at run time, the install lacks an extra (not a bug here).
 _PROXY_MODULES = {"fastapi", "uvicorn", "prometheus_client", "httpx", "starlette", "pydantic",
-                  "anyio", "h11"}
+                  "anyio", "h11", "msgspec"}
 _SERVE_MODULES = _PROXY_MODULES | {"torch", "safetensors", "tokenizers", "jinja2", "ray"}
 
 

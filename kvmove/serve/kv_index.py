@@ -4,7 +4,7 @@
 Workers announce the block hashes their prefix cache and KVStore gain and lose (``kv``
 events, ``kv_events.py``); the index mirrors them, and forgets a worker when its process dies
 or a new one registers under its name (its cache starts empty). The router hashes a prompt as
-the workers' scheduler does (``kvmove.engine.scheduler.prefix_hashes``, with the
+the workers' scheduler does (``kvmove.block_pool.prefix_hashes``, with the
 deployment's seed) and asks the index how long a prefix each worker holds.
 
 How a worker is chosen (``cost``, in prompt tokens, the lowest wins):
@@ -29,7 +29,7 @@ prefill work, as least-loaded does by their count.
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Set
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
 
 from kvmove.serve.messages import KVEvents
@@ -50,9 +50,17 @@ class KVIndex:
         self._held: dict[tuple[str, str], set[int]] = {}  # (worker, medium) -> hashes
 
     def apply(self, worker: str, event: KVEvents) -> None:
-        held = self._held.setdefault((worker, event.medium), set())
-        held.update(event.stored)
-        held.difference_update(event.removed)
+        self.add(worker, event.medium, event.stored)
+        self.discard(worker, event.medium, event.removed)
+
+    def add(self, worker: str, medium: str, hashes: Iterable[int]) -> None:
+        self._held.setdefault((worker, medium), set()).update(hashes)
+
+    def discard(self, worker: str, medium: str, hashes: Iterable[int]) -> None:
+        self._held.get((worker, medium), set()).difference_update(hashes)
+
+    def clear(self, worker: str, medium: str) -> None:
+        self._held.pop((worker, medium), None)
 
     def remove_worker(self, worker: str) -> None:
         """Forgets everything ``worker`` announced (its process died, or a new one starts)."""

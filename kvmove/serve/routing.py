@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvmove.auth import key_from_file, resolve_key
-from kvmove.engine.scheduler import prefix_hashes
+from kvmove.block_pool import prefix_hashes
 from kvmove.serve.config import ServeConfig
 from kvmove.serve.kv_index import Candidate, Decision, KVIndex, choose, least_loaded
 from kvmove.serve.messages import KVEvents

@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvmove.integrations.vllm.params import KVTransferParams
+from kvmove.serve.server_metrics import routing_families
 from kvmove.serve.vllm.proxy_config import KV_MODES, ProxyConfig
 
 __all__ = ["KV_MODES", "Instance", "Pool", "ProxyConfig", "ProxyMetrics"]
@@ -60,13 +61,17 @@ class Pool:
         """The instance with the fewest requests in flight; among equals, the first at or
         after the one after the last pick (round robin, so idle instances share the load)."""
         least = min(i.in_flight for i in self.instances)
-        n = len(self.instances)
-        for k in range(n):
-            instance = self.instances[(self._next + k) % n]
-            if instance.in_flight == least:
-                self._next = (self._next + k + 1) % n
-                return instance
-        raise AssertionError("unreachable: some instance has the least in flight")
+        instance = next(i for i in self.rotation() if i.in_flight == least)
+        self.picked(instance)
+        return instance
+
+    def rotation(self) -> list[Instance]:
+        """The instances from the one after the last pick: ties broken in this order go
+        round robin."""
+        return self.instances[self._next:] + self.instances[:self._next]
+
+    def picked(self, instance: Instance) -> None:
+        self._next = (self.instances.index(instance) + 1) % len(self.instances)
 
 
 class ProxyMetrics:
@@ -101,6 +106,7 @@ class ProxyMetrics:
                                 "refused before any upstream call: malformed body (400), body "
                                 "too large (413), too many pending (429), Host not allowed "
                                 "(421).", ["status"], registry=r)
+        self.routed, self.matched, self.indexed = routing_families(r)
         for pool in pools:  # every series from the start: rate() needs the zero
             for i in pool.instances:
                 self.requests.labels(pool.name, i.url)

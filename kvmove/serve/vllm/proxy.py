@@ -44,6 +44,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvmove.integrations.vllm.params import KVTransferParams, TransferMode
 from kvmove.serve.admission import Admission
 from kvmove.serve.api import APIError, install_error_handlers
+from kvmove.serve.vllm.kv_routing import EventSubscriber, Placement, event_endpoint, score
 from kvmove.serve.vllm.pools import Instance, Pool, ProxyConfig, ProxyMetrics
 from kvmove.serve.vllm.upstream import Call, Relay, UpstreamError
 
@@ -54,6 +55,10 @@ log = logging.getLogger(__name__)
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
 HEALTH_SECONDS = 5.0  # one instance's /health (at most --request-timeout)
+DISCOVER_SECONDS = 2.0  # between two asks of an instance's KV event sources
+# What vLLM's /tokenize takes of a chat request (the rest does not change the prompt's tokens)
+TOKENIZE_CHAT_KEYS = ("messages", "add_generation_prompt", "continue_final_message",
+                      "chat_template", "chat_template_kwargs", "tools")
 
 
 def _prefill_body(body: dict, path: str, params: dict) -> dict:
@@ -91,18 +96,108 @@ class Proxy:
         self.metrics = ProxyMetrics([self.prefills, self.decodes])
         self.client = httpx.AsyncClient()  # replaced in start(), inside the event loop
         self.background: set[asyncio.Task] = set()  # push prefills the client does not await
+        # The prefill instances' KV events, kept whatever --routing says (as the own engine's
+        # router does): kvmove_routing_matched_tokens then compares the two routings.
+        self.events = EventSubscriber()
+        self.placements: list[Placement] = []   # placed, prefill not ended (kv_routing.py)
 
     async def start(self) -> None:
         # trust_env False: an HTTP_PROXY meant for the internet must not catch our instances
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(self.config.request_timeout), trust_env=False,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self._spawn(self._discover_events())
 
     async def stop(self) -> None:
         for task in self.background:
             task.cancel()
         await asyncio.gather(*self.background, return_exceptions=True)
         await self.client.aclose()
+        self.events.close()
+
+    async def _discover_events(self) -> None:
+        """Subscribes to each prefill instance's KV events (vLLM's ``/kv_event_sources``),
+        asking again every ``DISCOVER_SECONDS`` an instance that does not answer yet."""
+        waiting = list(self.prefills.instances)
+        while waiting:
+            for instance in list(waiting):
+                try:
+                    reply = await self.client.get(instance.url + "/kv_event_sources",
+                                                  timeout=HEALTH_SECONDS)
+                    sources = reply.json() if reply.status_code == 200 else None
+                except (httpx.HTTPError, ValueError):
+                    continue
+                waiting.remove(instance)
+                endpoints = [e for s in (sources or {}).values() if isinstance(s, dict)
+                             if (e := event_endpoint(s, instance.url)) is not None]
+                for endpoint in endpoints:
+                    self.events.subscribe(instance.url, endpoint)
+                if not endpoints:
+                    log.info("prefill instance %s publishes no KV events it can be subscribed "
+                             "to (vLLM's --kv-events-config with a \"tcp://*:PORT\" or ipc:// "
+                             "endpoint): KV routing sees nothing of it", instance.url)
+            if waiting:
+                await asyncio.sleep(DISCOVER_SECONDS)
+
+    async def _place(self, body: dict, path: str, headers: dict[str, str]
+                     ) -> tuple[Instance, Placement | None]:
+        """The prefill instance for a request (``--routing``; kv_routing.py), and what it
+        now counts there until its prefill ends. By load (the pool's own pick, no
+        tokenizing: the least-loaded baseline pays nothing for kv's lookups) with
+        ``--routing least-loaded``, when no instance's KV events are known, or when the
+        prompt cannot be tokenized."""
+        if self.config.routing != "kv" or not self.events.subscribed:
+            instance = self.prefills.pick()
+            self.metrics.routed.labels(instance.url, "least_loaded").inc()
+            return instance, None
+        order = self.prefills.rotation()
+        tokens = await self._tokenize(body, path, headers, order[0])
+        if tokens is None:
+            instance = self.prefills.pick()
+            self.metrics.routed.labels(instance.url, "least_loaded").inc()
+            return instance, None
+        decision, hashes = score(self.events, order, tokens, self.placements)
+        instance = next(i for i in order if i.url == decision.name)
+        self.prefills.picked(instance)
+        self.metrics.routed.labels(decision.name, decision.reason).inc()
+        self.metrics.matched.observe(decision.matched_tokens)
+        placement = Placement(instance.url, set(hashes), decision.uncached_tokens)
+        self.placements.append(placement)
+        return instance, placement
+
+    async def _tokenize(self, body: dict, path: str, headers: dict[str, str],
+                        instance: Instance) -> list[int] | None:
+        """The prompt's token ids, as vLLM makes them (its ``/tokenize``: the model's
+        tokenizer and chat template); None when it cannot say."""
+        prompt = body.get("prompt")
+        if path == COMPLETIONS_PATH and isinstance(prompt, list) and prompt and \
+                all(isinstance(t, int) for t in prompt):
+            return prompt
+        if path == COMPLETIONS_PATH and isinstance(prompt, str):
+            ask: dict[str, Any] = {"prompt": prompt}
+        elif path == CHAT_PATH and isinstance(body.get("messages"), list):
+            ask = {key: body[key] for key in TOKENIZE_CHAT_KEYS if key in body}
+        else:
+            return None   # a batch of prompts: routed by load
+        ask["model"] = body.get("model")
+        try:
+            reply = await self.client.post(instance.url + "/tokenize", json=ask,
+                                           headers=headers, timeout=HEALTH_SECONDS)
+            tokens = reply.json().get("tokens") if reply.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            tokens = None
+        return tokens if isinstance(tokens, list) else None
+
+    def _placed(self, placement: Placement | None) -> None:
+        """``placement``'s prefill ended (or failed)."""
+        if placement is not None and placement in self.placements:
+            self.placements.remove(placement)
+
+    def export_index(self) -> None:
+        """The index's size per instance and medium, for ``/metrics``."""
+        for instance in self.prefills.instances:
+            for medium, count in self.events.counts(instance.url).items():
+                self.metrics.indexed.labels(instance.url, medium).set(count)
 
     async def complete(self, request: Request, path: str) -> Response:
         try:
@@ -114,22 +209,25 @@ class Proxy:
         headers = {"X-Request-Id": rid}
         if "authorization" in request.headers:  # vLLM started with --api-key checks it
             headers["Authorization"] = request.headers["authorization"]
-        prefill = self.prefills.pick()
+        prefill, placement = await self._place(body, path, headers)
         log.debug("%s %s: prefill %s (kvmove address %s)", rid, path, prefill.url,
                   prefill.address)
         if self.config.kv_mode is TransferMode.PUSH and prefill.address is not None:
             self.metrics.handoffs.labels(TransferMode.PUSH.value).inc()
-            return await self._push(path, body, headers, prefill)
+            return await self._push(path, body, headers, prefill, placement)
         pull = self.config.kv_mode is TransferMode.PULL
         self.metrics.handoffs.labels(TransferMode.PULL.value if pull else "pull-fallback").inc()
-        return await self._pull(path, body, headers, prefill)
+        return await self._pull(path, body, headers, prefill, placement)
 
     async def _pull(self, path: str, body: dict, headers: dict[str, str],
-                    prefill: Instance) -> Response:
+                    prefill: Instance, placement: Placement | None = None) -> Response:
         call = self._call(prefill)
-        upstream = await call.open("POST", path, _prefill_body(
-            body, path, KVTransferParams.pull_request()), headers)
-        content = await call.read(upstream)
+        try:
+            upstream = await call.open("POST", path, _prefill_body(
+                body, path, KVTransferParams.pull_request()), headers)
+            content = await call.read(upstream)
+        finally:
+            self._placed(placement)
         if not upstream.is_success:  # its refusal (prompt too long...) is the client's answer
             return _passed(upstream, content, headers["X-Request-Id"])
         params = self._kv_params(call, content)
@@ -163,7 +261,7 @@ class Proxy:
         return params
 
     async def _push(self, path: str, body: dict, headers: dict[str, str],
-                    prefill: Instance) -> Response:
+                    prefill: Instance, placement: Placement | None = None) -> Response:
         """The decode request first (its body on the wire, not its answer: the decode's
         connector reserves the blocks the prefill's layers land in), then the prefill's."""
         assert prefill.address is not None
@@ -182,11 +280,13 @@ class Proxy:
         try:
             await sent.wait()  # open() sets it whatever happens
             task = self._spawn(self._push_prefill(prefill, path, prefill_body, headers))
+            task.add_done_callback(lambda _: self._placed(placement))
             return await self._answer(decode, await opening, body, headers, task)
         except BaseException:  # no decode to push into (or no client): the prefill is moot
             opening.cancel()
             if task is not None:
                 task.cancel()
+            self._placed(placement)
             raise
 
     async def _push_prefill(self, prefill: Instance, path: str, body: dict,
@@ -289,6 +389,7 @@ def create_app(proxy: Proxy) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        proxy.export_index()
         return Response(generate_latest(proxy.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

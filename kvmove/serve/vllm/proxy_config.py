@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from kvmove.errors import ConfigError
 from kvmove.integrations.vllm.params import TransferMode
-from kvmove.serve.config import LOOPBACK_HOSTS, ConnectionLimits
+from kvmove.serve.config import LOOPBACK_HOSTS, ROUTINGS, ConnectionLimits
 
 __all__ = ["KV_MODES", "ProxyConfig"]
 
@@ -22,6 +22,7 @@ class ProxyConfig:
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
     kv_mode: TransferMode = TransferMode.PUSH
+    routing: str = "kv"   # the prefill instance: kv (its KV events) or least-loaded
     host: str = "127.0.0.1"
     port: int = 8000
     request_timeout: float = 120.0  # seconds: any upstream call, and a stream's gap
@@ -45,6 +46,9 @@ class ProxyConfig:
             raise ConfigError(f"--kv-mode must be one of {', '.join(KV_MODES)}, got "
                               f"{self.kv_mode!r}")
         object.__setattr__(self, "kv_mode", TransferMode(self.kv_mode))
+        if self.routing not in ROUTINGS:
+            raise ConfigError(f"--routing must be one of {', '.join(ROUTINGS)}, got "
+                              f"{self.routing!r}")
         if not self.request_timeout > 0:
             raise ConfigError(f"--request-timeout must be positive, got {self.request_timeout}")
         for name in ("max_pending", "max_body_bytes"):
