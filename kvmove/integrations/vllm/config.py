@@ -220,16 +220,63 @@ def total_kv_heads_of(vllm_config: Any) -> int:
     return int(vllm_config.model_config.get_total_num_kv_heads())
 
 
-def wrap_kv_caches(kv_caches: dict[str, Any], layout: kvmove.KVSpec) -> kvmove.KVCache:
-    """vLLM's own KV tensors (``register_kv_caches``), wrapped zero-copy: the CPU backend's
-    ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` per layer, or flash-attention's
-    ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` on a GPU."""
-    from vllm.platforms import current_platform
+def wrap_kv_caches(kv_caches: dict[str, Any], layout: kvmove.KVSpec,
+                   on_cpu: bool | None = None) -> kvmove.KVCache:
+    """vLLM's own KV tensors (``register_kv_caches``), wrapped zero-copy, whatever its
+    attention backend: the CPU backend's ``[num_blocks, num_kv_heads, block_size,
+    2 * head_dim]`` per layer (``on_cpu``: vLLM's platform is the CPU, asked when None), or on
+    a GPU flash-attention's ``[2, num_blocks, ...]`` or FlashInfer's (and others')
+    ``[num_blocks, 2, ...]``, each block NHD or HND in memory.
 
+    On a GPU vLLM hands each layer in its backend's logical shape, a view of an allocation in
+    the backend's stride order (FlashInfer's HND: ``[num_blocks, 2, num_kv_heads, block_size,
+    head_dim]`` in memory, viewed as ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``):
+    the view is permuted back to memory order (by its strides) and recognised there. The
+    cache's ``order`` then says which it was, and a store or a peer of another order refuses
+    it rather than mix them up."""
     if len(kv_caches) != layout.num_layers:
         raise ConfigError(f"vLLM registered {len(kv_caches)} KV tensors, the model config "
                           f"has {layout.num_layers} layers")
-    if current_platform.is_cpu():
+    if on_cpu is None:
+        from vllm.platforms import current_platform
+
+        on_cpu = bool(current_platform.is_cpu())
+    if on_cpu:
         return kvmove.KVCache.wrap(kv_caches, layout=layout, block_dim=0, order="vllm-cpu",
                                    pool=None)
-    return kvmove.KVCache.wrap(kv_caches, layout=layout, block_dim=1, kv_dim=0, pool=None)
+    shape = tuple(next(iter(kv_caches.values())).shape)
+    bs, heads, dim = layout.block_size, layout.num_kv_heads, layout.head_dim
+    for planes_first, (block_dim, kv_dim) in ((True, (1, 0)), (False, (0, 1))):
+        if len(shape) != 5 or shape[kv_dim] != 2 or (shape[0] == 2) != planes_first:
+            continue
+        # vLLM's logical shapes are NHD ([..., block_size, heads, head_dim]); HND accepted too
+        logical = {(bs, heads, dim): "NHD", (heads, bs, dim): "HND"}.get(shape[2:])
+        if logical is None:
+            continue
+        memory = [_memory_dims(t) for t in kv_caches.values()]
+        if any(dims[:2] != [0, 1] or dims[4] != 4 for dims in memory):
+            break   # the block or K/V dims are not the outer ones in memory
+        swapped = [dims[2] == 3 for dims in memory]
+        if len(set(swapped)) != 1:
+            raise ConfigError("vLLM's KV tensors are not all in one memory order")
+        order = logical if not swapped[0] else "HND" if logical == "NHD" else "NHD"
+        layers = {name: _memory_order(t) for name, t in kv_caches.items()}
+        return kvmove.KVCache.wrap(layers, layout=layout, block_dim=block_dim, kv_dim=kv_dim,
+                                   order=order, pool=None)
+    raise ConfigError(f"vLLM's KV tensors are {shape} (strides "
+                      f"{tuple(next(iter(kv_caches.values())).stride())}), none of the "
+                      f"layouts kvmove wraps for {layout}: [2, num_blocks, ...] (flash-"
+                      f"attention) or [num_blocks, 2, ...] (FlashInfer and others), each block "
+                      f"[block_size, heads, head_dim] (NHD) or [heads, block_size, head_dim] "
+                      f"(HND) in memory")
+
+
+def _memory_dims(tensor: Any) -> list[int]:
+    """``tensor``'s dims in memory order (largest stride first; ties keep their order)."""
+    return sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d))
+
+
+def _memory_order(tensor: Any) -> Any:
+    """``tensor`` viewed with its dims in memory order: itself when it is contiguous."""
+    dims = _memory_dims(tensor)
+    return tensor if dims == list(range(tensor.dim())) else tensor.permute(*dims)

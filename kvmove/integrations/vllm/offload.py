@@ -275,8 +275,9 @@ class OffloadWorker:
         self.tally = Tally()   # what vLLM's metrics show (get_kv_connector_stats)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Wraps vLLM's CPU KV tensors (``[num_blocks, num_kv_heads, block_size,
-        2 * head_dim]`` per layer, zero-copy) and opens the store's tiers here, beside them."""
+        """Wraps vLLM's KV tensors, zero-copy, whatever its backend's layout
+        (``config.wrap_kv_caches``), and opens the store's tiers here, beside them, in that
+        layout's block order."""
         self.cache = wrap_kv_caches(kv_caches, self.layout)
         with unpinned():   # the tiers' and the store's threads (see kvmove.runtime.unpinned)
             tiers: list[Any] = [kvmove.HostTier(int(self.config.store_host_gb * _GB))]
@@ -285,8 +286,10 @@ class OffloadWorker:
                 if self.config.tp_size > 1:
                     path = os.path.join(path, f"rank{self.config.tp_rank}")
                 tiers.append(kvmove.DiskTier(path, int(self.config.store_disk_gb * _GB)))
+            # the store keeps blocks in the order vLLM's backend holds them (a disk tier of
+            # one order refuses another's: KVStore's fingerprint)
             self.store = kvmove.KVStore(self.layout, tiers, namespace=self.namespace,
-                                        order="vllm-cpu")
+                                        order=self.cache.order)
         logger.info("kvmove offload: %r over %d vLLM blocks", self.store, self.cache.num_blocks)
 
     def start_load_kv(self, meta: Any) -> None:
