@@ -21,7 +21,8 @@ TOP = ("csrc", "kvmove", "tests", "bench", "bindings", "fuzz", "docs", ".ci")
 PATH = re.compile(rf"(?<![\w./-])((?:{'|'.join(re.escape(t) for t in TOP)})/[\w.*/-]*[\w*])")
 CSRC_DIRS = sorted(p.name for p in (ROOT / "csrc").iterdir() if p.is_dir())
 CSRC_PATH = re.compile(rf"(?<![\w./-])((?:{'|'.join(CSRC_DIRS)})/\w+\.(?:h|cpp|cu))\b")
-SOURCES = ("*.py", "*.h", "*.cpp", "*.cu", "*.md", "*.sh", "run", "hardening", "vllm")
+SOURCES = ("*.py", "*.h", "*.cpp", "*.cu", "*.md", "*.sh", "run", "hardening", "vllm", "sglang",
+           "lmcache")
 # Where a path is not a path of this repository: another project's (vLLM's own tree), or a
 # folder a command creates.
 NOT_OURS = {"kvmove/_C.pyi", "docs/site"}
