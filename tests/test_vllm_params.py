@@ -207,8 +207,8 @@ def test_load_policy_speaks_the_stores_words() -> None:
                                                     load_policy="never"))
     assert config.load_policy is LoadPolicy.NEVER
     assert ConnectorConfig.from_vllm(_vllm_config("kv_both")).load_policy is LoadPolicy.AUTO
-    with pytest.raises(ConfigError, match=r"'load_policy'\] must be one of \['auto', "
-                                          r"'always', 'never'\], got 'sometimes'"):
+    with pytest.raises(ConfigError, match=r"'load_policy'\]: input should be 'auto', "
+                                          r"'always' or 'never', got 'sometimes'"):
         ConnectorConfig.from_vllm(_vllm_config("kv_both", load_policy="sometimes"))
 
 
@@ -237,7 +237,8 @@ def test_net_devices_is_a_setting_of_its_own() -> None:
     assert ConnectorConfig.from_vllm(_vllm_config("kv_consumer")).net_devices is None
     config = ConnectorConfig.from_vllm(_vllm_config("kv_producer", net_devices="mlx5_0:1"))
     assert config.net_devices == "mlx5_0:1"
-    with pytest.raises(ConfigError, match=r"'net_devices'\] must be"):
+    with pytest.raises(ConfigError, match=r"'net_devices'\]: input should be a valid "
+                                          r"string, got 1"):
         ConnectorConfig.from_vllm(_vllm_config("kv_producer", net_devices=1))
 
 
@@ -295,3 +296,28 @@ def test_every_connector_config_in_the_vllm_docs_is_accepted() -> None:
             rank=0, tensor_parallel_size=1))
         config = ConnectorConfig.from_vllm(vllm)
         assert config.role.value == doc["kv_role"]
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("load_timeout", "30", "input should be a valid number, got '30'"),
+    ("load_timeout", 0, "input should be greater than 0, got 0"),
+    ("lease_seconds", float("inf"), "input should be a finite number, got inf"),
+    ("store_host_gb", True, "input should be a valid number, got True"),
+    ("staging_blocks", 0, "input should be greater than 0, got 0"),
+    ("staging_blocks", 2.5, "input should be a valid integer, got 2.5"),
+    ("checksums", "yes", "input should be a valid boolean, got 'yes'"),
+])
+def test_extra_config_is_checked_strictly_naming_key_and_value(key: str, value: Any,
+                                                                 message: str) -> None:
+    """A pydantic model, strict as vLLM's own config: no string taken for a number, no bool
+    for a count; the error names the key, the rule and the value."""
+    with pytest.raises(ConfigError) as refused:
+        ConnectorConfig.from_vllm(_vllm_config("kv_consumer", **{key: value}))
+    assert str(refused.value) == f"kv_connector_extra_config[{key!r}]: {message}"
+
+
+def test_an_unknown_key_is_refused_naming_the_keys_taken() -> None:
+    with pytest.raises(ConfigError, match=r"unknown kv_connector_extra_config key\(s\) "
+                                          r"\['load_timout'\]; kvmove's connector takes "
+                                          r"\['checksums', 'host', "):
+        ConnectorConfig.from_vllm(_vllm_config("kv_consumer", load_timout=5.0))

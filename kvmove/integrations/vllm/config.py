@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import kvmove
 from kvmove.errors import ConfigError
@@ -39,27 +40,35 @@ OLD_LOAD_RULE = {"measured": LoadPolicy.AUTO, "always": LoadPolicy.ALWAYS,
                  "never": LoadPolicy.NEVER}
 
 
-# kv_connector_extra_config keys, their types and defaults (docs/vllm.md explains each).
-EXTRA_KEYS: dict[str, tuple[type | tuple[type, ...], Any]] = {
-    "host": (str, "127.0.0.1"),         # where this instance's agents serve (default: kv_ip)
-    "net_devices": ((str, type(None)), None),  # UCX devices (None: $UCX_NET_DEVICES, else host's)
-    "lease_seconds": ((int, float), 60.0),   # P holds finished blocks this long for D at most
-    "load_timeout": ((int, float), 30.0),    # D gives a hand-off up after this long
-    # per-block XXH3 on every hand-off, verified by the receiver (None: on where the KV is
-    # in host memory, as kvmove.Agent)
-    "checksums": ((bool, type(None)), None),
-    "transports": ((str, type(None)), None),  # UCX transports (None: UCX's choice)
-    # a decode's staging blocks per prefill rank of another tensor parallelism (None: room for
-    # two requests of max_model_len, at most a quarter of its cache's blocks)
-    "staging_blocks": ((int, type(None)), None),
-    "key_file": ((str, type(None)), None),    # the deployment key (docs/security.md)
+PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+PositiveGiB = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class ExtraConfig(BaseModel):
+    """kvmove's keys in ``kv_connector_extra_config``, checked as vLLM checks its own config
+    (a pydantic model): types strict (``"30"`` is not a number, ``true`` not a count), every
+    number finite, an unknown key refused. docs/vllm.md explains each."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    host: str = "127.0.0.1"                 # where this instance's agents serve (or kv_ip)
+    net_devices: str | None = None          # UCX devices (None: $UCX_NET_DEVICES, else host's)
+    lease_seconds: PositiveSeconds = 60.0   # P holds finished blocks this long for D at most
+    load_timeout: PositiveSeconds = 30.0    # D gives a hand-off up after this long
+    # per-block XXH3 on every hand-off, verified by the receiver (None: on where the KV is in
+    # host memory, as kvmove.Agent)
+    checksums: bool | None = None
+    transports: str | None = None           # UCX transports (None: UCX's choice)
+    # a decode's staging blocks per prefill rank of another tensor parallelism (None: room
+    # for two requests of max_model_len, at most a quarter of its cache's blocks)
+    staging_blocks: Annotated[int, Field(gt=0)] | None = None
+    key_file: str | None = None             # the deployment key (docs/security.md)
     # offload (kv_both with "offload": true): keeps KV blocks in a kvmove.KVStore
-    "offload": (bool, False),
-    "store_host_gb": ((int, float), 1.0),
-    "store_disk_dir": ((str, type(None)), None),
-    "store_disk_gb": ((int, float), 16.0),
-    "load_policy": (str, LoadPolicy.AUTO.value),
-}
+    offload: bool = False
+    store_host_gb: PositiveGiB = 1.0
+    store_disk_dir: str | None = None
+    store_disk_gb: PositiveGiB = 16.0
+    load_policy: Annotated[LoadPolicy, Field(strict=False)] = LoadPolicy.AUTO
 
 
 @dataclass(frozen=True)
@@ -142,34 +151,24 @@ def _dp_rank(parallel: Any) -> int:
 
 
 def parse_extra(extra: dict[str, Any]) -> dict[str, Any]:
-    """``kv_connector_extra_config`` checked against ``EXTRA_KEYS``, defaults filled in."""
+    """``kv_connector_extra_config`` checked (``ExtraConfig``), defaults filled in; the
+    first problem a ``ConfigError`` naming the key, what it must be and the value."""
     extra = _renamed_load_rule(extra)
-    unknown = sorted(set(extra) - set(EXTRA_KEYS))
+    unknown = sorted(set(extra) - set(ExtraConfig.model_fields))
     if unknown:
         raise ConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; kvmove's "
-                          f"connector takes {sorted(EXTRA_KEYS)}")
-    settings = {}
-    for key, (kind, default) in EXTRA_KEYS.items():
-        value = extra.get(key, default)
-        if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
-            raise ConfigError(f"kv_connector_extra_config[{key!r}] must be "
-                              f"{_kind_name(kind)}, got {value!r}")
-        # isinstance again: mypy does not narrow `value` by the check above (`kind` is a variable)
-        if kind == (int, float) and isinstance(value, (int, float)) and \
-                not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a positive "
-                              f"number, got {value!r}")
-        settings[key] = value
-    staging_blocks = settings["staging_blocks"]
-    if isinstance(staging_blocks, int) and staging_blocks < 1:
-        raise ConfigError(f"kv_connector_extra_config['staging_blocks'] must be a positive "
-                          f"int, got {staging_blocks!r}")
-    policies = [p.value for p in LoadPolicy]
-    if settings["load_policy"] not in policies:
-        raise ConfigError(f"kv_connector_extra_config['load_policy'] must be one of "
-                          f"{policies}, got {settings['load_policy']!r}")
-    settings["load_policy"] = LoadPolicy(settings["load_policy"])
-    return settings
+                          f"connector takes {sorted(ExtraConfig.model_fields)}")
+    try:
+        return dict(ExtraConfig(**extra))
+    except ValidationError as error:
+        first = error.errors()[0]
+        key = first["loc"][0] if first["loc"] else "?"
+        raise ConfigError(f"kv_connector_extra_config[{key!r}]: {_lower(first['msg'])}, got "
+                          f"{first['input']!r}") from None
+
+
+def _lower(message: str) -> str:
+    return message[:1].lower() + message[1:]
 
 
 def _renamed_load_rule(extra: dict[str, Any]) -> dict[str, Any]:
@@ -189,11 +188,6 @@ def _renamed_load_rule(extra: dict[str, Any]) -> dict[str, Any]:
                    "(auto, always, never: the KVStore's words); read %r as load_policy %r",
                    rule, extra["load_policy"])
     return extra
-
-
-def _kind_name(kind: type | tuple[type, ...]) -> str:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
 
 
 _TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
