@@ -20,9 +20,9 @@ import time
 
 import httpx
 import pytest
+from test_vllm_offload import BLOCK_SIZE, _block_nbytes, _prompt
 
 from helpers.vllm_servers import (
-    SHAPES,
     VLLMServer,
     free_port,
     kv_transfer_config,
@@ -34,22 +34,8 @@ openai = require_vllm()
 msgspec = pytest.importorskip("msgspec")
 zmq = pytest.importorskip("zmq")
 
-BLOCK_SIZE = 32
-HOST_BLOCKS, DISK_BLOCKS = 3, 8
+HOST_BLOCKS, DISK_BLOCKS = 3, 8   # blocks of BLOCK_SIZE tokens; _prompt's are 10 blocks
 START_SECONDS = 600.0
-
-
-def _block_nbytes() -> int:
-    s = SHAPES["tiny"]
-    return s["num_layers"] * BLOCK_SIZE * 2 * s["num_kv_heads"] * s["head_dim"] * 4  # float32
-
-
-def _prompt(seed: int) -> str:
-    """About 330 tokens (10 full blocks) sharing no leading block with another seed's."""
-    words = ["river", "stone", "amber", "quiet", "north", "lamp", "orbit", "cedar", "velvet",
-             "harbor", "signal", "meadow", "copper", "lantern", "echo", "summit"]
-    return " ".join(words[(seed * 7 + i * (seed + 3)) % len(words)] + str(seed)
-                    for i in range(50))
 
 
 class Subscriber:
