@@ -18,7 +18,8 @@
 
 The package imports lazily: ``KVMoveConnector`` (``connector.py``) needs vLLM, and is
 imported when vLLM asks for it (``getattr(module, "KVMoveConnector")``); ``params.py`` does
-not, so ``kvmove-serve``'s proxy uses it without vLLM installed.
+not, so ``kvmove-serve``'s proxy uses it without vLLM installed. Loading it checks the
+installed vLLM against ``versions.SUPPORTED_VLLM`` (a clear ``ConfigError`` outside it).
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ __all__ = ["KVMoveConnector"]
 
 def __getattr__(name: str) -> Any:
     if name == "KVMoveConnector":
+        # Where vLLM loads the connector (kv_connector_module_path): a vLLM outside the
+        # tested range is refused here, before its base class is subclassed (versions.py).
+        from kvmove.integrations.vllm.versions import check_vllm_version
+        check_vllm_version()
         from kvmove.integrations.vllm.connector import KVMoveConnector
         return KVMoveConnector
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -151,6 +151,22 @@ class KVMoveConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             self._scheduler.shutdown()
 
+    # ---- vLLM 0.33's sleep mode (sleep.py; 0.32 never calls these) ------------------------
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # Offload yes, P/D no: 0.33's default says yes, which P/D's registrations cannot keep.
+        from kvmove.integrations.vllm.sleep import supports_sleep_mode
+        return supports_sleep_mode(kv_transfer_config)
+
+    def unregister_kv_caches(self) -> None:
+        from kvmove.integrations.vllm.sleep import check_sleep
+        check_sleep(self.config.offload, "unregister_kv_caches")
+
+    def restore_kv_caches(self) -> None:
+        from kvmove.integrations.vllm.sleep import check_sleep
+        check_sleep(self.config.offload, "restore_kv_caches")
+
 
 # Both sides are imported only for the role that uses them: offload's need no agent, P/D's no
 # store, and a scheduler process never imports a worker's. Each is built from
