@@ -379,7 +379,7 @@ def _pair(bounds: Bounds | None) -> tuple[int, int] | None:
 
 # What the extras bring: missing at run time, the install lacks an extra (not a bug here).
 _PROXY_MODULES = {"fastapi", "uvicorn", "prometheus_client", "httpx", "starlette", "pydantic",
-                  "anyio", "h11", "msgspec"}
+                  "anyio", "h11", "msgspec", "pydantic_core"}
 _SERVE_MODULES = _PROXY_MODULES | {"torch", "safetensors", "tokenizers", "jinja2", "ray"}
 
 

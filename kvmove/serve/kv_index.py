@@ -31,8 +31,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kvmove.serve.messages import KVEvents
+if TYPE_CHECKING:   # the engine's messages import torch; the proxy uses this without it
+    from kvmove.serve.messages import KVEvents
 
 __all__ = ["LOAD_TOKENS", "REASONS", "STORE_SAVING", "Candidate", "Decision", "KVIndex",
            "choose", "cost", "least_loaded"]

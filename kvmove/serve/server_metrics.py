@@ -19,12 +19,13 @@ from prometheus_client.core import CounterMetricFamily
 
 from kvmove.metrics import agent_families, store_families
 from kvmove.serve.messages import HANDOFF_STAGES, Ended, Timeline
+from kvmove.serve.routing_metrics import routing_families
 
 if TYPE_CHECKING:
     from kvmove.serve.pool import WorkerPool
     from kvmove.serve.workers import WorkerInfo
 
-__all__ = ["ServerMetrics", "routing_families"]
+__all__ = ["ServerMetrics"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                     30.0)
@@ -48,26 +49,6 @@ class _WorkerCollector:
         for name, s in stats.items():
             dropped.add_metric([name], s.notifications_dropped)
         yield dropped
-
-
-def routing_families(r: CollectorRegistry) -> tuple[Counter, Histogram, Gauge]:
-    """KV-aware routing's families (``routed``, ``matched``, ``indexed``), one set of names for
-    the own engine's router and the proxy in front of vLLM (whose ``worker`` is an instance's
-    URL)."""
-    routed = Counter("kvmove_routing_decisions", "Requests placed on a prefill (colocated) "
-                     "worker, by why: kv_hit (it holds the longest cached prefix), load (a "
-                     "longer one is held by a busier worker), no_match (no worker holds any), "
-                     "least_loaded (--routing least-loaded).", ["worker", "reason"],
-                     registry=r)
-    matched = Histogram("kvmove_routing_matched_tokens", "The prompt tokens the chosen "
-                        "worker holds cached (or stored) when a request is placed, as its KV "
-                        "events told the router.",
-                        buckets=(0, 16, 64, 256, 1024, 4096, 16384, 65536), registry=r)
-    indexed = Gauge("kvmove_routing_indexed_blocks", "Block hashes the router's KV index "
-                    "holds per worker and medium (cache: its live prefix cache, store: its "
-                    "KVStore, or kvmove's tiers below vLLM).", ["worker", "medium"],
-                    registry=r)
-    return routed, matched, indexed
 
 
 class ServerMetrics:

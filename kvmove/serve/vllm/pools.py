@@ -17,7 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvmove.integrations.vllm.params import KVTransferParams
-from kvmove.serve.server_metrics import routing_families
+from kvmove.serve.routing_metrics import routing_families
 from kvmove.serve.vllm.proxy_config import KV_MODES, ProxyConfig
 
 __all__ = ["KV_MODES", "Instance", "Pool", "ProxyConfig", "ProxyMetrics"]
