@@ -11,6 +11,7 @@ row exists, every byte was verified, and bad input or a failing peer ends the ru
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import json
 import math
@@ -219,15 +220,21 @@ def test_against_nixl_reports_nixl_rows_and_ratios(bench: Bench) -> None:
     against = data["against"]
     assert against["library"] == "nixl" and against["verified"] is True
     assert against["version"].startswith("nixl")
-    nixl = {(row["op"], row["placement"]): row for row in against["rows"]}
-    assert set(nixl) == {(op, p) for op in ("write", "read") for p in ("allocator", "scatter")}
+    # both ways of preparing NIXL's descriptor lists (NIXL 1.5.1 has strided lists)
+    assert against["apis"] == ["per-block", "strided"] and against["skipped"] is None
+    nixl = {(row["api"], row["op"], row["placement"]): row for row in against["rows"]}
+    assert set(nixl) == {(api, op, p) for api in ("per-block", "strided")
+                         for op in ("write", "read") for p in ("allocator", "scatter")}
     for row in data["rows"]:
-        twin = nixl[row["op"], row["placement"]]
-        assert twin["verified"] is True and twin["mismatched_blocks"] == 0
-        assert (twin["nbytes"], twin["num_blocks"]) == (row["nbytes"], row["num_blocks"])
-        # NIXL merges what kvmove coalesces: the same operations on the wire
-        assert twin["num_descs"] == row["num_ops"]
-        assert row["nixl_gbytes_per_s"] == twin["gbytes_per_s"] > 0
+        twins = [nixl[api, row["op"], row["placement"]] for api in ("per-block", "strided")]
+        for twin in twins:
+            assert twin["verified"] is True and twin["mismatched_blocks"] == 0
+            assert (twin["nbytes"], twin["num_blocks"]) == (row["nbytes"], row["num_blocks"])
+            # NIXL merges what kvmove coalesces: the same operations on the wire
+            assert twin["num_descs"] == row["num_ops"]
+            assert twin["prep_seconds"] > 0
+        # kvmove against the better of NIXL's two ways
+        assert row["nixl_gbytes_per_s"] == max(t["gbytes_per_s"] for t in twins) > 0
         assert math.isfinite(row["nixl_ratio"]) and row["nixl_ratio"] > 0
     assert against["round_trip"]["nbytes"] == data["round_trip"]["nbytes"]
     assert math.isfinite(against["round_trip_time_ratio"])
@@ -261,10 +268,21 @@ def test_text_puts_kvmove_and_nixl_side_by_side() -> None:
     text = format_transfer(report)
     line = next(line for line in text.splitlines() if line.startswith("write  allocator")
                 and "0.50" in line)
-    assert line.split()[-2:] == ["4.00", "yes"]  # 2.00 GB/s over 0.50: kvmove / NIXL
+    assert line.split()[-3:] == ["-", "4.00", "yes"]  # no strided row; 2.00 GB/s over 0.50
     assert "against nixl-cu13 1.5.1" in text
     assert "kvmove 50.0 us, NIXL 20.0 us" in text and "kvmove / NIXL time 2.50" in text
     assert report.to_dict()["rows"][0]["nixl_ratio"] == pytest.approx(4.0)
+    # with NIXL's strided lists faster (1.00 GB/s), kvmove is compared with those
+    strided = dataclasses.replace(nixl_row, total_seconds=0.002, api="strided",
+                                  prep_seconds=0.0005)
+    both = dataclasses.replace(report, nixl=dataclasses.replace(
+        report.nixl, rows=(dataclasses.replace(nixl_row, prep_seconds=0.05), strided)))
+    text = format_transfer(both)
+    line = next(line for line in text.splitlines() if line.startswith("write  allocator")
+                and "0.50" in line)
+    assert line.split()[-4:] == ["0.50", "1.00", "2.00", "yes"]
+    assert "per-block 50.0 ms, strided 0.5 ms" in " ".join(text.split())
+    assert both.to_dict()["rows"][0]["nixl_ratio"] == pytest.approx(2.0)
 
 
 def test_config_rejects_unknown_against() -> None:

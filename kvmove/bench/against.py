@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvmove.bench.against_report import NixlRoundTrip, NixlRow, NixlRun
+from kvmove.bench.against_report import APIS, NixlRoundTrip, NixlRow, NixlRun
 from kvmove.bench.harness import ChildError
 from kvmove.bench.nixl_side import NIXL_INSTALL, NixlPeer
 from kvmove.bench.progress import Progress
@@ -53,12 +53,15 @@ def probe(config: BenchConfig) -> str:
 
 
 def count_steps(config: BenchConfig) -> int:
-    """How many times ``run`` calls ``progress``: each row, and the round trip."""
-    return 2 * len(config.block_sizes) * len(config.placements) + 1
+    """How many times ``run`` calls ``progress``: each row of each of NIXL's ways, and the
+    round trip."""
+    return 2 * len(APIS) * len(config.block_sizes) * len(config.placements) + 1
 
 
 def run(config: BenchConfig, progress: Progress) -> NixlRun:
-    """NIXL's rows and round trip for ``config``'s native-cache workload.
+    """NIXL's rows and round trip for ``config``'s native-cache workload, each row driven
+    both ways (``APIS``): one descriptor per (layer, block), and NIXL 1.5's strided lists
+    (skipped, saying why, where the installed NIXL refuses them).
 
     Raises:
         BenchError, ChildError: a NIXL process failed, died, or did not answer in time.
@@ -68,12 +71,20 @@ def run(config: BenchConfig, progress: Progress) -> NixlRun:
         far = NixlPeer(f"kvmove-bench-{_FAR}", config.transports, config.timeout)
         try:
             rows: list[NixlRow] = []
-            trip = None
-            for block_size in config.block_sizes:
-                more, trip = _measure(near, far, config, block_size, progress, trip)
-                rows += more
+            trip, skipped = None, None
+            for api in APIS:
+                for block_size in config.block_sizes:
+                    try:
+                        more, trip = _measure(near, far, config, block_size, progress, trip,
+                                              api)
+                    except ChildError as error:
+                        if api == APIS[0]:
+                            raise
+                        skipped = f"{api} descriptor lists refused by this NIXL: {error}"
+                        break
+                    rows += more
             assert trip is not None  # BenchConfig holds at least one block size
-            return NixlRun(near.call("version"), tuple(rows), trip)
+            return NixlRun(near.call("version"), tuple(rows), trip, skipped)
         finally:
             far.stop()
     finally:
@@ -81,13 +92,14 @@ def run(config: BenchConfig, progress: Progress) -> NixlRun:
 
 
 def _measure(near: NixlPeer, far: NixlPeer, config: BenchConfig, block_size: int,
-             progress: Progress, trip: NixlRoundTrip | None
+             progress: Progress, trip: NixlRoundTrip | None, api: str = APIS[0]
              ) -> tuple[list[NixlRow], NixlRoundTrip]:
-    """The rows of one block size, and the round trip if ``trip`` is None (after the first
-    placement, as kvmove's)."""
+    """The rows of one block size driven ``api``'s way, and the round trip if ``trip`` is
+    None (after the first placement, as kvmove's)."""
     layout = config.layout(block_size)
     num_blocks = layout.blocks_for(config.num_tokens)
-    _connect(near, far, layout, num_blocks * config.spare_factor, config.error_mode)
+    prep = _connect(near, far, layout, num_blocks * config.spare_factor, config.error_mode,
+                    strided=api == "strided")
     rows = []
     for index, placement in enumerate(config.placements):
         seed = config.seed * 1000 + block_size * 10 + index  # kvmove's: the same ids
@@ -95,8 +107,8 @@ def _measure(near: NixlPeer, far: NixlPeer, config: BenchConfig, block_size: int
         remote_ids = far.call("place", num_blocks, placement, seed + 1)
         for op, measure, op_seed in (("write", _write, seed), ("read", _read, seed + 2)):
             results = measure(near, far, local_ids, remote_ids, op_seed, config)
-            rows.append(_row(op, placement, layout, local_ids, results))
-            progress(f"NIXL {op} {placement} block {block_size}")
+            rows.append(_row(op, placement, layout, local_ids, results, api, prep))
+            progress(f"NIXL ({api}) {op} {placement} block {block_size}")
         if trip is None:
             trip = _round_trip(near, far, local_ids[0], remote_ids[0], layout, config)
             progress("NIXL round trip")
@@ -105,14 +117,16 @@ def _measure(near: NixlPeer, far: NixlPeer, config: BenchConfig, block_size: int
 
 
 def _connect(near: NixlPeer, far: NixlPeer, layout: KVSpec, cache_blocks: int,
-             error_mode: str) -> None:
+             error_mode: str, strided: bool = False) -> float:
     """A fresh NixlSide in each process, each knowing the other's agent and descriptors
-    (both ways: the far side writes back in the round trip)."""
+    (both ways: the far side writes back in the round trip); the seconds the near side took
+    to prepare its two descriptor lists (what a first request waits for)."""
     for peer, name in ((near, _NEAR), (far, _FAR)):
-        peer.call("setup", name, layout, cache_blocks, error_mode)
+        peer.call("setup", name, layout, cache_blocks, error_mode, strided)
     near_meta, far_meta = near.call("metadata"), far.call("metadata")
     near.call("connect", *far_meta)
     far.call("connect", *near_meta)
+    return float(near.call("prep_seconds"))
 
 
 def _write(near: NixlPeer, far: NixlPeer, local_ids: list[int], remote_ids: list[int],
@@ -145,15 +159,16 @@ def _read(near: NixlPeer, far: NixlPeer, local_ids: list[int], remote_ids: list[
     return results
 
 
-def _row(op: str, placement: str, layout: KVSpec, ids: list[int],
-         results: list[_Result]) -> NixlRow:
+def _row(op: str, placement: str, layout: KVSpec, ids: list[int], results: list[_Result],
+         api: str = APIS[0], prep_seconds: float = 0.0) -> NixlRow:
     """The row of the best timed iteration; ``results[0]`` is the warm-up."""
     timed = results[1:]
     best = min((r[0] for r in timed), key=lambda t: t["seconds"])
     return NixlRow(op, placement, layout.block_size, len(ids) * layout.bytes_per_block,
                    len(ids), best["num_descs"], best["make_seconds"], best["post_seconds"],
                    best["seconds"], tuple(r[0]["seconds"] for r in timed),
-                   results[0][0]["seconds"], sum(bad for _, bad in results))
+                   results[0][0]["seconds"], sum(bad for _, bad in results), api,
+                   prep_seconds)
 
 
 def _round_trip(near: NixlPeer, far: NixlPeer, local_id: int, remote_id: int,

@@ -10,17 +10,23 @@ from typing import Any, Protocol
 
 from kvmove.bench.report import RoundTrip, aligned
 
-__all__ = ["AGAINST", "KVMoveRow", "NixlRoundTrip", "NixlRow", "NixlRun", "nixl_lines"]
+__all__ = ["AGAINST", "APIS", "KVMoveRow", "NixlRoundTrip", "NixlRow", "NixlRun",
+           "nixl_lines"]
 
 # The libraries --against takes.
 AGAINST = ("nixl",)
+# The two ways NIXL's descriptor lists are prepared (nixl_side.NixlSide.descriptors): one
+# descriptor per (layer, block), as NIXL's connectors did; NIXL 1.5's strided lists, one per
+# layer, as vLLM's NixlConnector does since vllm#55157. kvmove is compared with the better.
+APIS = ("per-block", "strided")
 
 # What NIXL is asked to do, for the text and the JSON (nixl_side.py says why).
 NIXL_METHOD = (
-    "the same cache memory registered once, one prepared descriptor per (layer, block) on "
-    "each side (prep_xfer_dlist), and per transfer make_prepped_xfer + transfer + "
-    "check_xfer_state until done, all timed; NIXL merges descriptors contiguous on both "
-    "sides as kvmove coalesces runs")
+    "the same cache memory registered once, its descriptor lists prepared once on each side "
+    "(prep_xfer_dlist: one descriptor per (layer, block), or NIXL 1.5's strided lists, one "
+    "per layer), and per transfer make_prepped_xfer + transfer + check_xfer_state until "
+    "done, all timed; NIXL merges descriptors contiguous on both sides as kvmove coalesces "
+    "runs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +48,8 @@ class NixlRow:
     iter_seconds: tuple[float, ...]
     warmup_seconds: float
     mismatched_blocks: int
+    api: str = APIS[0]            # how its descriptor lists were prepared (APIS)
+    prep_seconds: float = 0.0     # preparing both lists on the near side, once per block size
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -92,18 +100,24 @@ class NixlRun:
     version: str
     rows: tuple[NixlRow, ...]
     round_trip: NixlRoundTrip
+    skipped: str | None = None   # why a way of APIS has no rows (an older NIXL)
 
     @property
     def verified(self) -> bool:
         return all(row.verified for row in self.rows)
 
-    def row_for(self, row: KVMoveRow) -> NixlRow | None:
-        """NIXL's row of kvmove's ``row`` (None for a wrapped cache's row: NIXL moves the
-        native cache only)."""
+    def rows_for(self, row: KVMoveRow) -> dict[str, NixlRow]:
+        """NIXL's rows of kvmove's ``row``, by way (APIS); none for a wrapped cache's row:
+        NIXL moves the native cache only."""
         if row.cache != "native":
-            return None
-        return next((r for r in self.rows if r.key == (row.op, row.placement,
-                                                       row.block_size)), None)
+            return {}
+        return {r.api: r for r in self.rows
+                if r.key == (row.op, row.placement, row.block_size)}
+
+    def row_for(self, row: KVMoveRow) -> NixlRow | None:
+        """NIXL's better row of kvmove's ``row`` (the faster of its ways), or None."""
+        rows = self.rows_for(row).values()
+        return max(rows, key=lambda r: r.gbytes_per_s, default=None)
 
     def ratio(self, row: KVMoveRow) -> float | None:
         """kvmove's GB/s over NIXL's for the same workload (above 1: kvmove faster)."""
@@ -116,6 +130,7 @@ class NixlRun:
 
     def to_dict(self, trip: RoundTrip) -> dict[str, Any]:
         return {"library": "nixl", "version": self.version, "method": NIXL_METHOD,
+                "apis": list(APIS), "skipped": self.skipped,
                 "verified": self.verified, "rows": [row.to_dict() for row in self.rows],
                 "round_trip": self.round_trip.to_dict(),
                 "round_trip_time_ratio": self.round_trip_ratio(trip)}
@@ -127,15 +142,23 @@ def nixl_lines(run: NixlRun, rows: tuple[KVMoveRow, ...], trip: RoundTrip,
     the one-block round trip of each. ``setting``: the transports and error mode both ran
     with, as the header says them."""
     head = ["op", "placement", "block", "bytes", "kvmove ops", "kvmove GB/s", "NIXL descs",
-            "NIXL GB/s", "kvmove / NIXL", "NIXL verified"]
+            "NIXL GB/s", "strided GB/s", "kvmove / best NIXL", "NIXL verified"]
     cells = []
     for row in rows:
-        nixl = run.row_for(row)
+        ways, nixl = run.rows_for(row), run.row_for(row)
         if nixl is not None:
+            speeds = [f"{ways[api].gbytes_per_s:.2f}" if api in ways else "-" for api in APIS]
             cells.append([row.op, row.placement, str(row.block_size), f"{row.nbytes:,}",
                           f"{row.num_ops:,}", f"{row.gbytes_per_s:.2f}", f"{nixl.num_descs:,}",
-                          f"{nixl.gbytes_per_s:.2f}", f"{run.ratio(row):.2f}",
-                          "yes" if nixl.verified else "NO"])
+                          *speeds, f"{run.ratio(row):.2f}",
+                          "yes" if all(w.verified for w in ways.values()) else "NO"])
+    preps = {api: min((r.prep_seconds for r in run.rows if r.api == api), default=None)
+             for api in APIS}
+    prep_line = ("NIXL's descriptor lists, prepared once per block size (what its first "
+                 "request waits for): " + ", ".join(
+                     f"{api} {1e3 * seconds:.1f} ms" for api, seconds in preps.items()
+                     if seconds is not None)
+                 + (f" ({run.skipped})" if run.skipped else ""))
     nixl_trip = run.round_trip
     header = (f"against {run.version} in this run ({setting}, NIXL's UCX backend, no NIXL "
               f"progress thread): {NIXL_METHOD}; best of the same iterations, every byte "
@@ -146,4 +169,4 @@ def nixl_lines(run: NixlRun, rows: tuple[KVMoveRow, ...], trip: RoundTrip,
                  f"time): kvmove / NIXL time {run.round_trip_ratio(trip):.2f} (below 1: kvmove "
                  "faster)")
     return [*textwrap.wrap(header, width=100), *aligned(head, cells, left={0, 1, len(head) - 1}),
-            *textwrap.wrap(trip_line, width=100)]
+            *textwrap.wrap(prep_line, width=100), *textwrap.wrap(trip_line, width=100)]

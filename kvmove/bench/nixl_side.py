@@ -92,8 +92,9 @@ class NixlSide(PatternCache):
     """
 
     def __init__(self, api: ModuleType, name: str, layout: KVSpec, num_blocks: int,
-                 error_mode: str) -> None:
+                 error_mode: str, strided: bool = False) -> None:
         super().__init__(layout, num_blocks)
+        self.strided = strided
         config = api.nixl_agent_config(enable_prog_thread=_PROGRESS_THREAD, backends=[],
                                        capture_telemetry=True)
         self.agent = api.nixl_agent(name, config)
@@ -105,13 +106,29 @@ class NixlSide(PatternCache):
         self.remote = ""
         self._local: Any = None
         self._remote: Any = None
+        self.prep_seconds = 0.0
 
     def descriptors(self) -> np.ndarray:
         """``[num_layers * num_blocks, 3]`` uint64 ``(addr, nbytes, device)``: one per
-        (layer, block), layer-major, so index ``layer * num_blocks + block``."""
+        (layer, block), layer-major, so index ``layer * num_blocks + block``. ``strided``:
+        NIXL 1.5's compressed form of the same list, ``[num_layers, 5]`` ``(addr, nbytes,
+        device, stride, count)``: a layer's blocks, ``stride`` bytes apart (vLLM's
+        NixlConnector prepares its lists so since vllm#55157); the indices are the same."""
         cache = self.cache
         assert cache.region is not None  # as in __init__
         addr = cache.region.addr
+        if self.strided:
+            rows = []
+            for layer in range(cache.num_layers):
+                first = cache.offset(layer, 0)
+                stride = cache.offset(layer, 1) - first if cache.num_blocks > 1 else \
+                    cache.block_nbytes
+                if any(cache.offset(layer, b) != first + b * stride
+                       for b in range(cache.num_blocks)):
+                    raise BenchError(f"layer {layer}'s blocks are not evenly spaced: no "
+                                     "strided descriptor describes them")
+                rows.append((addr + first, cache.block_nbytes, 0, stride, cache.num_blocks))
+            return np.array(rows, dtype=np.uint64)
         return np.array([(addr + cache.offset(layer, block), cache.block_nbytes, 0)
                          for layer in range(cache.num_layers)
                          for block in range(cache.num_blocks)], dtype=np.uint64)
@@ -126,8 +143,10 @@ class NixlSide(PatternCache):
         name = self.agent.add_remote_agent(metadata)
         # bytes from add_remote_agent, str as get_new_notifs' keys
         self.remote = name.decode() if isinstance(name, bytes) else name
+        start = time.perf_counter()   # both lists: what a first request waits for
         self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self.descriptors(), _MEM)
         self._remote = self.agent.prep_xfer_dlist(self.remote, remote_descriptors, _MEM)
+        self.prep_seconds = time.perf_counter() - start
         return self.remote
 
     def _indices(self, ids: list[int], layers: range | None = None) -> np.ndarray:
@@ -287,9 +306,14 @@ class NixlHost:
     def version(self) -> str:
         return _version(self.api)
 
-    def setup(self, name: str, layout: KVSpec, num_blocks: int, error_mode: str) -> None:
+    def setup(self, name: str, layout: KVSpec, num_blocks: int, error_mode: str,
+              strided: bool = False) -> None:
         self.close()
-        self.side = NixlSide(self.api, name, layout, num_blocks, error_mode)
+        self.side = NixlSide(self.api, name, layout, num_blocks, error_mode, strided)
+
+    def prep_seconds(self) -> float:
+        assert self.side is not None
+        return self.side.prep_seconds
 
     def __getattr__(self, verb: str) -> Any:
         if verb not in _SIDE_VERBS:
