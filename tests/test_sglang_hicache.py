@@ -220,6 +220,8 @@ def test_a_corrupted_stored_page_is_not_served(tmp_path) -> None:
     ({"disk_dir": "", "disk_bytes": 1 << 20}, "'disk_dir'"),
     ({}, "'host_bytes'"),
     ({"host_bytes": 1 << 20, "disk_direct": "yes"}, "'disk_direct'"),
+    ({"host_bytes": 1 << 20, "io_timeout": 0}, "'io_timeout'"),
+    ({"host_bytes": 1 << 20, "io_timeout": "60"}, "'io_timeout'"),
 ])
 def test_bad_extra_config_names_the_key(ours: dict, key: str) -> None:
     with pytest.raises(ConfigError, match=key):
@@ -273,3 +275,20 @@ def test_import_kvmove_does_not_import_sglang() -> None:
     code = "import sys, kvmove; sys.exit('sglang' in sys.modules)"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     assert subprocess.run([sys.executable, "-c", code], env=env, cwd="/").returncode == 0
+
+
+def test_a_put_or_get_that_outlives_io_timeout_raises_rather_than_return() -> None:
+    """SGLang reuses the host pages when the call returns: a store I/O still running at the
+    deadline is an error, never a silent return (and never a wait without end)."""
+    from concurrent.futures import Future
+
+    from kvmove.errors import TimeoutError as KVMoveTimeout
+    from kvmove.integrations.sglang import _wait
+    from kvmove.store import StoreHandle
+
+    never: Future = Future()   # an I/O that does not finish
+    with pytest.raises(KVMoveTimeout, match=r"get of 3 pages took over io_timeout = 0.2 s"):
+        _wait(StoreHandle(never), "get", 3, 0.2)
+    done: Future = Future()
+    done.set_result(3)
+    assert _wait(StoreHandle(done), "put", 3, 0.2) == 3

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,8 +54,8 @@ logger = logging.getLogger(__name__)
 
 # SGLang's own keys in the same dict (the dynamic loader's and the controller's).
 _SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"}
-_OUR_KEYS = {"host_bytes", "disk_dir", "disk_bytes", "disk_direct", "namespace"}
-_WAIT_S = 30.0  # between warnings while a put/get is still running (it is never abandoned)
+_OUR_KEYS = {"host_bytes", "disk_dir", "disk_bytes", "disk_direct", "namespace", "io_timeout"}
+_WAIT_S = 30.0  # between warnings while a put/get is still running (until io_timeout)
 _V1_ONLY = ("kvmove's SGLang backend implements the zero-copy v1 interface only "
             "(batch_get_v1 / batch_set_v1): set \"interface_v1\": 1 in "
             "--hicache-storage-backend-extra-config")
@@ -76,6 +78,9 @@ class StoreConfig:
         disk_direct: O_DIRECT reads and writes (``DiskTier.direct``).
         namespace: what else makes equal tokens give equal KV beyond SGLang's model name
             (e.g. a checkpoint revision); stored with the disk tier.
+        io_timeout: seconds a put or get may take; past it the call raises
+            ``kvmove.errors.TimeoutError`` rather than return while the store may still
+            copy into (or out of) host pages SGLang reuses once it returns.
     """
 
     host_bytes: int | None = None
@@ -83,6 +88,7 @@ class StoreConfig:
     disk_bytes: int | None = None
     disk_direct: bool = True
     namespace: str = ""
+    io_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         for key in ("host_bytes", "disk_bytes"):
@@ -103,6 +109,10 @@ class StoreConfig:
         if not isinstance(self.disk_direct, bool):
             raise ConfigError(f"extra_config['disk_direct'] must be true or false, got "
                               f"{self.disk_direct!r}")
+        if isinstance(self.io_timeout, bool) or not isinstance(self.io_timeout, (int, float)) \
+                or not math.isfinite(self.io_timeout) or self.io_timeout <= 0:
+            raise ConfigError(f"extra_config['io_timeout'] must be a positive number of "
+                              f"seconds, got {self.io_timeout!r}")
         if not isinstance(self.namespace, str):
             raise ConfigError(f"extra_config['namespace'] must be a string, got "
                               f"{self.namespace!r}")
@@ -213,7 +223,8 @@ class KVMoveHiCacheStorage(HiCacheStorage):
             return []
         pages = page_ids(host_indices, len(keys), self._page_size)
         hashes = [key_hash(k) for k in keys]
-        _wait(store.put(hashes, wrapped.cache, pages), "put", len(keys))
+        _wait(store.put(hashes, wrapped.cache, pages), "put", len(keys),
+              self.config.io_timeout)
         # Per page: a full store keeps the leading pages it can (back-pressure, not an error).
         # Asked one lookup each, which the store's counters include.
         return [store.lookup([h]).num_blocks == 1 for h in hashes]
@@ -227,7 +238,7 @@ class KVMoveHiCacheStorage(HiCacheStorage):
             return []
         pages = page_ids(host_indices, len(keys), self._page_size)
         done = _wait(store.get([key_hash(k) for k in keys], wrapped.cache, pages), "get",
-                     len(keys))
+                     len(keys), self.config.io_timeout)
         return [i < done for i in range(len(keys))]
 
     def batch_exists(self, keys: list[str],
@@ -282,13 +293,20 @@ class KVMoveHiCacheStorage(HiCacheStorage):
             self.store = None
 
 
-def _wait(handle: StoreHandle, what: str, num_pages: int) -> int:
-    """Waits for a put or get to finish, however long: SGLang reuses the host pages once the
-    call returns, so returning earlier would let the store copy into (or out of) pages that
-    hold another request's KV."""
+def _wait(handle: StoreHandle, what: str, num_pages: int, timeout: float) -> int:
+    """Waits for a put or get to finish, up to ``timeout`` seconds (a warning every
+    ``_WAIT_S``). SGLang reuses the host pages once the call returns, so it never returns
+    while the store may still copy into (or out of) them: past the deadline it raises, and
+    the request fails rather than compute on pages another request's KV may overwrite."""
+    deadline = time.monotonic() + timeout
     while True:
         try:
-            return handle.wait(_WAIT_S)
+            return handle.wait(max(0.001, min(_WAIT_S, deadline - time.monotonic())))
         except KVMoveTimeout:
+            if time.monotonic() >= deadline:
+                raise KVMoveTimeout(f"kvmove store {what} of {num_pages} pages took over "
+                                    f"io_timeout = {timeout:g} s; failing rather than let "
+                                    "SGLang reuse host pages the store may still copy") \
+                    from None
             logger.warning("kvmove store %s of %d pages still running after %g s", what,
                            num_pages, _WAIT_S)
