@@ -168,6 +168,24 @@ class KVMoveConnector(KVConnectorBase_V1):
         check_sleep(self.config.offload, "restore_kv_caches")
 
 
+def _register_by_name() -> None:
+    """Registers this class in vLLM's connector factory under its name, once. vLLM's
+    MultiConnector rebuilds each child's stats in the API server by the child's registered
+    name (``get_connector_class_by_name``), and a connector loaded by module path is not
+    registered: without this, kvmove's stats inside a MultiConnector crashed vLLM's stats
+    logging ("Connector 'KVMoveConnector' is not registered"). The API server imports this
+    module when MultiConnector builds its children's Prometheus metrics."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    try:
+        KVConnectorFactory.register_connector("KVMoveConnector", __name__, "KVMoveConnector")
+    except ValueError:   # registered already (this module imported again, or by the user)
+        pass
+
+
+_register_by_name()
+
+
 # Both sides are imported only for the role that uses them: offload's need no agent, P/D's no
 # store, and a scheduler process never imports a worker's. Each is built from
 # (vllm_config, config, kv_cache_config).
