@@ -179,7 +179,9 @@ class KVCache:
             order: the element order inside a block: "NHD" ``[B, H, D]`` per K/V, "HND"
                 ``[H, B, D]``, "vllm-cpu" ``[H, B, 2 * D]`` (vLLM's CPU attention reads it as
                 ``[H, 2 * B, D]``: a head's K rows, then its V rows), "mla" ``[B, latent]``
-                (an MLA layout).
+                (an MLA layout). An NHD or HND view of an allocation in the other order (its
+                strides say so; vLLM's FlashInfer HND) is wrapped as its memory holds it: the
+                cache's ``order`` is then the other.
             pool: True: a ``BlockPool`` of its own, as a cache kvmove allocates; None: the
                 engine allocates blocks, and transfers take its block ids.
             page_size: ``block_dim`` counts tokens, grouped into pages (blocks) of this many;
@@ -193,7 +195,7 @@ class KVCache:
         cache = cls.__new__(cls)
         cache._core = _C.KVCache(layout.num_layers, found.num_blocks, found.num_parts,
                                 found.planes, found.segments, found.device)
-        cache.layout, cache.order, cache.region = layout, order, None
+        cache.layout, cache.order, cache.region = layout, found.order, None
         cache.pool = BlockPool._of(cache._core.pool, cache) if pool else None
         entries = tensors.values() if isinstance(tensors, Mapping) else tensors
         cache.tensors = list(entries)  # the engine's memory stays alive while we are

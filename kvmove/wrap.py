@@ -12,15 +12,16 @@ segment (registered once with UCX) holding one or two planes:
     SGLang, (k, v) pairs, block_dim=0, page_size  [T, H, D] x 2     two planes, a page a block
     MLA, block_dim=0, order="mla"                 [N, B, latent]    one plane
 
-The dims after the block dim must be the order's block shape, in memory order (C-contiguous
-strides): kvmove reads a block as bytes and never gathers it. A view whose strides permute the
-dims (an HND allocation seen as NHD) is refused; wrap the allocation's own order instead.
+The dims after the block dim must be the order's block shape, C-contiguous: kvmove reads a
+block as bytes and never gathers it. One permuted view is recognised: an NHD or HND block whose
+strides show the other order in memory (vLLM hands FlashInfer's HND allocation over as an NHD
+view) is wrapped in its memory order, which the cache's ``order`` then says.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -60,6 +61,7 @@ class WrappedPlanes:
     planes: list[tuple[int, int, int, int]]  # (base, block_stride, block_nbytes, segment)
     segments: list[tuple[int, int]]  # (addr, nbytes), one per tensor
     device: int
+    order: str  # the blocks' order in memory: ``order``, or NHD and HND swapped for a view
 
 
 def planes_of(tensors: Sequence[Any] | Mapping[str, Any], layout: KVSpec, block_dim: int,
@@ -81,6 +83,7 @@ def planes_of(tensors: Sequence[Any] | Mapping[str, Any], layout: KVSpec, block_
     blocks: dict[str, int] = {}
     device = -1
     parts_of: dict[str, int] = {}
+    orders: dict[str, str] = {}
     for name, entry in zip(names, entries):
         parts, before = _split(name, entry, kv_dim), len(planes)
         for part_name, obj in parts:
@@ -89,15 +92,17 @@ def planes_of(tensors: Sequence[Any] | Mapping[str, Any], layout: KVSpec, block_
             device = array.device
             segment = len(segments)
             segments.append((array.addr, _span(array)))
-            for base, stride, nbytes, num in _tensor_planes(array, layout, block_dim, kv_dim,
-                                                            order, page_size):
+            found, orders[array.name] = _tensor_planes(array, layout, block_dim, kv_dim, order,
+                                                       page_size)
+            for base, stride, nbytes, num in found:
                 blocks[array.name] = num
                 planes.append((base, stride, nbytes, segment))
         parts_of[name] = len(planes) - before
     _check_same("parts per layer (K and V together or apart)", parts_of, str)
     _check_same("numbers of blocks", blocks, str)
+    _check_same("the order of a block in memory", orders, str)
     return WrappedPlanes(names, next(iter(blocks.values())), parts_of[names[0]], planes, segments,
-                         device)
+                         device, next(iter(orders.values())))
 
 
 def _check_order(layout: KVSpec, order: str, kv_dim: int | None,
@@ -202,13 +207,19 @@ def _block_dims(layout: KVSpec, order: str) -> list[tuple[str, int]]:
 
 
 def _tensor_planes(array: _Array, layout: KVSpec, block_dim: int, kv_dim: int | None,
-                   order: str, page_size: int | None) -> list[tuple[int, int, int, int]]:
-    """(base, block_stride, block_nbytes, num_blocks) of each plane in one tensor."""
+                   order: str, page_size: int | None
+                   ) -> tuple[list[tuple[int, int, int, int]], str]:
+    """(base, block_stride, block_nbytes, num_blocks) of each plane in one tensor, and the
+    order of its blocks in memory."""
     ndim = len(array.shape)
     for what, dim in (("block_dim", block_dim), ("kv_dim", kv_dim)):
         if dim is not None and not 0 <= dim < ndim:
             raise ConfigError(f"tensor {array.name} has {ndim} dims {array.shape}, {what} "
                               f"{dim} is not one of them")
+    dims = [i for i in range(ndim) if i != kv_dim or kv_dim > block_dim]
+    if page_size is None and order in _SWAPPED and len(dims) >= 4 and \
+            block_dim not in dims[-3:] and kv_dim not in dims[-3:]:
+        array, order = _in_memory_order(array, dims[-3], dims[-2], order)
     inner = _block_dims(layout, order)
     bases = [array.addr]
     if kv_dim is not None:
@@ -227,7 +238,6 @@ def _tensor_planes(array: _Array, layout: KVSpec, block_dim: int, kv_dim: int | 
                               f"K then V")
     if page_size is not None:
         inner = inner[1:]  # the block dim counts tokens; a block is page_size of them
-    dims = [i for i in range(ndim) if i != kv_dim or kv_dim > block_dim]
     if dims[0] != block_dim:
         raise ConfigError(f"tensor {array.name}: dims {dims[:dims.index(block_dim)]} come "
                           f"before block_dim {block_dim}; the block dim must be outermost "
@@ -241,7 +251,24 @@ def _tensor_planes(array: _Array, layout: KVSpec, block_dim: int, kv_dim: int | 
     if stride < nbytes:
         raise ConfigError(f"tensor {array.name} dim {block_dim} (blocks) has a stride of "
                           f"{stride} B, expected at least the block's {nbytes} B")
-    return [(base, stride, nbytes, num) for base in bases]
+    return [(base, stride, nbytes, num) for base in bases], order
+
+
+_SWAPPED = {"NHD": "HND", "HND": "NHD"}
+
+
+def _in_memory_order(array: _Array, outer: int, inner: int, order: str) -> tuple[_Array, str]:
+    """``array`` and ``order`` as its memory holds them: when the block's two leading dims
+    (tokens and heads, NHD or HND) are stored the other way round (a permuted view, such as
+    vLLM's of FlashInfer's HND allocation), the view with those two swapped, in the other
+    order; else both unchanged. Whether the result is contiguous is checked after."""
+    if min(array.shape[outer], array.shape[inner]) < 2 or \
+            array.strides[outer] >= array.strides[inner]:
+        return array, order
+    shape, strides = list(array.shape), list(array.strides)
+    for swap in (shape, strides):
+        swap[outer], swap[inner] = swap[inner], swap[outer]
+    return replace(array, shape=tuple(shape), strides=tuple(strides)), _SWAPPED[order]
 
 
 def _check_inner(array: _Array, dims: list[int], inner: list[tuple[str, int]]) -> None:

@@ -17,6 +17,7 @@ import torch
 import kvmove
 from kvmove.bench.harness import ChildError
 from kvmove.errors import ConfigError
+from kvmove.wrap import planes_of
 
 from helpers import engines
 from helpers.wrap_far import FarWrapped, as_torch
@@ -320,11 +321,32 @@ def test_wrap_refuses_a_missing_dimension():
         kvmove.KVCache.wrap(kv, **FLASH)
 
 
+def test_wrap_takes_an_hnd_allocation_viewed_as_nhd_in_its_memory_order():
+    # vLLM hands FlashInfer's HND allocation over as an NHD view: wrapped as HND, as stored
+    hnd = _flash(LAYOUT, shape=(2, NUM_BLOCKS, 2, 4, 8))
+    for layer, t in enumerate(hnd):
+        t.copy_(torch.arange(t.numel(), dtype=torch.float16).reshape(t.shape) + layer)
+    views = [t.transpose(2, 3) for t in hnd]
+    cache = kvmove.KVCache.wrap(views, **FLASH)
+    assert cache.order == "HND"
+    # the same planes as the allocation wrapped in its own order (where each block lies)
+    assert planes_of(views, LAYOUT, 1, 0, "NHD", None) == planes_of(hnd, LAYOUT, 1, 0, "HND",
+                                                                     None)
+
+
+def test_wrap_refuses_a_view_of_the_other_order_in_mixed_orders():
+    kv = _flash(LAYOUT)
+    kv[1] = kv[1].transpose(2, 3).contiguous().transpose(2, 3)   # this layer's memory is HND
+    with pytest.raises(ConfigError, match=r"the tensors must agree on the order of a block in "
+                                          r"memory: tensor tensors\[1\] has HND"):
+        kvmove.KVCache.wrap(kv, **FLASH)
+
+
 def test_wrap_refuses_a_plane_not_contiguous_inside_a_block():
-    kv = [t.transpose(2, 3).contiguous().transpose(2, 3) for t in _flash(LAYOUT)]  # HND memory
+    kv = [t.transpose(3, 4).contiguous().transpose(3, 4) for t in _flash(LAYOUT)]  # [.., D, H]
     with pytest.raises(ConfigError, match=r"tensors\[0\] is not contiguous inside a block: dim "
-                                          r"3 \(num_kv_heads\) has a stride of 64 B, expected "
-                                          r"16 B"):
+                                          r"4 \(head_dim\) has a stride of 4 B, expected "
+                                          r"2 B"):
         kvmove.KVCache.wrap(kv, **FLASH)
 
 

@@ -225,7 +225,7 @@ def wrap_kv_caches(kv_caches: dict[str, Any], layout: kvmove.KVSpec,
     On a GPU vLLM hands each layer in its backend's logical shape, a view of an allocation in
     the backend's stride order (FlashInfer's HND: ``[num_blocks, 2, num_kv_heads, block_size,
     head_dim]`` in memory, viewed as ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``):
-    the view is permuted back to memory order (by its strides) and recognised there. The
+    ``KVCache.wrap`` recognises the view by its strides and wraps it in its memory order. The
     cache's ``order`` then says which it was, and a store or a peer of another order refuses
     it rather than mix them up."""
     if len(kv_caches) != layout.num_layers:
@@ -240,6 +240,7 @@ def wrap_kv_caches(kv_caches: dict[str, Any], layout: kvmove.KVSpec,
                                    pool=None)
     shape = tuple(next(iter(kv_caches.values())).shape)
     bs, heads, dim = layout.block_size, layout.num_kv_heads, layout.head_dim
+    why = ""
     for planes_first, (block_dim, kv_dim) in ((True, (1, 0)), (False, (0, 1))):
         if len(shape) != 5 or shape[kv_dim] != 2 or (shape[0] == 2) != planes_first:
             continue
@@ -247,30 +248,15 @@ def wrap_kv_caches(kv_caches: dict[str, Any], layout: kvmove.KVSpec,
         logical = {(bs, heads, dim): "NHD", (heads, bs, dim): "HND"}.get(shape[2:])
         if logical is None:
             continue
-        memory = [_memory_dims(t) for t in kv_caches.values()]
-        if any(dims[:2] != [0, 1] or dims[4] != 4 for dims in memory):
-            break   # the block or K/V dims are not the outer ones in memory
-        swapped = [dims[2] == 3 for dims in memory]
-        if len(set(swapped)) != 1:
-            raise ConfigError("vLLM's KV tensors are not all in one memory order")
-        order = logical if not swapped[0] else "HND" if logical == "NHD" else "NHD"
-        layers = {name: _memory_order(t) for name, t in kv_caches.items()}
-        return kvmove.KVCache.wrap(layers, layout=layout, block_dim=block_dim, kv_dim=kv_dim,
-                                   order=order, pool=None)
+        try:  # wrap recognises a view of the other order by its strides
+            return kvmove.KVCache.wrap(kv_caches, layout=layout, block_dim=block_dim,
+                                       kv_dim=kv_dim, order=logical, pool=None)
+        except ConfigError as error:
+            why = f": {error}"
+            break
     raise ConfigError(f"vLLM's KV tensors are {shape} (strides "
                       f"{tuple(next(iter(kv_caches.values())).stride())}), none of the "
                       f"layouts kvmove wraps for {layout}: [2, num_blocks, ...] (flash-"
                       f"attention) or [num_blocks, 2, ...] (FlashInfer and others), each block "
                       f"[block_size, heads, head_dim] (NHD) or [heads, block_size, head_dim] "
-                      f"(HND) in memory")
-
-
-def _memory_dims(tensor: Any) -> list[int]:
-    """``tensor``'s dims in memory order (largest stride first; ties keep their order)."""
-    return sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d))
-
-
-def _memory_order(tensor: Any) -> Any:
-    """``tensor`` viewed with its dims in memory order: itself when it is contiguous."""
-    dims = _memory_dims(tensor)
-    return tensor if dims == list(range(tensor.dim())) else tensor.permute(*dims)
+                      f"(HND) in memory{why}")
