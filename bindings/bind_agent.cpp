@@ -24,24 +24,26 @@ py::tuple to_notification(const Notification& n) {
     return py::make_tuple(n.peer, py::bytes(n.payload));
 }
 
-using StartFn = std::shared_ptr<Transfer> (Agent::*)(const std::string&,
-                                                     const std::vector<BlockId>&,
-                                                     const std::vector<BlockId>&,
-                                                     const std::optional<std::vector<int64_t>>&,
-                                                     const std::optional<std::string>&);
+using StartFn = std::shared_ptr<Transfer> (Agent::*)(
+    const std::string&, const std::vector<BlockId>&, const std::vector<BlockId>&,
+    const std::optional<std::vector<int64_t>>&, const std::optional<std::string>&, TrafficClass);
 
 // write/read with block-id lists read by the fast Ids caster.
 auto transfer_method(StartFn start) {
     return [start](Agent& a, const std::string& peer, const Ids& local, const Ids& remote,
                    const std::optional<std::vector<int64_t>>& layers,
-                   const std::optional<std::string>& notify) {
-        return (a.*start)(peer, local.values, remote.values, layers, notify);
+                   const std::optional<std::string>& notify, TrafficClass traffic) {
+        return (a.*start)(peer, local.values, remote.values, layers, notify, traffic);
     };
 }
 
 }  // namespace
 
 void register_agent(py::module_& m) {
+    py::enum_<TrafficClass>(m, "TrafficClass")
+        .value("handoff", TrafficClass::Handoff)
+        .value("prefetch", TrafficClass::Prefetch)
+        .value("offload", TrafficClass::Offload);
     // The metadata codec, for tests and fuzzing (an Agent decodes only what verified).
     m.def(
         "decode_metadata",
@@ -152,10 +154,10 @@ void register_agent(py::module_& m) {
         .def("peer_alive", &Agent::peer_is_alive, py::arg("name"), release())
         .def("write", transfer_method(&Agent::write), py::arg("peer"), py::arg("local_ids"),
              py::arg("remote_ids"), py::arg("layers") = py::none(), py::arg("notify") = py::none(),
-             release())
+             py::arg("traffic") = TrafficClass::Handoff, release())
         .def("read", transfer_method(&Agent::read), py::arg("peer"), py::arg("local_ids"),
              py::arg("remote_ids"), py::arg("layers") = py::none(), py::arg("notify") = py::none(),
-             release())
+             py::arg("traffic") = TrafficClass::Handoff, release())
         .def(
             "stream_to",
             [](Agent& a, const std::string& peer, const Ids& local, const Ids& remote,

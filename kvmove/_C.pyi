@@ -10,7 +10,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['Agent', 'BlockFile', 'BlockOrder', 'BlockPool', 'BlockShape', 'DType', 'KVCache', 'LoadStream', 'Offer', 'Region', 'SaveStream', 'StreamState', 'StreamStats', 'Transfer', 'TransferState', 'TransferStats', 'block_checksums', 'block_hashes', 'check_timeout', 'convert_blocks', 'copy_blocks', 'copy_limit_gbytes_per_s', 'cuda_status', 'decode_metadata', 'decode_stream_message', 'default_copy_threads', 'encode_stream_message', 'hash_ids', 'log_dropped', 'pack_blocks', 'parse_order', 'peer_error_settings', 'runs', 'set_log_level', 'take_log', 'ucx_built_version', 'ucx_library', 'ucx_resources', 'ucx_version', 'unpack_blocks', 'xxh3', 'xxh64']
+__all__: list[str] = ['Agent', 'BlockFile', 'BlockOrder', 'BlockPool', 'BlockShape', 'DType', 'KVCache', 'LoadStream', 'Offer', 'Region', 'SaveStream', 'StreamState', 'StreamStats', 'TrafficClass', 'Transfer', 'TransferState', 'TransferStats', 'block_checksums', 'block_hashes', 'check_timeout', 'convert_blocks', 'copy_blocks', 'copy_limit_gbytes_per_s', 'cuda_status', 'decode_metadata', 'decode_stream_message', 'default_copy_threads', 'encode_stream_message', 'hash_ids', 'log_dropped', 'pack_blocks', 'parse_order', 'peer_error_settings', 'runs', 'set_log_level', 'take_log', 'ucx_built_version', 'ucx_library', 'ucx_resources', 'ucx_version', 'unpack_blocks', 'xxh3', 'xxh64']
 class BlockPool:
     def __init__(self, num_blocks: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...
@@ -403,6 +403,54 @@ class LoadStream:
     @property
     def state(self) -> StreamState:
         ...
+class TrafficClass:
+    """
+    Members:
+    
+      handoff
+    
+      prefetch
+    
+      offload
+    """
+    __members__: typing.ClassVar[dict[str, TrafficClass]]
+    handoff: typing.ClassVar[TrafficClass]
+    offload: typing.ClassVar[TrafficClass]
+    prefetch: typing.ClassVar[TrafficClass]
+    @typing.overload
+    def __eq__(self, other: TrafficClass) -> bool:
+        ...
+    @typing.overload
+    def __eq__(self, other: typing.Any) -> bool:
+        ...
+    def __getstate__(self) -> int:
+        ...
+    def __hash__(self) -> int:
+        ...
+    def __index__(self) -> int:
+        ...
+    def __init__(self, value: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    def __int__(self) -> int:
+        ...
+    @typing.overload
+    def __ne__(self, other: TrafficClass) -> bool:
+        ...
+    @typing.overload
+    def __ne__(self, other: typing.Any) -> bool:
+        ...
+    def __repr__(self) -> str:
+        ...
+    def __setstate__(self, state: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    def __str__(self) -> str:
+        ...
+    @property
+    def name(self) -> str:
+        ...
+    @property
+    def value(self) -> int:
+        ...
 class TransferState:
     """
     Members:
@@ -556,7 +604,7 @@ class Agent:
         ...
     def peer_transports(self, name: str) -> list[tuple[str, str]]:
         ...
-    def read(self, peer: str, local_ids: list[int], remote_ids: list[int], layers: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None = None, notify: str | None = None) -> Transfer:
+    def read(self, peer: str, local_ids: list[int], remote_ids: list[int], layers: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None = None, notify: str | None = None, traffic: TrafficClass = ...) -> Transfer:
         ...
     def remove_peer(self, name: str) -> None:
         ...
@@ -568,7 +616,7 @@ class Agent:
         ...
     def wait_offer(self, timeout: typing.SupportsFloat | typing.SupportsIndex) -> Offer:
         ...
-    def write(self, peer: str, local_ids: list[int], remote_ids: list[int], layers: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None = None, notify: str | None = None) -> Transfer:
+    def write(self, peer: str, local_ids: list[int], remote_ids: list[int], layers: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None = None, notify: str | None = None, traffic: TrafficClass = ...) -> Transfer:
         ...
     @property
     def closed(self) -> bool:

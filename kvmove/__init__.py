@@ -60,11 +60,17 @@ from kvmove.runtime import (  # noqa: E402
 from kvmove.staging import StagedLoad, StagedWrite, StagingArea  # noqa: E402
 from kvmove.store import DiskTier, HostTier, KVStore, Lookup, StoreHandle  # noqa: E402
 from kvmove.stream import LoadStream, Offer, SaveStream, StreamState  # noqa: E402
-from kvmove.transfer import Transfer, TransferState, TransferStats  # noqa: E402
+from kvmove.transfer import (  # noqa: E402
+    TRAFFIC_CLASSES,
+    Transfer,
+    TransferState,
+    TransferStats,
+)
 
 _log.start()  # the core's log records reach Python's logging (KVMOVE_LOG_LEVEL)
 
 __all__ = [
+    "TRAFFIC_CLASSES",
     "Agent",
     "AgentStats",
     "BlockPool",

@@ -27,7 +27,7 @@ from kvmove.bootstrap import (
 from kvmove.errors import ConfigError, PeerError
 from kvmove.kv_cache import KVCache, block_shape
 from kvmove.stream import LoadStream, Offer, SaveStream
-from kvmove.transfer import Transfer, TransferState, TransferStats
+from kvmove.transfer import Transfer, TransferState, TransferStats, traffic_class
 from kvmove.validation import require_positive_finite, require_positive_int
 
 __all__ = ["Agent", "AgentStats", "Transfer", "TransferState", "TransferStats"]
@@ -37,15 +37,6 @@ __all__ = ["Agent", "AgentStats", "Transfer", "TransferState", "TransferStats"]
 # but takes any sequence of ints, and a std::string parameter is named str but takes bytes too.
 ERROR_MODES = ("peer", "none")
 SAME_HOST_PATHS = ("map", "ucx")
-
-
-def peer_mode_ucx_env() -> dict[str, str]:
-    """The UCX settings an agent with ``error_mode="peer"`` adds to its UCX configuration, as
-    environment variables (``{"UCX_RNDV_THRESH": "inf", ...}``), less those the environment
-    sets already (they win): so a tool such as ``ucx_perftest -e`` runs with the same
-    transports as the agents. Why each: ``peer_error_settings`` in csrc/transport/ucx.cpp."""
-    settings = {f"UCX_{key}": value for key, value in _C.peer_error_settings()}
-    return {name: value for name, value in settings.items() if name not in os.environ}
 
 
 def _weak_add_peer(agent: Agent) -> Callable[[bytes], str]:
@@ -251,28 +242,34 @@ class Agent:
         self._core.remove_peer(name)
 
     def write(self, peer: str, local_ids: Sequence[int], remote_ids: Sequence[int],
-              layers: Sequence[int] | None = None, notify: bytes | None = None) -> Transfer:
+              layers: Sequence[int] | None = None, notify: bytes | None = None, *,
+              traffic: str = "handoff") -> Transfer:
         """One-sided put of block ``local_ids[i]`` into ``remote_ids[i]`` of ``peer``.
 
         Args:
             layers: the layers to move (all when None).
             notify: up to 64 KiB delivered to the peer (``notifications()``) once every byte is
                 in place there.
+            traffic: what it is for, most urgent first: ``"handoff"`` (a request's KV to its
+                decode; streams are hand-offs), ``"prefetch"``, ``"offload"``
+                (``TRAFFIC_CLASSES``; docs/transfer.md, "Traffic classes").
 
         Raises:
-            ConfigError: mismatched lengths, layouts or a layer out of range.
+            ConfigError: mismatched lengths, layouts, a layer out of range or an unknown
+                ``traffic``.
             BlockError: an id out of range, or a destination block twice.
             PeerError: unknown or dead peer.
         """
-        return Transfer(self._core.write(
-            peer, local_ids, remote_ids, _layers(layers), notify))  # type: ignore[arg-type]
+        args = (peer, local_ids, remote_ids, _layers(layers), notify, traffic_class(traffic))
+        return Transfer(self._core.write(*args))  # type: ignore[arg-type]
 
     def read(self, peer: str, local_ids: Sequence[int], remote_ids: Sequence[int],
-             layers: Sequence[int] | None = None, notify: bytes | None = None) -> Transfer:
+             layers: Sequence[int] | None = None, notify: bytes | None = None, *,
+             traffic: str = "handoff") -> Transfer:
         """One-sided get of ``peer``'s block ``remote_ids[i]`` into ``local_ids[i]`` (as
-        ``write``, the other way)."""
-        return Transfer(self._core.read(
-            peer, local_ids, remote_ids, _layers(layers), notify))  # type: ignore[arg-type]
+        ``write``, the other way; a read from a store ahead of use is ``"prefetch"``)."""
+        args = (peer, local_ids, remote_ids, _layers(layers), notify, traffic_class(traffic))
+        return Transfer(self._core.read(*args))  # type: ignore[arg-type]
 
     def send(self, peer: str, payload: bytes) -> Transfer:
         """Sends ``payload`` (up to 64 KiB) to ``peer`` as a notification alone (NIXL's
@@ -495,3 +492,4 @@ class Agent:
 
 def _layers(layers: Sequence[int] | None) -> list[int] | None:
     return None if layers is None else list(layers)
+

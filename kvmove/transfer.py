@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmove import _C
+from kvmove.errors import ConfigError
 
-__all__ = ["Transfer", "TransferState", "TransferStats"]
+__all__ = ["TRAFFIC_CLASSES", "Transfer", "TransferState", "TransferStats", "traffic_class"]
 
 TransferState = _C.TransferState
 """PENDING, then DONE or FAILED.
@@ -91,3 +92,23 @@ class Transfer:
 
     def __repr__(self) -> str:
         return f"Transfer({self.peer!r}, {self.state.name}, {self.stats})"
+
+
+TRAFFIC_CLASSES = ("handoff", "prefetch", "offload")
+"""What a transfer is for (``Agent.write``/``read``'s ``traffic``), most urgent first.
+
+To same-host peers an agent's copy threads run a hand-off's copies before a prefetch's before
+an offload's, which take only the CPU time nothing else wants, without starving them
+(docs/transfer.md, "Traffic classes"). Transfers to one peer still complete in posting order.
+Layer streams (``stream_to``) are hand-offs.
+
+Example:
+    >>> agent.write(store, ids, store_ids, traffic="offload")   # behind any hand-off
+"""
+
+
+def traffic_class(traffic: str) -> _C.TrafficClass:
+    """The core's class for one of ``TRAFFIC_CLASSES`` (ConfigError naming them if not)."""
+    if traffic not in TRAFFIC_CLASSES:
+        raise ConfigError(f"traffic must be one of {TRAFFIC_CLASSES}, got {traffic!r}")
+    return getattr(_C.TrafficClass, traffic)

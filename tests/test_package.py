@@ -40,13 +40,15 @@ def test_every_public_name_is_exported_and_documented() -> None:
 
 def _reference_docstring(name: str) -> str:
     """The docstring the API reference shows: the object's own, or, for a core type bound to
-    a module attribute (``TransferState = _C.TransferState``), the string literal after that
-    assignment (the compiled type's own docstring comes from C++)."""
+    a module attribute (``TransferState = _C.TransferState``) or a constant
+    (``TRAFFIC_CLASSES``), the string literal after that assignment (the compiled type's own
+    docstring comes from C++; a tuple's is tuple's)."""
     import ast
     import inspect
 
     obj = getattr(kvmove, name)
-    if not getattr(obj, "__module__", obj.__name__).startswith("kvmove._C"):
+    module = obj.__name__ if inspect.ismodule(obj) else getattr(obj, "__module__", None)
+    if module is not None and not module.startswith("kvmove._C"):
         return inspect.getdoc(obj) or ""
     for module in ("agent", "stream", "transfer"):
         tree = ast.parse(Path(kvmove.__file__).with_name(f"{module}.py").read_text())

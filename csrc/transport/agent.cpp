@@ -185,23 +185,26 @@ std::shared_ptr<Transfer> Agent::write(const std::string& peer,
                                        const std::vector<BlockId>& local_ids,
                                        const std::vector<BlockId>& remote_ids,
                                        const std::optional<std::vector<int64_t>>& layers,
-                                       const std::optional<std::string>& notify) {
-    return start(Direction::Put, peer, local_ids, remote_ids, layers, notify);
+                                       const std::optional<std::string>& notify,
+                                       TrafficClass traffic) {
+    return start(Direction::Put, peer, local_ids, remote_ids, layers, notify, traffic);
 }
 
 std::shared_ptr<Transfer> Agent::read(const std::string& peer,
                                       const std::vector<BlockId>& local_ids,
                                       const std::vector<BlockId>& remote_ids,
                                       const std::optional<std::vector<int64_t>>& layers,
-                                      const std::optional<std::string>& notify) {
-    return start(Direction::Get, peer, local_ids, remote_ids, layers, notify);
+                                      const std::optional<std::string>& notify,
+                                      TrafficClass traffic) {
+    return start(Direction::Get, peer, local_ids, remote_ids, layers, notify, traffic);
 }
 
 std::shared_ptr<Transfer> Agent::start(Direction direction, const std::string& peer_name,
                                        const std::vector<BlockId>& local_ids,
                                        const std::vector<BlockId>& remote_ids,
                                        const std::optional<std::vector<int64_t>>& layers,
-                                       const std::optional<std::string>& notify) {
+                                       const std::optional<std::string>& notify,
+                                       TrafficClass traffic) {
     const std::vector<int64_t> wanted = cache_.geometry().layers_or_all(layers);
     WorkerLock lock(*this);
     check_open();  // under the lock: close() tears the worker down holding it
@@ -211,6 +214,7 @@ std::shared_ptr<Transfer> Agent::start(Direction direction, const std::string& p
     auto t0 = std::chrono::steady_clock::now();
     PathBatch batch;
     batch.direction = direction;
+    batch.traffic = traffic;
     batch.ranges = pair_ranges(cache_.geometry(), local_ids, peer.geometry, remote_ids, wanted);
     auto transfer = std::make_shared<Transfer>(
         peer_name, local_ids.size() * wanted.size() * cache_.block_nbytes(), batch.ranges.size());

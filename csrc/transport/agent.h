@@ -104,14 +104,17 @@ public:
 
     // One-sided put (write) or get (read) of local_ids[i] <-> remote_ids[i] in the given
     // layers (all when nullopt); notify is delivered to the peer once the data is in place.
+    // traffic: what it is for (copier.h: a hand-off's copies go before an offload's).
     std::shared_ptr<Transfer> write(const std::string& peer, const std::vector<BlockId>& local_ids,
                                     const std::vector<BlockId>& remote_ids,
                                     const std::optional<std::vector<int64_t>>& layers,
-                                    const std::optional<std::string>& notify);
+                                    const std::optional<std::string>& notify,
+                                    TrafficClass traffic = TrafficClass::Handoff);
     std::shared_ptr<Transfer> read(const std::string& peer, const std::vector<BlockId>& local_ids,
                                    const std::vector<BlockId>& remote_ids,
                                    const std::optional<std::vector<int64_t>>& layers,
-                                   const std::optional<std::string>& notify);
+                                   const std::optional<std::string>& notify,
+                                   TrafficClass traffic = TrafficClass::Handoff);
     // A notification alone (no data), after what was sent to the peer before.
     std::shared_ptr<Transfer> notify(const std::string& peer, const std::string& payload);
 
@@ -162,7 +165,7 @@ private:
                                     const std::vector<BlockId>& local_ids,
                                     const std::vector<BlockId>& remote_ids,
                                     const std::optional<std::vector<int64_t>>& layers,
-                                    const std::optional<std::string>& notify);
+                                    const std::optional<std::string>& notify, TrafficClass traffic);
     void validate(const Peer& peer, Direction direction, const std::vector<BlockId>& local_ids,
                   const std::vector<BlockId>& remote_ids, const std::vector<int64_t>& layers,
                   const std::optional<std::string>& notify) const;

@@ -1,5 +1,8 @@
 #include "transport/copier.h"
 
+#include <pthread.h>
+#include <sched.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -125,10 +128,15 @@ bool CopyJob::run_chunk() {
 }
 
 Copier::Copier(int num_threads, CpuMask cpus) {
-    for (int i = 0; i < std::max(num_threads, 1); ++i) {
-        threads_.emplace_back([this, cpus] {
+    for (int i = 0; i < 2 * std::max(num_threads, 1); ++i) {
+        const bool background = i % 2 == 1;
+        threads_.emplace_back([this, cpus, background] {
             cpus.apply();
-            loop();
+            if (background) {  // best effort: where the kernel refuses, it stays as it is
+                sched_param param{};
+                pthread_setschedparam(pthread_self(), SCHED_IDLE, &param);
+            }
+            loop(background);
         });
     }
 }
@@ -137,8 +145,10 @@ Copier::~Copier() {
     {
         std::lock_guard<std::mutex> lock(mu_);
         stop_ = true;
-        for (const auto& job : queue_) {
-            job->cancel();
+        for (const auto& queue : queues_) {
+            for (const auto& job : queue) {
+                job->cancel();
+            }
         }
     }
     cv_.notify_all();
@@ -147,29 +157,92 @@ Copier::~Copier() {
     }
 }
 
-void Copier::submit(std::shared_ptr<CopyJob> job) {
+void Copier::submit(std::shared_ptr<CopyJob> job, TrafficClass traffic) {
     {
         std::lock_guard<std::mutex> lock(mu_);
-        queue_.push_back(std::move(job));
+        auto& queue = queues_[static_cast<size_t>(traffic)];
+        if (queue.empty()) {
+            last_start_[static_cast<size_t>(traffic)] = Clock::now();  // waiting from now
+        }
+        queue.push_back(std::move(job));
     }
     cv_.notify_all();
 }
 
-void Copier::loop() {
+size_t Copier::pick(bool background, Clock::time_point now) {
+    // Background threads keep off while hand-off copies run, and for kLinger after: the
+    // hand-off's next steps (its checks, its next layer) follow soon.
+    const bool quiet =
+        urgent_running_ == 0 && queues_[kUrgent].empty() && now - urgent_ended_ >= kLinger;
+    for (size_t c = kUrgent + 1; c < kTrafficClasses; ++c) {
+        if (queues_[c].empty()) {
+            continue;
+        }
+        if (background) {
+            return quiet ? c : kTrafficClasses;  // the most urgent of the background classes
+        }
+        if (passed_over_[c] >= kPassOver || now - last_start_[c] >= kStarved) {
+            passed_over_[c] = 0;
+            return c;  // waited long enough: an urgent thread's turn
+        }
+    }
+    if (background || queues_[kUrgent].empty()) {
+        return kTrafficClasses;
+    }
+    for (size_t c = kUrgent + 1; c < kTrafficClasses; ++c) {
+        passed_over_[c] += queues_[c].empty() ? 0 : 1;
+    }
+    return kUrgent;
+}
+
+bool Copier::waiting_below_urgent() const {
+    for (size_t c = kUrgent + 1; c < kTrafficClasses; ++c) {
+        if (!queues_[c].empty()) {
+            return true;
+        }
+    }
+    return false;
+}
+
+void Copier::loop(bool background) {
     while (true) {
         std::shared_ptr<CopyJob> job;
+        size_t traffic = kTrafficClasses;
         {
             std::unique_lock<std::mutex> lock(mu_);
-            cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+            while (!stop_ && (traffic = pick(background, Clock::now())) == kTrafficClasses) {
+                if (!waiting_below_urgent()) {
+                    cv_.wait(lock);
+                } else if (background) {  // until the hand-off's copies end, then the linger
+                    if (urgent_running_ > 0 || !queues_[kUrgent].empty()) {
+                        cv_.wait(lock);
+                    } else {
+                        cv_.wait_until(lock, urgent_ended_ + kLinger);
+                    }
+                } else {  // wakes to check whether a background class starves
+                    cv_.wait_for(lock, kStarved);
+                }
+            }
             if (stop_) {
                 return;
             }
-            job = queue_.front();
+            last_start_[traffic] = Clock::now();
+            urgent_running_ += traffic == kUrgent ? 1 : 0;
+            job = queues_[traffic].front();
         }
-        if (!job->run_chunk()) {
-            std::lock_guard<std::mutex> lock(mu_);
-            if (!queue_.empty() && queue_.front() == job) {
-                queue_.pop_front();  // every chunk taken: the next job's turn
+        const bool ran = job->run_chunk();
+        std::lock_guard<std::mutex> lock(mu_);
+        auto& queue = queues_[traffic];
+        if (!ran && !queue.empty() && queue.front() == job) {
+            queue.pop_front();  // every chunk taken: the next job's turn
+            if (!queue.empty()) {
+                last_start_[traffic] = Clock::now();
+            }
+        }
+        if (traffic == kUrgent) {
+            urgent_ended_ = Clock::now();
+            if (--urgent_running_ == 0 && queue.empty()) {
+                cv_.notify_all();  // background threads: the linger starts
             }
         }
     }

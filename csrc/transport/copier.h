@@ -2,15 +2,22 @@
 //
 // A CopyJob is one transfer's byte ranges, cut into chunks of about kChunkBytes (long ranges
 // split, short ones grouped), so several threads share one large transfer, and a cancelled
-// job stops within one chunk per thread. Jobs run in submission order; a job is done once
-// every chunk was copied or, after cancel(), skipped. Whoever waits for jobs polls done():
-// the Agent completes them in posting order from its progress thread, which `on_done` wakes.
+// job stops within one chunk per thread. A job is done once every chunk was copied or, after
+// cancel(), skipped.
 //
-// Large pieces are copied with non-temporal stores (copier.cpp says why, with figures). The
-// thread count is a setting (AgentConfig::copy_threads; agent_copies.cpp picks the default).
+// Each job has a traffic class; jobs of one class run in submission order. A hand-off's jobs
+// run on the urgent threads. The other classes (prefetch before offload) run on as many
+// background threads, which the kernel schedules as SCHED_IDLE: they take only CPU time no
+// other thread wants, so an offload never delays the threads a hand-off needs (its copies,
+// the agents' progress, the receiver's checks, the engine) on a busy machine. Neither waits
+// for ever: an urgent thread runs a less urgent class's chunk when that class was passed over
+// kPassOver chunks of hand-offs, or when its background threads got no CPU for kStarved.
+// (Measured by kvmove-bench classes; docs/transfer.md, "Traffic classes".)
+
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -23,6 +30,10 @@
 #include "common/cpu_mask.h"
 
 namespace kvmove {
+
+// What a transfer is for, most urgent first (Agent::write's `traffic`).
+enum class TrafficClass : uint8_t { Handoff = 0, Prefetch = 1, Offload = 2 };
+constexpr size_t kTrafficClasses = 3;
 
 struct CopyOp {
     char* dst;
@@ -92,22 +103,42 @@ double copy_limit_gbytes_per_s(uint64_t nbytes, int threads, int repeats);
 
 class Copier {
 public:
-    // Its threads run on `cpus` (those of the thread that built the agent, not of the one
-    // whose first mapped put started them).
+    // num_threads urgent and as many background threads, on `cpus` (those of the thread that
+    // built the agent, not of the one whose first mapped put started them).
     Copier(int num_threads, CpuMask cpus);
     // Cancels what is queued and joins the threads.
     ~Copier();
     Copier(const Copier&) = delete;
     Copier& operator=(const Copier&) = delete;
 
-    void submit(std::shared_ptr<CopyJob> job);
+    void submit(std::shared_ptr<CopyJob> job, TrafficClass traffic = TrafficClass::Handoff);
+
+    // Hand-off chunks a waiting class lets run before an urgent thread runs one of its own.
+    static constexpr int kPassOver = 8;
+    // How long a waiting class's background threads may go without starting a chunk before
+    // an urgent thread runs one (they get no CPU: the machine is busy).
+    static constexpr std::chrono::milliseconds kStarved{20};
+    // How long background threads keep off after a hand-off's copies ended.
+    static constexpr std::chrono::microseconds kLinger{1000};
 
 private:
-    void loop();
+    using Clock = std::chrono::steady_clock;
+    static constexpr size_t kUrgent = 0;  // TrafficClass::Handoff
+
+    void loop(bool background);
+    // Under mu_: the class whose job the calling thread runs a chunk of next, or
+    // kTrafficClasses for none (it waits).
+    size_t pick(bool background, Clock::time_point now);
+    // Under mu_: whether a class less urgent than a hand-off has a job queued.
+    bool waiting_below_urgent() const;
 
     std::mutex mu_;
     std::condition_variable cv_;
-    std::deque<std::shared_ptr<CopyJob>> queue_;
+    std::deque<std::shared_ptr<CopyJob>> queues_[kTrafficClasses];  // by TrafficClass
+    int passed_over_[kTrafficClasses] = {};               // hand-off chunks run since its last one
+    Clock::time_point last_start_[kTrafficClasses] = {};  // its last chunk's start
+    int urgent_running_ = 0;                              // hand-off chunks being copied now
+    Clock::time_point urgent_ended_;                      // when the last one ended
     bool stop_ = false;
     std::vector<std::thread> threads_;
 };

@@ -50,7 +50,7 @@ void MappedPath::post(PathBatch batch, PathDone done) {
     if (inline_copy) {
         job->run_all();  // done at once: poll() completes it (the agent polls after posting)
     } else {
-        copier_().submit(std::move(job));
+        copier_().submit(std::move(job), batch.traffic);
     }
 }
 

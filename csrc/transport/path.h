@@ -49,6 +49,9 @@ struct PathBatch {
     // what `keep` holds.
     std::vector<HashOp> checksums;
     std::shared_ptr<const void> keep;
+    // What the transfer is for: the mapped path's copy threads run a hand-off's chunks before
+    // an offload's (transport/copier.h). Batches to one peer still complete in posting order.
+    TrafficClass traffic = TrafficClass::Handoff;
 };
 
 // How a batch or a message ended (PortOutcome: ok, or the error and whether the peer is gone).

@@ -9,6 +9,8 @@ Subcommands:
               bulk vs streamed, between two processes, every byte verified.
     scale     what concurrent leases (1 ... 1,000) and peers (1 ... 32) cost one agent: time
               per lease, connect time, memory per peer, GB/s with every peer streaming.
+    classes   a hand-off's latency beside an offload stream of 10x its bytes, with traffic
+              classes and without, in one run.
     engine    the reference engine's prefill and decode throughput on this machine, and the
               asymmetry: decode gains from batching, prefill does not (needs torch).
     store     the KVStore's host and disk tiers against memcpy / dd / a plain file, and the
@@ -38,11 +40,11 @@ import sys
 
 import kvmove
 from kvmove import _log
-from kvmove.bench import engine, plan, scale, serve, soak, store, stream, transfer
+from kvmove.bench import classes, engine, plan, scale, serve, soak, store, stream, transfer
 from kvmove.errors import ConfigError, KVMoveError
 
 # In the order ``--help`` lists them.
-SUBCOMMANDS = (transfer, stream, scale, engine, store, serve, soak, plan)
+SUBCOMMANDS = (transfer, stream, scale, classes, engine, store, serve, soak, plan)
 
 # The subcommand that runs when none is given.
 DEFAULT_COMMAND = "transfer"

@@ -29,13 +29,22 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from kvmove.agent import peer_mode_ucx_env
+from kvmove import _C
 
 __all__ = ["BANDWIDTH_TESTS", "LocalServer", "PerftestResult", "Server", "bandwidth",
            "environment", "find_binary", "get_bandwidth", "parse_output", "put_bandwidth",
            "put_latency"]
 
 BANDWIDTH_TESTS = ("ucp_put_bw", "ucp_get")
+
+
+def peer_mode_ucx_env() -> dict[str, str]:
+    """The UCX settings an agent with ``error_mode="peer"`` adds to its UCX configuration, as
+    environment variables (``{"UCX_RNDV_THRESH": "inf", ...}``), less those the environment
+    sets already (they win): so a tool such as ``ucx_perftest -e`` runs with the same
+    transports as the agents. Why each: ``peer_error_settings`` in csrc/transport/ucx.cpp."""
+    settings = {f"UCX_{key}": value for key, value in _C.peer_error_settings()}
+    return {name: value for name, value in settings.items() if name not in os.environ}
 
 _MIB = 1 << 20
 _MIN_TOTAL_NBYTES = 64 * _MIB

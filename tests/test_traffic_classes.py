@@ -1,0 +1,99 @@
+"""Traffic classes (issue 31, item 6): a hand-off's copies go before an offload's on the
+mapped path (csrc/transport/copier.h), without starving it, and every byte of both lands.
+Order, not timing: a hand-off posted behind a large offload completes early in the
+offload's time with classes, and at its end without them (the case that shows the classes do
+something). What it costs a
+hand-off is ``kvmove-bench classes``' business."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import kvmove
+from kvmove.errors import ConfigError
+
+from helpers.kv import make_cache, raw_view
+
+# A block of one layer is 64 KiB, of every layer 512 KiB: the offload's 384 blocks are
+# 192 MiB (tens of milliseconds on two copy threads), a hand-off's 4 blocks 2 MiB.
+LAYOUT = dict(num_layers=8, num_kv_heads=8, head_dim=128, dtype="float16", block_size=16)
+OFFLOAD, HANDOFF = list(range(384)), list(range(384, 388))
+WAIT = 30.0
+PENDING = kvmove.TransferState.PENDING
+
+
+@pytest.fixture
+def trio():
+    """A sender with two mapped peers: a decode (hand-offs) and a store (offloads)."""
+    sender_cache = make_cache(LAYOUT, 388)
+    raw = raw_view(sender_cache)
+    raw[...] = np.random.default_rng(3).integers(0, 256, raw.shape, dtype=np.uint8)
+    with kvmove.Agent("sender", sender_cache) as sender, \
+            kvmove.Agent("decode", make_cache(LAYOUT, 4)) as decode, \
+            kvmove.Agent("store", make_cache(LAYOUT, 384)) as store:
+        for peer in (decode, store):
+            sender.add_peer(peer.metadata())
+            peer.add_peer(sender.metadata())
+            assert sender.peer_path(peer.name) == "mapped"
+        yield sender, decode, store
+
+
+def _handoff_share(sender, offload_class: str) -> float:
+    """When a hand-off posted right behind a large offload completed, as a share of the time
+    the offload took: near 1 when it waited its turn, near 0 when it went first (by when each
+    was posted plus its time to completion, which a slow machine cannot blur as polling
+    could)."""
+    offload_posted = time.perf_counter()
+    offload = sender.write("store", OFFLOAD, OFFLOAD, traffic=offload_class)
+    handoff_posted = time.perf_counter()
+    handoff = sender.write("decode", HANDOFF, [0, 1, 2, 3])
+    handoff.wait(WAIT)
+    offload.wait(WAIT)
+    handoff_end = handoff_posted + handoff.stats.complete_seconds - offload_posted
+    return handoff_end / offload.stats.complete_seconds
+
+
+def test_a_handoff_posted_behind_an_offload_lands_first_with_classes(trio) -> None:
+    sender, decode, store = trio
+    assert _handoff_share(sender, "offload") < 0.5
+    sent = raw_view(sender.cache)
+    np.testing.assert_array_equal(raw_view(decode.cache), sent[:, HANDOFF])
+    np.testing.assert_array_equal(raw_view(store.cache), sent[:, OFFLOAD])
+
+
+def test_without_classes_the_handoff_waits_for_the_offload(trio) -> None:
+    sender, _, _ = trio
+    assert _handoff_share(sender, "handoff") > 0.5
+
+
+def test_an_offload_still_moves_while_handoffs_keep_coming(trio) -> None:
+    sender, decode, store = trio
+    offload = sender.write("store", OFFLOAD, OFFLOAD, traffic="offload")
+    handoffs = 0
+    deadline = time.monotonic() + WAIT
+    while offload.state == PENDING and time.monotonic() < deadline:
+        sender.write("decode", HANDOFF, [0, 1, 2, 3]).wait(WAIT)
+        handoffs += 1
+    offload.wait(WAIT)  # raises TimeoutError when starved
+    np.testing.assert_array_equal(raw_view(store.cache), raw_view(sender.cache)[:, OFFLOAD])
+    assert handoffs > 0
+
+
+@pytest.mark.parametrize("method", ["write", "read"])
+def test_each_class_moves_every_byte_both_ways(trio, method) -> None:
+    sender, _, store = trio
+    for traffic in kvmove.TRAFFIC_CLASSES:
+        raw_view(store.cache)[...] = 0 if method == "write" else 9
+        getattr(sender, method)("store", [0, 1], [5, 6], traffic=traffic).wait(WAIT)
+        here, there = raw_view(sender.cache)[:, [0, 1]], raw_view(store.cache)[:, [5, 6]]
+        np.testing.assert_array_equal(here, there)
+
+
+def test_an_unknown_class_is_refused_naming_the_classes(trio) -> None:
+    sender, _, _ = trio
+    with pytest.raises(ConfigError, match=r"traffic must be one of \('handoff', 'prefetch', "
+                                          r"'offload'\), got 'bulk'"):
+        sender.write("store", [0], [0], traffic="bulk")
