@@ -38,6 +38,7 @@
 #include "transport/copier.h"
 #include "transport/faults.h"
 #include "transport/metadata.h"
+#include "transport/paced_path.h"
 #include "transport/path.h"
 #include "transport/peer_runs.h"
 #include "transport/transfer.h"
@@ -236,6 +237,7 @@ private:
     WorkerPtr worker_;
     std::vector<std::unique_ptr<MemoryRegistration>> registrations_;  // one per segment
     std::unique_ptr<Copier> copier_;  // started with the first mapped put; signals worker_
+    std::shared_ptr<Pacer> pacer_ = std::make_shared<Pacer>();  // its UCX paths' (paced_path.h)
     // Where the copier's threads run: the CPUs of the thread that built this agent.
     CpuMask threads_cpus_ = CpuMask::of_this_thread();
     std::vector<uint8_t> metadata_;

@@ -70,11 +70,15 @@ std::string Agent::add_peer(const std::vector<uint8_t>& metadata, bool rejoin) {
 }
 
 // The peer's path: its memory mapped here when it is on this host and both allow it, else
-// UCX; wrapped in a FaultyPath when this agent injects faults.
+// UCX, paced so that hand-offs go first (paced_path.h); wrapped in a FaultyPath when this
+// agent injects faults.
 std::shared_ptr<Path> Agent::make_path(const AgentMetadata& meta, Peer* peer) {
     auto ucx = std::make_unique<UcxPath>(worker_.get(), meta, config_.peer_errors,
                                          &Agent::on_peer_error, peer);
     std::unique_ptr<Path> path = mapped_path(meta, std::move(ucx));
+    if (std::string(path->kind()) == "ucx") {
+        path = std::make_unique<PacedPath>(std::move(path), pacer_);
+    }
     if (faults_) {
         path = std::make_unique<FaultyPath>(std::move(path), *faults_, !cache_.on_device());
     }

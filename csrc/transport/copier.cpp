@@ -162,7 +162,7 @@ void Copier::submit(std::shared_ptr<CopyJob> job, TrafficClass traffic) {
         std::lock_guard<std::mutex> lock(mu_);
         auto& queue = queues_[static_cast<size_t>(traffic)];
         if (queue.empty()) {
-            last_start_[static_cast<size_t>(traffic)] = Clock::now();  // waiting from now
+            background_start_[static_cast<size_t>(traffic)] = Clock::now();  // waiting from now
         }
         queue.push_back(std::move(job));
     }
@@ -181,9 +181,12 @@ size_t Copier::pick(bool background, Clock::time_point now) {
         if (background) {
             return quiet ? c : kTrafficClasses;  // the most urgent of the background classes
         }
-        if (passed_over_[c] >= kPassOver || now - last_start_[c] >= kStarved) {
+        if (passed_over_[c] >= kPassOver) {
             passed_over_[c] = 0;
-            return c;  // waited long enough: an urgent thread's turn
+            return c;  // passed over long enough: an urgent thread's turn
+        }
+        if (queues_[kUrgent].empty() && now - background_start_[c] >= kStarved) {
+            return c;  // its background threads get no CPU: urgent threads do it meanwhile
         }
     }
     if (background || queues_[kUrgent].empty()) {
@@ -226,7 +229,9 @@ void Copier::loop(bool background) {
             if (stop_) {
                 return;
             }
-            last_start_[traffic] = Clock::now();
+            if (background) {
+                background_start_[traffic] = Clock::now();
+            }
             urgent_running_ += traffic == kUrgent ? 1 : 0;
             job = queues_[traffic].front();
         }
@@ -235,9 +240,6 @@ void Copier::loop(bool background) {
         auto& queue = queues_[traffic];
         if (!ran && !queue.empty() && queue.front() == job) {
             queue.pop_front();  // every chunk taken: the next job's turn
-            if (!queue.empty()) {
-                last_start_[traffic] = Clock::now();
-            }
         }
         if (traffic == kUrgent) {
             urgent_ended_ = Clock::now();

@@ -11,7 +11,8 @@
 // other thread wants, so an offload never delays the threads a hand-off needs (its copies,
 // the agents' progress, the receiver's checks, the engine) on a busy machine. Neither waits
 // for ever: an urgent thread runs a less urgent class's chunk when that class was passed over
-// kPassOver chunks of hand-offs, or when its background threads got no CPU for kStarved.
+// kPassOver chunks of hand-offs, and its chunks while no hand-off waits when its background
+// threads got no CPU for kStarved (a machine busy with other work).
 // (Measured by kvmove-bench classes; docs/transfer.md, "Traffic classes".)
 
 #pragma once
@@ -116,7 +117,8 @@ public:
     // Hand-off chunks a waiting class lets run before an urgent thread runs one of its own.
     static constexpr int kPassOver = 8;
     // How long a waiting class's background threads may go without starting a chunk before
-    // an urgent thread runs one (they get no CPU: the machine is busy).
+    // the urgent threads run its chunks while no hand-off waits (they get no CPU: the machine
+    // is busy).
     static constexpr std::chrono::milliseconds kStarved{20};
     // How long background threads keep off after a hand-off's copies ended.
     static constexpr std::chrono::microseconds kLinger{1000};
@@ -135,10 +137,11 @@ private:
     std::mutex mu_;
     std::condition_variable cv_;
     std::deque<std::shared_ptr<CopyJob>> queues_[kTrafficClasses];  // by TrafficClass
-    int passed_over_[kTrafficClasses] = {};               // hand-off chunks run since its last one
-    Clock::time_point last_start_[kTrafficClasses] = {};  // its last chunk's start
-    int urgent_running_ = 0;                              // hand-off chunks being copied now
-    Clock::time_point urgent_ended_;                      // when the last one ended
+    int passed_over_[kTrafficClasses] = {};  // hand-off chunks run since its last one
+    // When a background thread last started a chunk of it (or it began to wait).
+    Clock::time_point background_start_[kTrafficClasses] = {};
+    int urgent_running_ = 0;          // hand-off chunks being copied now
+    Clock::time_point urgent_ended_;  // when the last one ended
     bool stop_ = false;
     std::vector<std::thread> threads_;
 };
