@@ -286,8 +286,8 @@ def test_text_puts_kvmove_and_nixl_side_by_side() -> None:
 
 
 def test_config_rejects_unknown_against() -> None:
-    with pytest.raises(ConfigError, match="against must be one of .*'mooncake'"):
-        BenchConfig(against="mooncake")
+    with pytest.raises(ConfigError, match="against must be one of .*'lmcache'"):
+        BenchConfig(against="lmcache")
 
 
 # --- stream ---------------------------------------------------------------------------------
@@ -440,7 +440,7 @@ def test_store_bad_option_exits_2(bench: Bench, args: list[str], value: str) -> 
      (["--error-mode", "sometimes"], "sometimes"), (["--timeout", "-1"], "-1"),
      (["--tokens", "many"], "many"), (["--transports", " "], "' '"),
      (["--timeout", "inf"], "inf"), (["--plot", "no/such/folder/x.png"], "no/such/folder"),
-     (["--wrap", "bogus"], "bogus"), (["--against", "mooncake"], "mooncake")],
+     (["--wrap", "bogus"], "bogus"), (["--against", "lmcache"], "lmcache")],
 )
 def test_bad_option_exits_2(each_bench: Bench, args: list[str], value: str) -> None:
     result = each_bench("transfer", *args)
