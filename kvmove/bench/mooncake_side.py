@@ -7,14 +7,14 @@ process only relays), as for NIXL: Mooncake's wheel bundles its own libraries (g
 its RPC) and threads; kept out of the process that ran kvmove's agents, the two libraries
 never share a process, and a Mooncake crash is a ``ChildError`` naming the process.
 
-What Mooncake is asked to do is what its own connectors do (vLLM's MooncakeConnector):
+What Mooncake is asked to do is what its connectors in SGLang and vLLM do:
 
 - start an engine with no metadata server (``P2PHANDSHAKE``: the peers exchange segment
   descriptors on first use) and register the cache's region once (``register_memory``);
 - per transfer, one address triple ``(local, remote, nbytes)`` per (layer, block) of the
   placed blocks, layer by layer in block order, with the triples contiguous on both sides
-  merged (Mooncake does not merge them; its connectors group contiguous blocks, as kvmove
-  coalesces runs), then one batch call for the whole transfer: ``batch_transfer_sync`` with
+  merged (Mooncake does not merge them; those connectors group contiguous blocks,
+  ``group_concurrent_contiguous``, as kvmove coalesces runs), then one batch call for the whole transfer: ``batch_transfer_sync`` with
   a ``TransferNotify`` for a WRITE, ``batch_transfer_sync_read`` for a READ.
 
 The timed span is building and merging the triples + the batch call, as kvmove's is
