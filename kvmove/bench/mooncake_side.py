@@ -14,8 +14,9 @@ What Mooncake is asked to do is what its connectors in SGLang and vLLM do:
 - per transfer, one address triple ``(local, remote, nbytes)`` per (layer, block) of the
   placed blocks, layer by layer in block order, with the triples contiguous on both sides
   merged (Mooncake does not merge them; those connectors group contiguous blocks,
-  ``group_concurrent_contiguous``, as kvmove coalesces runs), then one batch call for the whole transfer: ``batch_transfer_sync`` with
-  a ``TransferNotify`` for a WRITE, ``batch_transfer_sync_read`` for a READ.
+  ``group_concurrent_contiguous``, as kvmove coalesces runs), then one batch call for the
+  whole transfer: ``batch_transfer_sync`` with a ``TransferNotify`` for a WRITE,
+  ``batch_transfer_sync_read`` for a READ.
 
 The timed span is building and merging the triples + the batch call, as kvmove's is
 ``write()`` (which validates and coalesces) + ``wait()``.
