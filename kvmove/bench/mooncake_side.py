@@ -124,7 +124,7 @@ class MooncakeSide(PatternCache):
         """Local addresses, remote addresses and byte counts of every (layer, block) of
         ``local_ids`` to or from ``remote_ids`` (first ``layers`` layers, default all),
         layer-major, neighbours contiguous on both sides merged into one triple."""
-        rows = self.offsets[:layers] if layers is not None else self.offsets
+        rows = self.offsets[:layers]  # [:None]: every layer
         local = (np.uint64(self.base) + rows[:, local_ids]).ravel()
         remote = (np.uint64(self.remote_base) + rows[:, remote_ids]).ravel()
         nbytes = np.uint64(self.cache.block_nbytes)
@@ -246,7 +246,8 @@ class MooncakeHost:
             os.environ.setdefault(name, value)
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(math.ceil(timeout)))
         # Its INFO and WARNING lines (a dozen per engine: no RDMA device, tcp chosen) would
-        # bury the progress bar; its errors still show.
+        # bury the progress bar; its errors still show (ERROR is its quietest level), among
+        # them one "Local segment descriptor not found" per engine at start: its own, benign.
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
         self.api = import_mooncake_engine()
         self.side: MooncakeSide | None = None
