@@ -30,6 +30,7 @@ import pytest
 import kvmove
 from kvmove.bench import engine_caches, perftest
 from kvmove.bench.against_report import NixlRoundTrip, NixlRow, NixlRun
+from kvmove.bench.mooncake_report import MooncakeRow, MooncakeRun
 from kvmove.bench.peer import Peer, Side
 from kvmove.bench.report import BenchError
 from kvmove.bench.store import StoreBenchConfig, StoreReport, TtftRow, format_store
@@ -286,8 +287,113 @@ def test_text_puts_kvmove_and_nixl_side_by_side() -> None:
 
 
 def test_config_rejects_unknown_against() -> None:
-    with pytest.raises(ConfigError, match="against must be one of .*'mooncake'"):
-        BenchConfig(against="mooncake")
+    with pytest.raises(ConfigError, match="against must be one of .*'lmcache'"):
+        BenchConfig(against="lmcache")
+
+
+# --- --against mooncake ---------------------------------------------------------------------
+
+@functools.cache
+def _mooncake_missing() -> str:
+    """Why Mooncake's engine does not import here ('' when it does), asked of a fresh
+    interpreter as for NIXL: this process never loads Mooncake's libraries beside kvmove's."""
+    probe = ("from kvmove.bench.mooncake_side import import_mooncake_engine\n"
+             "try:\n    import_mooncake_engine()\nexcept ImportError as e:\n    print(e)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            timeout=RUN_SECONDS, env=env)
+    return result.stdout.strip() or result.stderr.strip()[-300:]
+
+
+def test_against_mooncake_reports_mooncake_rows_and_ratios(bench: Bench) -> None:
+    if _mooncake_missing():
+        pytest.skip(f"Mooncake does not import here ({_mooncake_missing()}): "
+                    "apt-get install libibverbs1 && pip install --no-deps "
+                    "mooncake-transfer-engine-non-cuda")
+    data = _json(bench("transfer", *TINY, "--scatter", "--against", "mooncake", "--json"))
+    assert data["verified"] is True and data["config"]["against"] == "mooncake"
+    against = data["against"]
+    assert against["library"] == "mooncake" and against["verified"] is True
+    assert against["version"].startswith("mooncake")
+    assert "batch_transfer_sync" in against["method"]
+    assert against["settings"]["MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"]
+    mooncake = {(row["op"], row["placement"]): row for row in against["rows"]}
+    assert set(mooncake) == {(op, p) for op in ("write", "read")
+                             for p in ("allocator", "scatter")}
+    for row in data["rows"]:
+        twin = mooncake[row["op"], row["placement"]]
+        assert twin["verified"] is True and twin["mismatched_blocks"] == 0
+        assert (twin["nbytes"], twin["num_blocks"]) == (row["nbytes"], row["num_blocks"])
+        # the ranges merged as kvmove coalesces runs: the same count
+        assert twin["num_ranges"] == row["num_ops"]
+        assert len(twin["iter_seconds"]) == 1  # --iters 1, after a warm-up
+        assert row["mooncake_gbytes_per_s"] == twin["gbytes_per_s"] > 0
+        assert math.isfinite(row["mooncake_ratio"]) and row["mooncake_ratio"] > 0
+        assert row["nixl_gbytes_per_s"] is row["nixl_ratio"] is None
+    assert against["round_trip"]["nbytes"] == data["round_trip"]["nbytes"]
+    assert against["round_trip"]["iterations"] == data["round_trip"]["iterations"]
+    assert math.isfinite(against["round_trip_time_ratio"])
+    assert against["round_trip_time_ratio"] > 0
+
+
+def test_against_mooncake_text_has_its_table(bench: Bench) -> None:
+    if _mooncake_missing():
+        pytest.skip(f"Mooncake does not import here ({_mooncake_missing()})")
+    result = bench("transfer", *TINY, "--against", "mooncake")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "against mooncake-transfer-engine" in out
+    for op in ("write", "read"):
+        lines = [line for line in out.splitlines() if line.split()[:2] == [op, "allocator"]]
+        assert len(lines) == 2, lines  # kvmove's row, and the comparison's
+        assert lines[1].rstrip().endswith("yes")
+    assert "Mooncake ranges" in out and "kvmove / Mooncake" in out
+    assert "Traceback" not in result.stderr
+
+
+def test_against_mooncake_without_mooncake_exits_2_saying_how_to_get_it(
+        tmp_path: Path) -> None:
+    start = time.monotonic()
+    result = _without(tmp_path, "mooncake")("transfer", *TINY, "--against", "mooncake")
+    assert result.returncode == 2, result.stderr
+    assert "--against mooncake needs Mooncake's transfer engine" in result.stderr
+    assert "hidden by the test" in result.stderr  # the import's own reason
+    assert ("apt-get install libibverbs1 && pip install --no-deps "
+            "mooncake-transfer-engine-non-cuda") in result.stderr
+    assert result.stdout == "" and "Traceback" not in result.stderr
+    assert time.monotonic() - start < RUN_SECONDS / 2  # before measuring, not after
+
+
+def test_text_puts_kvmove_and_mooncake_side_by_side() -> None:
+    config = BenchConfig(model="llama-3.2-1b", num_tokens=64, against="mooncake")
+    kvmove_row = TransferRow("write", "allocator", 16, 2_000_000, 4, 16, 0.0001, 0.001,
+                             0.0009, (0.001,), 0.002, 0)
+    mooncake_row = MooncakeRow("write", "allocator", 16, 2_000_000, 4, 16, 0.0001, 0.004,
+                               (0.004,), 0.005, 0)
+    perf = perftest.PerftestResult("ucp_put_bw", kvmove_row.op_nbytes, None, True, False,
+                                   reason="not run")
+    run = MooncakeRun("mooncake-transfer-engine-non-cuda 0.3.13.post1", (mooncake_row,),
+                      RoundTrip(32768, 200, 400.0),
+                      {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535"})
+    report = BenchReport(config, (kvmove_row,), RoundTrip(32768, 200, 100.0),
+                         {2_000_000: 10.0}, (perf,), (), 1.0, mooncake=run)
+    text = format_transfer(report)
+    line = next(line for line in text.splitlines() if line.startswith("write  allocator")
+                and "0.50" in line)
+    assert line.split()[-4:] == ["16", "0.50", "4.00", "yes"]  # 2.00 GB/s over 0.50
+    assert "against mooncake-transfer-engine-non-cuda 0.3.13.post1" in text
+    assert "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER=65535" in " ".join(text.split())
+    assert "kvmove 50.0 us, Mooncake 200.0 us" in " ".join(text.split())
+    assert "kvmove / Mooncake time 0.25" in " ".join(text.split())
+    data = report.to_dict()
+    assert data["rows"][0]["mooncake_ratio"] == pytest.approx(4.0)
+    assert data["rows"][0]["nixl_ratio"] is None
+    assert data["against"]["library"] == "mooncake"
+    assert data["against"]["round_trip_time_ratio"] == pytest.approx(0.25)
+    # a row Mooncake got wrong makes the whole report unverified
+    bad = dataclasses.replace(report, mooncake=dataclasses.replace(
+        run, rows=(dataclasses.replace(mooncake_row, mismatched_blocks=3),)))
+    assert bad.verified is False and "NO" in format_transfer(bad).split()
 
 
 # --- stream ---------------------------------------------------------------------------------
@@ -440,7 +546,7 @@ def test_store_bad_option_exits_2(bench: Bench, args: list[str], value: str) -> 
      (["--error-mode", "sometimes"], "sometimes"), (["--timeout", "-1"], "-1"),
      (["--tokens", "many"], "many"), (["--transports", " "], "' '"),
      (["--timeout", "inf"], "inf"), (["--plot", "no/such/folder/x.png"], "no/such/folder"),
-     (["--wrap", "bogus"], "bogus"), (["--against", "mooncake"], "mooncake")],
+     (["--wrap", "bogus"], "bogus"), (["--against", "lmcache"], "lmcache")],
 )
 def test_bad_option_exits_2(each_bench: Bench, args: list[str], value: str) -> None:
     result = each_bench("transfer", *args)

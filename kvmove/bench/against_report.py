@@ -13,8 +13,8 @@ from kvmove.bench.report import RoundTrip, aligned
 __all__ = ["AGAINST", "APIS", "KVMoveRow", "NixlRoundTrip", "NixlRow", "NixlRun",
            "nixl_lines"]
 
-# The libraries --against takes.
-AGAINST = ("nixl",)
+# The libraries --against takes (one per run).
+AGAINST = ("nixl", "mooncake")
 # The two ways NIXL's descriptor lists are prepared (nixl_side.NixlSide.descriptors): one
 # descriptor per (layer, block), as NIXL's connectors did; NIXL 1.5's strided lists, one per
 # layer, as vLLM's NixlConnector does since vllm#55157. kvmove is compared with the better.

@@ -42,8 +42,9 @@ best of ``iters`` runs like the rows: ``ucp_put_bw`` for WRITE rows and ``ucp_ge
 rows, at the row's mean bytes per posted op; ``ucp_put_lat`` at 8 B and at the round trip's
 size for the one-block write + notification round trip.
 
-With ``--against nixl`` (``against``) the native rows' workload and the round trip run through
-NIXL as well, after kvmove's rows and before the baselines, and each row shows kvmove / NIXL.
+With ``--against nixl`` (``against``) or ``--against mooncake`` (``against_mooncake``) the
+native rows' workload and the round trip run through that library as well, after kvmove's
+rows and before the baselines, and each row shows kvmove / it.
 """
 
 from __future__ import annotations
@@ -61,11 +62,13 @@ import numpy as np
 
 from kvmove import _C
 from kvmove.auth import key_from_file
-from kvmove.bench import against, perftest
+from kvmove.bench import against, against_mooncake, perftest
 from kvmove.bench.address import parse_address, route_address
 from kvmove.bench.against_report import AGAINST
 from kvmove.bench.engine_caches import WRAP_FORMATS
 from kvmove.bench.harness import Channel
+from kvmove.bench.mooncake_side import MOONCAKE_INSTALL
+from kvmove.bench.nixl_side import NIXL_INSTALL
 from kvmove.bench.options import add_agent_args, add_output_args, add_prompt_args, check_plot
 from kvmove.bench.peer import FAR, Peer, Side, connect_pair, ping, stop_echo
 from kvmove.bench.progress import Progress, bar
@@ -94,6 +97,10 @@ Transports = tuple[tuple[str, str], ...]
 # How the near agent reaches the far one (Agent.peer_path: "mapped" or "ucx"), and the UCX
 # transports between them (which carry the notifications on the mapped path too).
 Route = tuple[str, Transports]
+
+# Each library of --against (against_report.AGAINST) and the module that runs it: probe,
+# count_steps and run.
+_DRIVERS = {"nixl": against, "mooncake": against_mooncake}
 
 
 # --- measuring ------------------------------------------------------------------------------
@@ -214,7 +221,7 @@ def count_steps(config: BenchConfig) -> int:
     num_rows = 2 * len(config.block_sizes) * len(config.placements) * len(config.caches)
     # rows, ucx_perftest bandwidth per row and extra size, round trip, 2 latencies, memcpy
     steps = 2 * num_rows + len(config.perftest_sizes) + 1 + 2 + len(config.block_sizes)
-    return steps + (against.count_steps(config) if config.against else 0)
+    return steps + (_DRIVERS[config.against].count_steps(config) if config.against else 0)
 
 
 def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
@@ -239,6 +246,8 @@ def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
         rows, round_trip, registrations, (path, transports) = _measure_transfers(
             config, remote or Peer(config.timeout), progress)
         nixl = against.run(config, progress) if config.against == "nixl" else None
+        mooncake = against_mooncake.run(config, progress) if config.against == "mooncake" \
+            else None
         # On one host the peer is gone by now, so nothing competes with the baselines; with
         # another machine, its side runs ucx_perftest's server over the same link.
         server = None if remote is None else RemotePerftest(remote, config.transports,
@@ -263,7 +272,7 @@ def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
         progress(f"memcpy {nbytes} B")
     return BenchReport(config, tuple(rows), round_trip, memcpy, tuple(perftest_bw),
                        tuple(perftest_lat), time.perf_counter() - start, tuple(registrations),
-                       nixl, transports, path, ucx_info(), limit, threads)
+                       nixl, transports, path, ucx_info(), limit, threads, mooncake)
 
 
 def _measure_transfers(config: BenchConfig, peer: Channel, progress: Progress
@@ -368,7 +377,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     sub.add_argument("--against", choices=list(AGAINST), default=None,
                      help="also run the same workload (native rows, round trip) through this "
                      "library in the same run and print kvmove / it per row; nixl needs "
-                     "'pip install --no-deps nixl-cu13'")
+                     f"'{NIXL_INSTALL}', mooncake '{MOONCAKE_INSTALL}'")
     two = sub.add_argument_group(
         "between two machines", "one side --listen, the other --connect with the options of the "
         "run; both need the same deployment key (--key-file, or KVMOVE_KEY_FILE / KVMOVE_KEY)")
@@ -404,7 +413,7 @@ def run_command(args: argparse.Namespace) -> int:
     if args.plot:
         check_plot(args.plot)
     if config.against:
-        against.probe(config)
+        _DRIVERS[config.against].probe(config)
     with bar(args, count_steps(config)) as progress:
         report = run(config, progress)
     if args.plot:
@@ -412,8 +421,10 @@ def run_command(args: argparse.Namespace) -> int:
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_transfer(report))
     if not report.verified:
         nixl_rows = report.nixl.rows if report.nixl else ()
+        mooncake_rows = report.mooncake.rows if report.mooncake else ()
         bad = [f"{who}{r.op} {r.placement} block {r.block_size}: {r.mismatched_blocks}"
-               for who, rows in (("", report.rows), ("NIXL ", nixl_rows))
+               for who, rows in (("", report.rows), ("NIXL ", nixl_rows),
+                                 ("Mooncake ", mooncake_rows))
                for r in rows if not r.verified]
         print(f"kvmove-bench transfer: error: bytes arrived wrong ((layer, block) pairs per "
               f"row, all iterations): {'; '.join(bad)}", file=sys.stderr)

@@ -13,6 +13,7 @@ from kvmove.bench import perftest
 from kvmove.bench.address import parse_address
 from kvmove.bench.against_report import AGAINST, NixlRun
 from kvmove.bench.engine_caches import WRAP_FORMATS, layout_for_format
+from kvmove.bench.mooncake_report import MooncakeRun
 from kvmove.bench.plan import DEFAULT_LINKS, transfer_ms
 from kvmove.bench.report import RoundTrip
 from kvmove.errors import ConfigError
@@ -62,7 +63,8 @@ class BenchConfig:
             (``engine_caches.WRAP_FORMATS``) wrapped with ``KVCache.wrap``, after the native
             rows; "mla" moves it as one latent of the same bytes per token, native rows too.
         against: also run the native rows' workload and the round trip through this library
-            (``against_report.AGAINST``: "nixl") in the same run, compared row by row.
+            (``against_report.AGAINST``: "nixl" or "mooncake") in the same run, compared
+            row by row.
         connect: ``"HOST:PORT"`` of a ``kvmove-bench transfer --listen`` on another machine,
             which then hosts the far side (``kvmove.bench.remote``); None: a process here.
         host: the address this side's agents serve on (None: loopback, or with ``connect``
@@ -237,12 +239,14 @@ class BenchReport:
     # process (_C.copy_limit_gbytes_per_s): the most a same-host transfer can reach here.
     copy_limit: dict[int, float] = field(default_factory=dict)
     copy_threads: int = 0
+    mooncake: MooncakeRun | None = None  # with against="mooncake"
 
     @property
     def verified(self) -> bool:
-        """Every byte of every row arrived right: kvmove's and, with ``against``, NIXL's."""
-        return all(row.verified for row in self.rows) and (self.nixl is None or
-                                                           self.nixl.verified)
+        """Every byte of every row arrived right: kvmove's and, with ``against``, the other
+        library's."""
+        return (all(row.verified for row in self.rows)
+                and all(run.verified for run in (self.nixl, self.mooncake) if run is not None))
 
     def native_for(self, row: TransferRow) -> TransferRow:
         """The native row of the same op, placement and block size, measured in this run."""
@@ -293,7 +297,7 @@ class BenchReport:
                  "copy_limit_pct": self.limit_pct(row),
                  "perftest_pct": self.perftest_pct(row),
                  "perftest_test": PERFTEST_TEST[row.op], **self._vs_native(row),
-                 **self._vs_nixl(row)}
+                 **self._vs_nixl(row), **self._vs_mooncake(row)}
                 for row in self.rows]
         return {
             "config": config, "statistic": f"best of {self.config.iters} after 1 warm-up",
@@ -312,7 +316,7 @@ class BenchReport:
             "ucx": None if self.ucx is None else self.ucx.to_dict(),
             "registration_timed": REGISTRATION_TIMED,
             "links": self.links(), "wall_seconds": self.wall_seconds,
-            "against": None if self.nixl is None else self.nixl.to_dict(self.round_trip),
+            "against": self._against(),
         }
 
     def _vs_nixl(self, row: TransferRow) -> dict[str, Any]:
@@ -322,6 +326,19 @@ class BenchReport:
         if run is None or nixl is None:
             return {"nixl_gbytes_per_s": None, "nixl_ratio": None}
         return {"nixl_gbytes_per_s": nixl.gbytes_per_s, "nixl_ratio": run.ratio(row)}
+
+    def _against(self) -> dict[str, Any] | None:
+        """The other library's run (``against``), or None."""
+        run = self.nixl or self.mooncake
+        return None if run is None else run.to_dict(self.round_trip)
+
+    def _vs_mooncake(self, row: TransferRow) -> dict[str, Any]:
+        """Mooncake's GB/s for ``row``'s workload and kvmove / Mooncake (None without one)."""
+        run = self.mooncake
+        mooncake = None if run is None else run.row_for(row)
+        if run is None or mooncake is None:
+            return {"mooncake_gbytes_per_s": None, "mooncake_ratio": None}
+        return {"mooncake_gbytes_per_s": mooncake.gbytes_per_s, "mooncake_ratio": run.ratio(row)}
 
     def _vs_native(self, row: TransferRow) -> dict[str, Any]:
         if row.cache == NATIVE:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 
 from kvmove.bench.against_report import nixl_lines
+from kvmove.bench.mooncake_report import mooncake_lines
 from kvmove.bench.report import aligned, human_bytes, ms, pyplot, save_figure
 from kvmove.bench.transfer_report import (
     REGISTRATION_TIMED,
@@ -37,7 +38,8 @@ def format_transfer(report: BenchReport) -> str:
     )
     ucx = [report.ucx.summary()] if report.ucx is not None else []
     return "\n".join([header, *ucx, *_wrap_lines(report), "", *_transfer_table(report), "",
-                      *_nixl_lines(report), *_registration_lines(report), "",
+                      *_nixl_lines(report), *_mooncake_lines(report),
+                      *_registration_lines(report), "",
                       *_baseline_lines(report), "",
                       *_round_trip_lines(report), "", *_link_lines(report),
                       "", f"measured in {report.wall_seconds:.1f} s"])
@@ -101,6 +103,17 @@ def _nixl_lines(report: BenchReport) -> list[str]:
     transports = config.transports or "UCX's choice"
     setting = f"transports {transports}, error mode {config.error_mode}"
     return [*nixl_lines(report.nixl, report.rows, report.round_trip, setting), ""]
+
+
+def _mooncake_lines(report: BenchReport) -> list[str]:
+    """With ``against="mooncake"``: the comparison and a blank line; else nothing."""
+    if report.mooncake is None:
+        return []
+    config = report.config
+    transports = config.transports or "UCX's choice"
+    setting = (f"transports {transports}, same host {config.same_host}, error mode "
+               f"{config.error_mode}")
+    return [*mooncake_lines(report.mooncake, report.rows, report.round_trip, setting), ""]
 
 
 def _registration_lines(report: BenchReport) -> list[str]:
