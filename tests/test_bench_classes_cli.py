@@ -37,11 +37,11 @@ def test_json_has_each_mode_measured_and_compared_with_idle() -> None:
         assert rows[mode]["offload_bytes"] % (2 << 20) == 0
 
 
-def test_the_text_report_over_tcp_says_classes_do_not_reorder_ucx() -> None:
+def test_the_text_report_over_tcp_names_the_path_and_its_pacing() -> None:
     run = bench(*SMALL, "--transports", "tcp", "--same-host", "ucx")
     assert run.returncode == 0, run.stderr
     assert "path: ucx" in run.stdout
-    assert "what UCX already carries is not reordered" in run.stdout
+    assert "the offload goes in 2 MiB windows" in run.stdout
 
 
 @pytest.mark.parametrize("flag,value,least", [("--offload-ratio", "9", 10),

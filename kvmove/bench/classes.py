@@ -17,8 +17,9 @@ Each row: the hand-off's latency (lease to last layer loaded, checksums on as by
 its median and ratio to idle's, and the offload's GB/s over the same span (classes must not
 starve it). Every hand-off's bytes and every offload's are verified. All three agents live
 in this process: on the mapped path the prefill agent's copy threads do every copy, so
-peers in other processes would only wait; ``--same-host ucx`` runs the same over UCX, where
-classes do not reorder what UCX already carries (the report says so).
+peers in other processes would only wait; ``--same-host ucx`` (with ``--transports tcp``:
+the link between hosts) runs the same over UCX, where the offload is paced in windows
+(csrc/transport/paced_path.h).
 """
 
 from __future__ import annotations
@@ -278,7 +279,8 @@ def format_classes(report: ClassesReport) -> str:
         lines.append(f"| {row.mode} | {row.median * 1e3:.2f} ms | "
                      f"{min(row.latencies) * 1e3:.2f}-{max(row.latencies) * 1e3:.2f} ms | "
                      f"{row.median / idle:.2f}x | {offload} |")
-    if report.path != "mapped":
-        lines += ["", "Over UCX, classes order the agent's own copy work only: what UCX "
-                  "already carries is not reordered, so expect no gain on this path."]
+    lines += ["", "With classes the offload's copies run on idle-priority threads and give way "
+              "to the hand-off's" if report.path == "mapped" else
+              "With classes the offload goes in 2 MiB windows, none posted while a hand-off "
+              "is in flight"]
     return "\n".join(lines)
