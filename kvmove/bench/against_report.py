@@ -1,17 +1,20 @@
 """``kvmove-bench transfer --against nixl``'s results: NIXL's rows and round trip, measured in
 the same run as kvmove's on the same workload, as plain data (``to_dict``, in ``--json``) and
-as the text lines that put kvmove's figure, NIXL's and kvmove / NIXL side by side."""
+as the text lines that put kvmove's figure, NIXL's and kvmove / NIXL side by side. Also what
+every library's results share (``LibraryRow``, ``LibraryRun``, the text's kvmove columns and
+round-trip line), which ``mooncake_report`` builds on."""
 
 from __future__ import annotations
 
 import textwrap
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from kvmove.bench.report import RoundTrip, aligned
 
-__all__ = ["AGAINST", "APIS", "KVMoveRow", "NixlRoundTrip", "NixlRow", "NixlRun",
-           "nixl_lines"]
+__all__ = ["AGAINST", "APIS", "KVMOVE_HEAD", "KVMoveRow", "LibraryRow", "LibraryRun",
+           "NixlRoundTrip", "NixlRow", "NixlRun", "comparison_lines", "kvmove_cells", "nixl_lines",
+           "trip_line"]
 
 # The libraries --against takes (one per run).
 AGAINST = ("nixl", "mooncake")
@@ -29,8 +32,37 @@ NIXL_METHOD = (
     "runs")
 
 
+class LibraryRow:
+    """What every library's row (a frozen dataclass with ``op``, ``placement``,
+    ``block_size``, ``nbytes``, ``total_seconds`` and ``mismatched_blocks``) derives."""
+
+    __slots__ = ()
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # a dataclass's, for asdict's type
+    op: str
+    placement: str
+    block_size: int
+    nbytes: int
+    total_seconds: float
+    mismatched_blocks: int
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return self.op, self.placement, self.block_size
+
+    @property
+    def verified(self) -> bool:
+        return self.mismatched_blocks == 0
+
+    @property
+    def gbytes_per_s(self) -> float:
+        return self.nbytes / self.total_seconds / 1e9
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "verified": self.verified, "gbytes_per_s": self.gbytes_per_s}
+
+
 @dataclass(frozen=True, slots=True)
-class NixlRow:
+class NixlRow(LibraryRow):
     """NIXL's best timed iteration of one kvmove row's workload: the same op, placement,
     block size, block ids and bytes. Seconds run from ``make_prepped_xfer`` until
     ``check_xfer_state`` said done; ``post_seconds`` is the ``transfer`` call alone;
@@ -50,21 +82,6 @@ class NixlRow:
     mismatched_blocks: int
     api: str = APIS[0]            # how its descriptor lists were prepared (APIS)
     prep_seconds: float = 0.0     # preparing both lists on the near side, once per block size
-
-    @property
-    def key(self) -> tuple[str, str, int]:
-        return self.op, self.placement, self.block_size
-
-    @property
-    def verified(self) -> bool:
-        return self.mismatched_blocks == 0
-
-    @property
-    def gbytes_per_s(self) -> float:
-        return self.nbytes / self.total_seconds / 1e9
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "verified": self.verified, "gbytes_per_s": self.gbytes_per_s}
 
 
 class KVMoveRow(Protocol):
@@ -92,8 +109,44 @@ class KVMoveRow(Protocol):
 NixlRoundTrip = RoundTrip
 
 
+class LibraryRun:
+    """What every library's run (a frozen dataclass with ``version``, ``rows`` and
+    ``round_trip``, and its own ``row_for``) derives."""
+
+    __slots__ = ()
+    version: str
+    rows: tuple[LibraryRow, ...]
+    round_trip: RoundTrip
+
+    def row_for(self, row: KVMoveRow) -> LibraryRow | None:
+        """The library's row to compare kvmove's ``row`` with, or None."""
+        raise NotImplementedError
+
+    @property
+    def verified(self) -> bool:
+        return all(row.verified for row in self.rows)
+
+    def ratio(self, row: KVMoveRow) -> float | None:
+        """kvmove's GB/s over the library's for the same workload (above 1: kvmove
+        faster)."""
+        other = self.row_for(row)
+        return None if other is None else row.gbytes_per_s / other.gbytes_per_s
+
+    def round_trip_ratio(self, trip: RoundTrip) -> float:
+        """kvmove's one-way time over the library's (below 1: kvmove faster)."""
+        return trip.one_way_us / self.round_trip.one_way_us
+
+    def _to_dict(self, trip: RoundTrip, library: str, method: str,
+                 **extra: Any) -> dict[str, Any]:
+        """The JSON's ``against``: ``extra`` (the library's own keys) after ``method``."""
+        return {"library": library, "version": self.version, "method": method, **extra,
+                "verified": self.verified, "rows": [row.to_dict() for row in self.rows],
+                "round_trip": self.round_trip.to_dict(),
+                "round_trip_time_ratio": self.round_trip_ratio(trip)}
+
+
 @dataclass(frozen=True, slots=True)
-class NixlRun:
+class NixlRun(LibraryRun):
     """Everything NIXL did in one run: which NIXL (``version``: distribution and version),
     its rows (native-cache rows of every block size and placement) and its round trip."""
 
@@ -101,10 +154,6 @@ class NixlRun:
     rows: tuple[NixlRow, ...]
     round_trip: NixlRoundTrip
     skipped: str | None = None   # why a way of APIS has no rows (an older NIXL)
-
-    @property
-    def verified(self) -> bool:
-        return all(row.verified for row in self.rows)
 
     def rows_for(self, row: KVMoveRow) -> dict[str, NixlRow]:
         """NIXL's rows of kvmove's ``row``, by way (APIS); none for a wrapped cache's row:
@@ -119,21 +168,8 @@ class NixlRun:
         rows = self.rows_for(row).values()
         return max(rows, key=lambda r: r.gbytes_per_s, default=None)
 
-    def ratio(self, row: KVMoveRow) -> float | None:
-        """kvmove's GB/s over NIXL's for the same workload (above 1: kvmove faster)."""
-        nixl = self.row_for(row)
-        return None if nixl is None else row.gbytes_per_s / nixl.gbytes_per_s
-
-    def round_trip_ratio(self, trip: RoundTrip) -> float:
-        """kvmove's one-way time over NIXL's (below 1: kvmove faster)."""
-        return trip.one_way_us / self.round_trip.one_way_us
-
     def to_dict(self, trip: RoundTrip) -> dict[str, Any]:
-        return {"library": "nixl", "version": self.version, "method": NIXL_METHOD,
-                "apis": list(APIS), "skipped": self.skipped,
-                "verified": self.verified, "rows": [row.to_dict() for row in self.rows],
-                "round_trip": self.round_trip.to_dict(),
-                "round_trip_time_ratio": self.round_trip_ratio(trip)}
+        return self._to_dict(trip, "nixl", NIXL_METHOD, apis=list(APIS), skipped=self.skipped)
 
 
 def nixl_lines(run: NixlRun, rows: tuple[KVMoveRow, ...], trip: RoundTrip,
@@ -141,16 +177,15 @@ def nixl_lines(run: NixlRun, rows: tuple[KVMoveRow, ...], trip: RoundTrip,
     """The comparison: per kvmove row with a NIXL row, both GB/s and kvmove / NIXL; then
     the one-block round trip of each. ``setting``: the transports and error mode both ran
     with, as the header says them."""
-    head = ["op", "placement", "block", "bytes", "kvmove ops", "kvmove GB/s", "NIXL descs",
-            "NIXL GB/s", "strided GB/s", "kvmove / best NIXL", "NIXL verified"]
+    head = [*KVMOVE_HEAD, "NIXL descs", "NIXL GB/s", "strided GB/s", "kvmove / best NIXL",
+            "NIXL verified"]
     cells = []
     for row in rows:
         ways, nixl = run.rows_for(row), run.row_for(row)
         if nixl is not None:
             speeds = [f"{ways[api].gbytes_per_s:.2f}" if api in ways else "-" for api in APIS]
-            cells.append([row.op, row.placement, str(row.block_size), f"{row.nbytes:,}",
-                          f"{row.num_ops:,}", f"{row.gbytes_per_s:.2f}", f"{nixl.num_descs:,}",
-                          *speeds, f"{run.ratio(row):.2f}",
+            cells.append([*kvmove_cells(row), f"{nixl.num_descs:,}", *speeds,
+                          f"{run.ratio(row):.2f}",
                           "yes" if all(w.verified for w in ways.values()) else "NO"])
     preps = {api: min((r.prep_seconds for r in run.rows if r.api == api), default=None)
              for api in APIS}
@@ -159,14 +194,36 @@ def nixl_lines(run: NixlRun, rows: tuple[KVMoveRow, ...], trip: RoundTrip,
                      f"{api} {1e3 * seconds:.1f} ms" for api, seconds in preps.items()
                      if seconds is not None)
                  + (f" ({run.skipped})" if run.skipped else ""))
-    nixl_trip = run.round_trip
     header = (f"against {run.version} in this run ({setting}, NIXL's UCX backend, no NIXL "
               f"progress thread): {NIXL_METHOD}; best of the same iterations, every byte "
               "verified:")
-    trip_line = (f"one-block write + notification, one way ({trip.nbytes:,} B, median of "
-                 f"{nixl_trip.iterations}): kvmove {trip.one_way_us:.1f} us, NIXL "
-                 f"{nixl_trip.one_way_us:.1f} us (one prepared request, posted again each "
-                 f"time): kvmove / NIXL time {run.round_trip_ratio(trip):.2f} (below 1: kvmove "
-                 "faster)")
+    return comparison_lines(header, head, cells, prep_line, trip_line(
+        run, trip, "NIXL", "one prepared request, posted again each time"))
+
+
+# The columns of kvmove's row that open every comparison's table (``kvmove_cells``).
+KVMOVE_HEAD = ("op", "placement", "block", "bytes", "kvmove ops", "kvmove GB/s")
+
+
+def kvmove_cells(row: KVMoveRow) -> list[str]:
+    """kvmove's ``row`` under ``KVMOVE_HEAD``."""
+    return [row.op, row.placement, str(row.block_size), f"{row.nbytes:,}", f"{row.num_ops:,}",
+            f"{row.gbytes_per_s:.2f}"]
+
+
+def trip_line(run: LibraryRun, trip: RoundTrip, name: str, how: str) -> str:
+    """kvmove's one-block round trip ``trip`` beside the library's (``name``, which does it
+    as ``how`` says)."""
+    other = run.round_trip
+    return (f"one-block write + notification, one way ({trip.nbytes:,} B, median of "
+            f"{other.iterations}): kvmove {trip.one_way_us:.1f} us, {name} "
+            f"{other.one_way_us:.1f} us ({how}): kvmove / {name} time "
+            f"{run.round_trip_ratio(trip):.2f} (below 1: kvmove faster)")
+
+
+def comparison_lines(header: str, head: list[str], cells: list[list[str]],
+                     *notes: str) -> list[str]:
+    """``header`` wrapped, the table (its first two columns and last left-aligned), then
+    each of ``notes`` wrapped: 100 columns."""
     return [*textwrap.wrap(header, width=100), *aligned(head, cells, left={0, 1, len(head) - 1}),
-            *textwrap.wrap(prep_line, width=100), *textwrap.wrap(trip_line, width=100)]
+            *(line for note in notes for line in textwrap.wrap(note, width=100))]

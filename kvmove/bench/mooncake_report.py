@@ -5,12 +5,19 @@ side by side."""
 
 from __future__ import annotations
 
-import textwrap
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvmove.bench.against_report import KVMoveRow
-from kvmove.bench.report import RoundTrip, aligned
+from kvmove.bench.against_report import (
+    KVMOVE_HEAD,
+    KVMoveRow,
+    LibraryRow,
+    LibraryRun,
+    comparison_lines,
+    kvmove_cells,
+    trip_line,
+)
+from kvmove.bench.report import RoundTrip
 
 __all__ = ["MOONCAKE_METHOD", "MooncakeRow", "MooncakeRun", "mooncake_lines"]
 
@@ -24,7 +31,7 @@ MOONCAKE_METHOD = (
 
 
 @dataclass(frozen=True, slots=True)
-class MooncakeRow:
+class MooncakeRow(LibraryRow):
     """Mooncake's best timed iteration of one kvmove row's workload: the same op, placement,
     block size, block ids and bytes. Seconds run from building the ranges until the batch
     call returned; ``make_seconds`` is building (and merging) the ranges alone;
@@ -42,24 +49,9 @@ class MooncakeRow:
     warmup_seconds: float
     mismatched_blocks: int
 
-    @property
-    def key(self) -> tuple[str, str, int]:
-        return self.op, self.placement, self.block_size
-
-    @property
-    def verified(self) -> bool:
-        return self.mismatched_blocks == 0
-
-    @property
-    def gbytes_per_s(self) -> float:
-        return self.nbytes / self.total_seconds / 1e9
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "verified": self.verified, "gbytes_per_s": self.gbytes_per_s}
-
 
 @dataclass(frozen=True, slots=True)
-class MooncakeRun:
+class MooncakeRun(LibraryRun):
     """Everything Mooncake did in one run: which Mooncake (``version``: distribution and
     version), its rows (native-cache rows of every block size and placement), its one-block
     write + notification round trip, and the Mooncake settings it ran with (``settings``:
@@ -70,10 +62,6 @@ class MooncakeRun:
     round_trip: RoundTrip
     settings: dict[str, str] = field(default_factory=dict)
 
-    @property
-    def verified(self) -> bool:
-        return all(row.verified for row in self.rows)
-
     def row_for(self, row: KVMoveRow) -> MooncakeRow | None:
         """Mooncake's row of kvmove's ``row``; none for a wrapped cache's row: Mooncake
         moves the native cache only."""
@@ -82,21 +70,8 @@ class MooncakeRun:
         return next((r for r in self.rows if r.key == (row.op, row.placement, row.block_size)),
                     None)
 
-    def ratio(self, row: KVMoveRow) -> float | None:
-        """kvmove's GB/s over Mooncake's for the same workload (above 1: kvmove faster)."""
-        mooncake = self.row_for(row)
-        return None if mooncake is None else row.gbytes_per_s / mooncake.gbytes_per_s
-
-    def round_trip_ratio(self, trip: RoundTrip) -> float:
-        """kvmove's one-way time over Mooncake's (below 1: kvmove faster)."""
-        return trip.one_way_us / self.round_trip.one_way_us
-
     def to_dict(self, trip: RoundTrip) -> dict[str, Any]:
-        return {"library": "mooncake", "version": self.version, "method": MOONCAKE_METHOD,
-                "settings": dict(self.settings), "verified": self.verified,
-                "rows": [row.to_dict() for row in self.rows],
-                "round_trip": self.round_trip.to_dict(),
-                "round_trip_time_ratio": self.round_trip_ratio(trip)}
+        return self._to_dict(trip, "mooncake", MOONCAKE_METHOD, settings=dict(self.settings))
 
 
 def mooncake_lines(run: MooncakeRun, rows: tuple[KVMoveRow, ...], trip: RoundTrip,
@@ -104,24 +79,18 @@ def mooncake_lines(run: MooncakeRun, rows: tuple[KVMoveRow, ...], trip: RoundTri
     """The comparison: per kvmove row with a Mooncake row, both GB/s and kvmove / Mooncake;
     then the one-block round trip of each. ``setting``: kvmove's transports and error mode,
     as the header says them."""
-    head = ["op", "placement", "block", "bytes", "kvmove ops", "kvmove GB/s",
-            "Mooncake ranges", "Mooncake GB/s", "kvmove / Mooncake", "Mooncake verified"]
+    head = [*KVMOVE_HEAD, "Mooncake ranges", "Mooncake GB/s", "kvmove / Mooncake",
+            "Mooncake verified"]
     cells = []
     for row in rows:
         mooncake = run.row_for(row)
         if mooncake is not None:
-            cells.append([row.op, row.placement, str(row.block_size), f"{row.nbytes:,}",
-                          f"{row.num_ops:,}", f"{row.gbytes_per_s:.2f}",
-                          f"{mooncake.num_ranges:,}", f"{mooncake.gbytes_per_s:.2f}",
+            cells.append([*kvmove_cells(row), f"{mooncake.num_ranges:,}",
+                          f"{mooncake.gbytes_per_s:.2f}",
                           f"{run.ratio(row):.2f}", "yes" if mooncake.verified else "NO"])
     settings = ", ".join(f"{name}={value}" for name, value in run.settings.items())
     header = (f"against {run.version} in this run (kvmove: {setting}; Mooncake: {settings}): "
               f"{MOONCAKE_METHOD}; best of the same iterations, every byte verified:")
-    mooncake_trip = run.round_trip
-    trip_line = (f"one-block write + notification, one way ({trip.nbytes:,} B, median of "
-                 f"{mooncake_trip.iterations}): kvmove {trip.one_way_us:.1f} us, Mooncake "
-                 f"{mooncake_trip.one_way_us:.1f} us (batch_transfer_sync of one range with a "
-                 f"TransferNotify, the receiver polling get_notifies): kvmove / Mooncake time "
-                 f"{run.round_trip_ratio(trip):.2f} (below 1: kvmove faster)")
-    return [*textwrap.wrap(header, width=100), *aligned(head, cells, left={0, 1, len(head) - 1}),
-            *textwrap.wrap(trip_line, width=100)]
+    return comparison_lines(header, head, cells, trip_line(
+        run, trip, "Mooncake", "batch_transfer_sync of one range with a TransferNotify, the "
+        "receiver polling get_notifies"))

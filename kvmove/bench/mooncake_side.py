@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from kvmove.bench.against_host import SideHost, dist_version, expect_notification
 from kvmove.bench.harness import Child
 from kvmove.bench.pattern import PatternCache
 from kvmove.bench.report import BenchError
@@ -75,11 +76,7 @@ def _version() -> str:
     """``mooncake-transfer-engine-non-cuda 0.3.13.post1``: the distribution that provided
     ``mooncake``."""
     dists = importlib.metadata.packages_distributions().get("mooncake") or ["mooncake"]
-    dist = dists[0]
-    try:
-        return f"{dist} {importlib.metadata.version(dist)}"
-    except importlib.metadata.PackageNotFoundError:
-        return dist
+    return dist_version(dists[0])
 
 
 class MooncakeSide(PatternCache):
@@ -179,9 +176,7 @@ class MooncakeSide(PatternCache):
     def check_after_notification(self, tag: str, ids: list[int], src_ids: list[int],
                                  seed: int, timeout: float) -> int:
         """Waits for the notification ``tag``, then counts ``mismatches``."""
-        payload = self.wait_notification(timeout)
-        if payload != tag:
-            raise BenchError(f"expected Mooncake notification {tag!r}, got {payload!r}")
+        expect_notification("Mooncake", tag, self.wait_notification(timeout))
         return self.mismatches(ids, src_ids, seed)
 
     def _one_block(self, local_id: int, remote_id: int, notify: str) -> None:
@@ -230,7 +225,7 @@ _SIDE_VERBS = ("metadata", "connect", "place", "fill", "wipe", "mismatches", "tr
                "check_after_notification", "echo", "ping")
 
 
-class MooncakeHost:
+class MooncakeHost(SideHost):
     """What a Mooncake process hosts: Mooncake imported (``version`` says which), then per
     ``setup`` a fresh ``MooncakeSide`` (closing the last one) whose verbs run on command.
 
@@ -238,7 +233,11 @@ class MooncakeHost:
         timeout: deadline in seconds of every Mooncake transfer (``MC_TRANSFER_TIMEOUT``).
     """
 
+    verbs = _SIDE_VERBS
+    side_kind = "MooncakeSide"
+
     def __init__(self, timeout: float) -> None:
+        super().__init__()
         # Mooncake logs (glog) to stderr; anything it prints to stdout, which this process
         # shares with the report, goes to stderr too.
         os.dup2(2, 1)
@@ -250,26 +249,12 @@ class MooncakeHost:
         # them one "Local segment descriptor not found" per engine at start: its own, benign.
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
         self.api = import_mooncake_engine()
-        self.side: MooncakeSide | None = None
 
     def version(self) -> str:
         return _version()
 
     def setup(self, name: str, layout: KVSpec, num_blocks: int) -> None:
-        self.close()
-        self.side = MooncakeSide(self.api, name, layout, num_blocks)
-
-    def __getattr__(self, verb: str) -> Any:
-        if verb not in _SIDE_VERBS:
-            raise AttributeError(f"{type(self).__name__} has no command {verb!r}")
-        if self.side is None:
-            raise BenchError(f"no setup yet: {verb!r} needs a MooncakeSide")
-        return getattr(self.side, verb)
-
-    def close(self) -> None:
-        side, self.side = self.side, None
-        if side is not None:
-            side.close()
+        self._replace(lambda: MooncakeSide(self.api, name, layout, num_blocks))
 
 
 class MooncakePeer(Child):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.metadata
 import logging
 import os
 import time
@@ -33,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from kvmove.bench.against_host import SideHost, dist_version, expect_notification
 from kvmove.bench.harness import Child
 from kvmove.bench.pattern import PatternCache
 from kvmove.bench.report import BenchError
@@ -75,11 +75,7 @@ def import_nixl_api() -> ModuleType:
 
 def _version(api: ModuleType) -> str:
     """``nixl-cu13 1.5.1``: the distribution that provided ``api``."""
-    dist = api.__name__.split(".")[0].replace("_", "-")
-    try:
-        return f"{dist} {importlib.metadata.version(dist)}"
-    except importlib.metadata.PackageNotFoundError:
-        return dist
+    return dist_version(api.__name__.split(".")[0].replace("_", "-"))
 
 
 class NixlSide(PatternCache):
@@ -208,16 +204,12 @@ class NixlSide(PatternCache):
     def check_after_notification(self, tag: bytes, ids: list[int], src_ids: list[int],
                                  seed: int, timeout: float) -> int:
         """Waits for the notification ``tag``, then counts ``mismatches``."""
-        payload = self.wait_notification(timeout)
-        if payload != tag:
-            raise BenchError(f"expected NIXL notification {tag!r}, got {payload!r}")
+        expect_notification("NIXL", tag, self.wait_notification(timeout))
         return self.mismatches(ids, src_ids, seed)
 
     def wait_for(self, tag: bytes, timeout: float) -> None:
         """Polls (and so progresses this side's transfers) until the notification ``tag``."""
-        payload = self.wait_notification(timeout)
-        if payload != tag:
-            raise BenchError(f"expected NIXL notification {tag!r}, got {payload!r}")
+        expect_notification("NIXL", tag, self.wait_notification(timeout))
 
     def notify(self, payload: bytes) -> None:
         """A notification to the other side, outside any transfer."""
@@ -284,7 +276,7 @@ _SIDE_VERBS = ("metadata", "connect", "place", "fill", "wipe", "mismatches", "tr
                "check_after_notification", "wait_for", "notify", "echo", "ping")
 
 
-class NixlHost:
+class NixlHost(SideHost):
     """What a NIXL process hosts: NIXL imported (``version`` says which), then per ``setup``
     a fresh ``NixlSide`` (closing the last one) whose verbs run on command.
 
@@ -292,7 +284,11 @@ class NixlHost:
         transports: ``UCX_TLS`` for NIXL's UCX (None: UCX's choice), as kvmove's agents got.
     """
 
+    verbs = _SIDE_VERBS
+    side_kind = "NixlSide"
+
     def __init__(self, transports: str | None) -> None:
+        super().__init__()
         # NIXL's Python logger writes to stdout, which this process shares with the report:
         # everything this process prints goes to stderr instead.
         os.dup2(2, 1)
@@ -301,31 +297,17 @@ class NixlHost:
         self.api = import_nixl_api()
         if not os.environ.get("NIXL_LOG_LEVEL"):
             logging.getLogger("nixl").setLevel(logging.WARNING)
-        self.side: NixlSide | None = None
 
     def version(self) -> str:
         return _version(self.api)
 
     def setup(self, name: str, layout: KVSpec, num_blocks: int, error_mode: str,
               strided: bool = False) -> None:
-        self.close()
-        self.side = NixlSide(self.api, name, layout, num_blocks, error_mode, strided)
+        self._replace(lambda: NixlSide(self.api, name, layout, num_blocks, error_mode, strided))
 
     def prep_seconds(self) -> float:
         assert self.side is not None
-        return self.side.prep_seconds
-
-    def __getattr__(self, verb: str) -> Any:
-        if verb not in _SIDE_VERBS:
-            raise AttributeError(f"{type(self).__name__} has no command {verb!r}")
-        if self.side is None:
-            raise BenchError(f"no setup yet: {verb!r} needs a NixlSide")
-        return getattr(self.side, verb)
-
-    def close(self) -> None:
-        side, self.side = self.side, None
-        if side is not None:
-            side.close()
+        return float(self.side.prep_seconds)
 
 
 class NixlPeer(Child):
