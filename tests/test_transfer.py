@@ -404,9 +404,10 @@ def test_waiting_for_a_notification_releases_the_gil(link):
     assert longest_stall_while(wait) < 0.4  # the wait lasts 0.5 s; holding the GIL stalls it all
 
 
-def test_notification_of_64_kib_arrives_intact(link):
+@pytest.mark.parametrize("nbytes", [8176, 8177, 64 * 1024])  # UCX's short limit over tcp, then
+def test_notification_arrives_intact(link, nbytes):                # multi-fragment copies
     link.reset(65, 66)
-    payload = np.random.default_rng(65).integers(0, 256, 64 * 1024, dtype=np.uint8).tobytes()
+    payload = np.random.default_rng(65).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
     wait_done(link.near.write(link.far_name, [0], [1], notify=payload))
     assert link.far.call("wait_notification", WAIT) == (link.near_name, payload)
 
