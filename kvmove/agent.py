@@ -289,9 +289,10 @@ class Agent:
     def wait_notification(self, timeout: float) -> tuple[str, bytes]:
         """The oldest notification, waiting up to ``timeout`` seconds for one.
 
-        The first 200 µs of the wait poll the transport from the calling thread (a
-        notification that comes that soon reaches the caller without waking two threads);
-        then the caller sleeps until one comes.
+        The calling thread progresses the transport itself while it waits (the agent's
+        progress thread steps aside), sleeping on the transport's events when nothing is
+        under way: a notification reaches the caller straight from the socket, without a
+        hand-off between threads (docs/transfer.md, "A one-block write over tcp").
 
         Raises:
             TimeoutError: none came in time (or the agent closed).

@@ -83,6 +83,9 @@ class Transfer:
     def wait(self, timeout: float) -> None:
         """Returns once every byte is in place (and the notification, if any, was sent).
 
+        While its agent is open, the calling thread progresses the transport itself (as
+        ``Agent.wait_notification`` does).
+
         Raises:
             TimeoutError: still pending after ``timeout`` seconds (the transfer goes on).
             TransferError: it failed.

@@ -21,6 +21,7 @@ here, a peer that goes silent or away mid-transfer.
 from __future__ import annotations
 
 import builtins
+import gc
 import threading
 import time
 
@@ -404,11 +405,33 @@ def test_waiting_for_a_notification_releases_the_gil(link):
     assert longest_stall_while(wait) < 0.4  # the wait lasts 0.5 s; holding the GIL stalls it all
 
 
-def test_notification_of_64_kib_arrives_intact(link):
+@pytest.mark.parametrize("nbytes", [8176, 8177, 64 * 1024])  # UCX's short limit over tcp, then
+def test_notification_arrives_intact(link, nbytes):                # multi-fragment copies
     link.reset(65, 66)
-    payload = np.random.default_rng(65).integers(0, 256, 64 * 1024, dtype=np.uint8).tobytes()
+    payload = np.random.default_rng(65).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
     wait_done(link.near.write(link.far_name, [0], [1], notify=payload))
     assert link.far.call("wait_notification", WAIT) == (link.near_name, payload)
+
+
+def test_two_threads_wait_at_once_and_each_gets_its_result(link):
+    """A waiting thread progresses the transport itself (the agent's progress thread steps
+    aside): one thread waits for a notification while another writes and waits on each
+    write; both get theirs, and the far side's write lands here too."""
+    near_data, far_data = link.reset(81, 82)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(link.near.wait_notification(WAIT)))
+    waiter.start()
+    try:
+        for i in range(8):
+            wait_done(link.near.write(link.far_name, [i], [i]))
+        link.far.call("write", link.near_name, [40], [40], None, b"from-far")
+    finally:
+        waiter.join(WAIT)
+    assert got == [(link.far_name, b"from-far")]
+    copy_blocks(far_data, list(range(8)), near_data, list(range(8)), None)
+    copy_blocks(near_data, [40], far_data, [40], None)
+    assert_same(link.far.call("snapshot"), far_data, "far cache")
+    assert_same(raw_view(link.cache), near_data, "near cache")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -532,6 +555,48 @@ def test_close_fails_pending_transfers(doomed):
         t.wait(WAIT)
     assert not isinstance(excinfo.value, TimeoutError)
     assert time.monotonic() - start < 1.0
+
+
+def test_close_ends_a_wait_in_another_thread(doomed):
+    """A thread in wait() progresses the transport itself: close() from another thread makes
+    it return with the transfer's failure (not a timeout), and close() itself returns."""
+    near, far, t = doomed
+    raised = []
+
+    def wait() -> None:
+        try:
+            t.wait(WAIT)
+        except KVMoveError as error:
+            raised.append(error)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.1)  # the waiter is driving (or about to): either way it must end
+    near.close()
+    waiter.join(WAIT)
+    assert not waiter.is_alive(), "wait() outlived close()"
+    assert len(raised) == 1 and not isinstance(raised[0], TimeoutError)
+    assert t.state == kvmove.TransferState.FAILED
+
+
+def test_a_transfer_outlives_its_agent():
+    """The Transfer a user keeps after its agent is gone: waiting on it raises its failure
+    (the agent no longer drives it) instead of reaching a destroyed agent."""
+    kwargs = {"transports": "tcp", "error_mode": "peer", "same_host": "ucx"}
+    far = FarPeer("far-outlived", LAYOUT, NUM_BLOCKS, kwargs)
+    try:
+        near = kvmove.Agent("near-outlived", make_cache(LAYOUT, NUM_BLOCKS), **kwargs)
+        assert near.connect(*far.call("listen"), timeout=WAIT) == "far-outlived"
+        far.pause()
+        t = near.write("far-outlived", list(range(32)), list(range(32)))
+        near.close()
+        del near
+        gc.collect()
+        with pytest.raises(KVMoveError) as excinfo:
+            t.wait(WAIT)
+        assert not isinstance(excinfo.value, TimeoutError)
+    finally:
+        far.stop()
 
 
 def test_stopped_peer_is_bounded_by_the_callers_deadline(doomed):

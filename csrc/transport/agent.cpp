@@ -17,8 +17,6 @@ namespace kvmove {
 namespace {
 
 constexpr double kCloseSeconds = 2.0;  // how long close() lets pending work finish
-// How long wait_notification() polls the worker from the waiting thread before it sleeps.
-constexpr double kPollNotifySeconds = 200e-6;
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -139,7 +137,12 @@ void Agent::close() {
     }
     streams_.stop_threads();
     stop_ = true;
-    ucp_worker_signal(worker_.get());
+    {
+        std::lock_guard<std::mutex> aside(aside_mu_);  // no lost wake-up of step_aside()
+    }
+    aside_cv_.notify_all();
+    ucp_worker_signal(worker_.get());  // wakes the progress thread and any driving waiter
+    driving_->detach();
     progress_thread_.join();
     received_.close();  // wake wait_notification() callers: nothing more will come
     WorkerLock lock(*this);
@@ -221,7 +224,7 @@ std::shared_ptr<Transfer> Agent::start(Direction direction, const std::string& p
     post(peer, std::move(batch), track(std::make_unique<InFlight>(this, transfer, &peer, notify)));
     transfer->posted(seconds_since(t0));
     drain_deferred();  // a batch done at once (an inline copy, a failed post) completes now
-    ucp_worker_signal(worker_.get());  // wake the progress thread if it sleeps
+    wake_for_paths();
     return transfer;
 }
 
@@ -236,7 +239,7 @@ std::shared_ptr<Transfer> Agent::notify(const std::string& peer_name, const std:
     auto transfer = std::make_shared<Transfer>(peer_name, 0, 0);
     queue_message(peer, track(std::make_unique<InFlight>(this, transfer, &peer, payload)));
     drain_deferred();
-    ucp_worker_signal(worker_.get());
+    wake_for_paths();
     return transfer;
 }
 
@@ -289,6 +292,7 @@ void Agent::validate(const Peer& peer, Direction direction, const std::vector<Bl
 Agent::InFlight* Agent::track(std::unique_ptr<InFlight> entry) {
     InFlight* raw = entry.get();
     in_flight_.emplace(raw->transfer.get(), std::move(entry));
+    raw->transfer->drive_with(driving_);
     if (raw->notify && raw->peer != nullptr) {
         raw->peer->notify_order.push_back(raw);
     }
@@ -404,36 +408,12 @@ void Agent::finish(InFlight* entry, const PortOutcome& outcome) {
 
 Notification Agent::wait_notification(double timeout_seconds) {
     check_timeout(timeout_seconds);
-    if (auto got = poll_notification(std::min(timeout_seconds, kPollNotifySeconds))) {
-        return std::move(*got);
-    }
-    std::optional<Notification> got = received_.take(timeout_seconds);
+    std::optional<Notification> got;
+    progress_until([&] { return (got = received_.try_take()).has_value(); }, timeout_seconds);
     KVMOVE_CHECK(got.has_value(), Timeout,
                  "no notification for agent '" << name_ << "' within " << timeout_seconds << " s"
                                                << (closed_ ? " (agent closed)" : ""));
     return std::move(*got);
-}
-
-// The first moments of a wait: this thread progresses the worker itself, so a notification
-// that comes soon is delivered without waking two threads (the progress thread from its poll,
-// then this one from the condition variable), each wake-up costing tens of microseconds on a
-// busy machine. The worker is only tried: the progress thread may be delivering it right now.
-std::optional<Notification> Agent::poll_notification(double seconds) {
-    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-    do {
-        if (std::optional<Notification> got = received_.try_take()) {
-            return got;
-        }
-        if (closed_) {
-            return std::nullopt;
-        }
-        std::unique_lock<std::mutex> worker(worker_mu_, std::try_to_lock);
-        if (worker.owns_lock() && !stop_) {
-            ucp_worker_progress(worker_.get());
-            drain_deferred();
-        }
-    } while (std::chrono::steady_clock::now() < until);
-    return std::nullopt;
 }
 
 }  // namespace kvmove

@@ -10,16 +10,18 @@
 // Threads: a background progress thread drives the worker (over tcp a put is emulated with
 // messages, so the target must progress even while its user is idle); user threads post
 // transfers. One mutex serializes every worker call; UCX callbacks run inside
-// ucp_worker_progress with that mutex held and never take it themselves. When idle, the
-// progress thread sleeps on the worker's event fd (ucp_worker_arm), and posting threads wake
-// it with ucp_worker_signal.
+// ucp_worker_progress with that mutex held and never take it themselves. A thread waiting in
+// wait_notification() or Transfer::wait() progresses the worker itself while the progress
+// thread steps aside; whoever drives sleeps on the worker's event fd (ucp_worker_arm) when
+// nothing is pending (agent_progress.cpp).
 //
-// Files: agent.cpp (life cycle, transfers, notification order), agent_progress.cpp (the
-// progress thread), agent_peers.cpp (peers and their paths), agent_stream_port.cpp (the
+// Files: agent.cpp (life cycle, transfers, notification order), agent_progress.cpp (who
+// progresses the worker), agent_peers.cpp (peers and their paths), agent_stream_port.cpp (the
 // StreamPort).
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -160,6 +162,7 @@ public:
 private:
     struct Peer;
     struct InFlight;
+    struct Driving;
 
     // agent.cpp: transfers and their notifications.
     std::shared_ptr<Transfer> start(Direction direction, const std::string& peer,
@@ -178,10 +181,15 @@ private:
     void drain_deferred();
     void poll_paths();
     void finish(InFlight* entry, const PortOutcome& outcome);
-    std::optional<Notification> poll_notification(double seconds);
+    // agent_progress.cpp: who progresses the worker, and when the progress thread sleeps.
+    bool progress_until(const std::function<bool()>& done, double timeout_seconds);
+    std::shared_ptr<Driving> make_driving();
     void progress_loop();
-    bool progress_once(double& last_tick, double& last_check);
-    void sleep_until_work();
+    void drive_round(int& idle, double max_seconds, double poll_seconds, double& last_progress);
+    bool progress_once(bool& pending);
+    void step_aside();
+    void sleep_until_work(double max_seconds);
+    void wake_for_paths();
     void check_open() const;
 
     // agent_peers.cpp: peers and their paths.
@@ -245,6 +253,17 @@ private:
 
     mutable std::mutex worker_mu_;              // every worker call, peers_, in_flight_...
     mutable std::atomic<int> lock_waiters_{0};  // threads in WorkerLock waiting for worker_mu_
+    // User threads progressing the worker while they wait (progress_until): while there is
+    // one, the progress thread steps aside (waits on aside_cv_) instead of competing with it
+    // for the worker and the CPU.
+    int waiters_driving_ = 0;  // guarded by aside_mu_
+    double last_tick_ = 0;     // when the streams' deadlines were last checked (worker_mu_)
+    double last_check_ = 0;    // when the peers' liveness was last checked (worker_mu_)
+    std::mutex aside_mu_;
+    std::condition_variable aside_cv_;
+    // What its transfers' waiters progress the worker through (Transfer::drive_with); detached
+    // by close(), so that a Transfer outliving the agent never reaches it.
+    const std::shared_ptr<Driving> driving_ = make_driving();
 
     // worker_mu_ for any thread but the progress thread, which yields to it.
     class WorkerLock {

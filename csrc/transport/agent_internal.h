@@ -4,6 +4,7 @@
 #include <deque>
 #include <memory>
 #include <optional>
+#include <shared_mutex>
 #include <string>
 #include <utility>
 
@@ -31,6 +32,26 @@ struct Agent::Peer {
     // Its process, where this host can watch it (null: elsewhere): a cut-off peer that may
     // still reach our memory is harmless only once it exited (stream/stream_protocol.h).
     std::shared_ptr<const ProcessWatch> process;
+};
+
+// The agent as its transfers' Driver (transport/driver.h): the thread that waits for a
+// transfer progresses the worker (Agent::progress_until) until the agent closes.
+struct Agent::Driving : Driver {
+    explicit Driving(Agent* a) : agent(a) {}
+    void progress_until(const std::function<bool()>& done, double timeout_seconds) override {
+        std::shared_lock<std::shared_mutex> lock(mu);
+        if (agent != nullptr) {
+            agent->progress_until(done, timeout_seconds);
+        }
+    }
+    // From close(): waits for the waiters driving now (they see the agent closed and leave).
+    void detach() {
+        std::unique_lock<std::shared_mutex> lock(mu);
+        agent = nullptr;
+    }
+
+    std::shared_mutex mu;
+    Agent* agent;
 };
 
 // A transfer between posting and completion; its path's callbacks point to it, so it lives

@@ -18,15 +18,29 @@ TransferStats Transfer::stats() const {
 
 void Transfer::wait(double timeout_seconds) const {
     check_timeout(timeout_seconds);
+    const auto until =
+        std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_seconds);
     std::unique_lock<std::mutex> lock(mu_);
-    bool finished = cv_.wait_for(lock, std::chrono::duration<double>(timeout_seconds),
-                                 [this] { return state_ != TransferState::Pending; });
+    std::shared_ptr<Driver> driver = driver_.lock();
+    if (driver && state_ == TransferState::Pending) {
+        lock.unlock();
+        driver->progress_until([this] { return state() != TransferState::Pending; },
+                               timeout_seconds);
+        lock.lock();
+    }
+    bool finished =
+        cv_.wait_until(lock, until, [this] { return state_ != TransferState::Pending; });
     KVMOVE_CHECK(finished, Timeout,
                  "transfer with '" << peer_ << "' still pending after " << timeout_seconds << " s ("
                                    << stats_.nbytes << " bytes in " << stats_.num_ops << " ops)");
     if (state_ == TransferState::Failed) {
         throw Error(error_kind_, error_);
     }
+}
+
+void Transfer::drive_with(std::weak_ptr<Driver> driver) {
+    std::lock_guard<std::mutex> lock(mu_);
+    driver_ = std::move(driver);
 }
 
 void Transfer::posted(double post_seconds) {

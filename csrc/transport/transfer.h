@@ -8,12 +8,14 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "common/completion.h"
 #include "common/errors.h"
+#include "transport/driver.h"
 
 namespace kvmove {
 
@@ -36,10 +38,12 @@ public:
     TransferStats stats() const;
     // error(): "transfer with 'peer' failed: reason", or empty.
     // Returns once DONE; throws the failure (TransferError/PeerError) once FAILED, or
-    // TimeoutError when timeout_seconds pass first.
+    // TimeoutError when timeout_seconds pass first. With a driver, the waiting thread
+    // progresses the transport itself while its agent is open.
     void wait(double timeout_seconds) const;
 
     // Called by the Agent.
+    void drive_with(std::weak_ptr<Driver> driver);
     void posted(double post_seconds);
     void finish();
     void fail(ErrorKind kind, const std::string& reason);
@@ -50,6 +54,7 @@ private:
     const std::string peer_;
     const std::chrono::steady_clock::time_point start_;
     TransferStats stats_;
+    std::weak_ptr<Driver> driver_;  // its agent's, while the agent lives
 };
 
 }  // namespace kvmove
