@@ -1,10 +1,12 @@
-// The AVX2 build of XXH3 (hash_avx2.cpp), which hash.cpp calls where the CPU has AVX2.
+// The AVX2 build of XXH3 (hash_avx2.cpp), which hash.cpp calls where the CPU has AVX2. GCC
+// only: the build selects it with GCC's target pragma (clang, as the fuzz targets' compiler,
+// keeps the SSE2 build alone).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define KVMOVE_XXH3_AVX2 1
 
 namespace kvmove::avx2 {
