@@ -5,7 +5,7 @@
 namespace kvmove {
 
 FaultyPath::FaultyPath(std::unique_ptr<Path> inner, FaultInjector& faults, bool host_memory)
-    : inner_(std::move(inner)), faults_(faults), host_memory_(host_memory) {}
+    : WrappingPath(std::move(inner)), faults_(faults), host_memory_(host_memory) {}
 
 void FaultyPath::post(PathBatch batch, PathDone done) {
     if (faults_.fail_post()) {

@@ -23,24 +23,15 @@
 
 namespace kvmove {
 
-class FaultyPath : public Path {
+class FaultyPath : public WrappingPath {
 public:
     // host_memory: the agent's cache is in host memory (a device's is never corrupted here).
     FaultyPath(std::unique_ptr<Path> inner, FaultInjector& faults, bool host_memory);
 
-    const char* kind() const override { return inner_->kind(); }
-    ucp_ep_h endpoint() const override { return inner_->endpoint(); }
-    std::vector<std::pair<std::string, std::string>> transports() const override {
-        return inner_->transports();
-    }
     void post(PathBatch batch, PathDone done) override;
-    bool checksums_on_copy() const override { return inner_->checksums_on_copy(); }
     void send(unsigned am_id, std::string message, bool rendezvous, PathDone done) override;
     bool poll(double now) override;
     double next_deadline() const override;
-    bool alive(std::string& why) const override { return inner_->alive(why); }
-    void cancel() override { inner_->cancel(); }
-    void cancel_lease(uint64_t lease) override { inner_->cancel_lease(lease); }
     void close(bool force, double timeout_seconds) override;
 
 private:
@@ -52,7 +43,6 @@ private:
     };
     void corrupt(PathBatch& batch, PathDone& done);
 
-    std::unique_ptr<Path> inner_;
     FaultInjector& faults_;
     const bool host_memory_;
     std::deque<Held> held_;  // delayed messages, in order (one delay for all)

@@ -16,7 +16,7 @@ constexpr int kWindowsInFlight = 2;
 }  // namespace
 
 PacedPath::PacedPath(std::unique_ptr<Path> inner, std::shared_ptr<Pacer> pacer)
-    : inner_(std::move(inner)), pacer_(std::move(pacer)) {}
+    : WrappingPath(std::move(inner)), pacer_(std::move(pacer)) {}
 
 void PacedPath::post(PathBatch batch, PathDone done) {
     const bool handoff = batch.traffic == TrafficClass::Handoff;
@@ -43,8 +43,8 @@ void PacedPath::post(PathBatch batch, PathDone done) {
     pump(steady_seconds());
 }
 
-std::vector<PathBatch> PacedPath::cut(PathBatch batch) {
-    std::vector<PathBatch> windows;
+std::deque<PathBatch> PacedPath::cut(PathBatch batch) {
+    std::deque<PathBatch> windows;
     PathBatch window;
     uint64_t in_window = 0;
     auto start = [&] {
@@ -89,7 +89,7 @@ bool PacedPath::may_post(const Queued& item, double now) const {
 
 void PacedPath::post_window(const std::shared_ptr<Queued>& item, double now) {
     PathBatch window = std::move(item->windows.front());
-    item->windows.erase(item->windows.begin());
+    item->windows.pop_front();
     ++item->in_flight;
     if (item->handoff) {
         ++pacer_->handoffs_in_flight;

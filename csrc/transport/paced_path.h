@@ -34,7 +34,7 @@ struct Pacer {
     double handoff_ended = 0;  // when the last hand-off batch landed
 };
 
-class PacedPath : public Path {
+class PacedPath : public WrappingPath {
 public:
     static constexpr uint64_t kWindowBytes = uint64_t{2} << 20;
     static constexpr double kStarved = 0.02;  // seconds
@@ -43,19 +43,9 @@ public:
 
     PacedPath(std::unique_ptr<Path> inner, std::shared_ptr<Pacer> pacer);
 
-    const char* kind() const override { return inner_->kind(); }
-    ucp_ep_h endpoint() const override { return inner_->endpoint(); }
-    std::vector<std::pair<std::string, std::string>> transports() const override {
-        return inner_->transports();
-    }
     void post(PathBatch batch, PathDone done) override;
-    bool checksums_on_copy() const override { return inner_->checksums_on_copy(); }
-    void send(unsigned am_id, std::string message, bool rendezvous, PathDone done) override {
-        inner_->send(am_id, std::move(message), rendezvous, std::move(done));
-    }
     bool poll(double now) override;
     double next_deadline() const override;
-    bool alive(std::string& why) const override { return inner_->alive(why); }
     void cancel() override;
     void cancel_lease(uint64_t lease) override;
     void close(bool force, double timeout_seconds) override;
@@ -63,7 +53,7 @@ public:
 private:
     // One batch while it is queued here or its windows are under way.
     struct Queued {
-        std::vector<PathBatch> windows;  // not yet posted, in order (a hand-off: one, whole)
+        std::deque<PathBatch> windows;  // not yet posted, in order (a hand-off: one, whole)
         PathDone done;
         uint64_t lease;
         bool handoff;
@@ -76,9 +66,8 @@ private:
     void pump(double now);
     bool may_post(const Queued& item, double now) const;
     void post_window(const std::shared_ptr<Queued>& item, double now);
-    static std::vector<PathBatch> cut(PathBatch batch);
+    static std::deque<PathBatch> cut(PathBatch batch);
 
-    std::unique_ptr<Path> inner_;
     std::shared_ptr<Pacer> pacer_;
     std::deque<std::shared_ptr<Queued>> queue_;  // in posting order
 };

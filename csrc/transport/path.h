@@ -96,4 +96,35 @@ public:
     virtual void close(bool force, double timeout_seconds) = 0;
 };
 
+// A path around another (FaultyPath, PacedPath): whatever it does not change, the inner path
+// does.
+class WrappingPath : public Path {
+public:
+    explicit WrappingPath(std::unique_ptr<Path> inner) : inner_(std::move(inner)) {}
+
+    const char* kind() const override { return inner_->kind(); }
+    ucp_ep_h endpoint() const override { return inner_->endpoint(); }
+    std::vector<std::pair<std::string, std::string>> transports() const override {
+        return inner_->transports();
+    }
+    void post(PathBatch batch, PathDone done) override {
+        inner_->post(std::move(batch), std::move(done));
+    }
+    bool checksums_on_copy() const override { return inner_->checksums_on_copy(); }
+    void send(unsigned am_id, std::string message, bool rendezvous, PathDone done) override {
+        inner_->send(am_id, std::move(message), rendezvous, std::move(done));
+    }
+    bool poll(double now) override { return inner_->poll(now); }
+    double next_deadline() const override { return inner_->next_deadline(); }
+    bool alive(std::string& why) const override { return inner_->alive(why); }
+    void cancel() override { inner_->cancel(); }
+    void cancel_lease(uint64_t lease) override { inner_->cancel_lease(lease); }
+    void close(bool force, double timeout_seconds) override {
+        inner_->close(force, timeout_seconds);
+    }
+
+protected:
+    std::unique_ptr<Path> inner_;
+};
+
 }  // namespace kvmove
