@@ -10,8 +10,9 @@ that the machine's drift falls on all of them alike:
 * **idle**: the hand-off alone;
 * **one class**: the offload writes are ``"handoff"`` too, so every transfer takes its turn
   in posting order (what an agent without classes does);
-* **classes**: the offload writes are ``"offload"``, so the copy threads run the hand-off's
-  chunks first and the offload's meanwhile only every ``kPassOver``-th chunk.
+* **classes**: the offload writes are ``"offload"``: on the mapped path the hand-off's
+  chunks go first and the offload's run on idle-priority threads; over UCX the offload goes
+  in windows, none while a hand-off is in flight (docs/transfer.md, "Traffic classes").
 
 Each row: the hand-off's latency (lease to last layer loaded, checksums on as by default),
 its median and ratio to idle's, and the offload's GB/s over the same span (classes must not
