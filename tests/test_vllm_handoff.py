@@ -248,6 +248,30 @@ def test_an_offer_of_more_blocks_than_held_is_declined(link: Link) -> None:
     link.wait_sent("r1")               # nothing will be streamed: the blocks go back
 
 
+def test_an_offer_the_prefill_cannot_stream_into_is_declined(link: Link) -> None:
+    link.hold("r1", [1, NUM_BLOCKS + 3])   # a block the prefill's cache does not have
+    started = time.monotonic()
+    link.load("d1", "r1", [8, 9])
+    assert link.wait_received("d1") == {8, 9}
+    assert time.monotonic() - started < TIMEOUT / 2, "declined, not timed out"
+    link.untouched([8, 9])
+    link.wait_sent("r1")               # nothing streams from them: the blocks go back
+
+
+def test_an_offer_no_request_comes_for_is_declined_when_its_reservation_ends(
+        link: Link) -> None:
+    link.load("d1", "t1", [8, 9], TransferMode.PUSH)   # the prefill never sees t1
+    wait_until(lambda: "t1" in link.prefill._reservations, WAIT, "the offer is reserved")
+    link.prefill.release_expired(time.monotonic())     # not yet: kept
+    assert "t1" in link.prefill._reservations
+    started = time.monotonic()
+    link.prefill.release_expired(time.monotonic() + LEASE + 1.0)
+    assert link.wait_received("d1") == {8, 9}
+    assert time.monotonic() - started < TIMEOUT / 2, "declined, not timed out"
+    assert not link.prefill._reservations
+    link.untouched([8, 9])
+
+
 def test_a_second_offer_for_a_request_being_sent_is_declined(link: Link) -> None:
     step = Step([PushSpec("r1", "t1", [5, 6])])
     link.prefill.begin_step(step)  # type: ignore[arg-type]

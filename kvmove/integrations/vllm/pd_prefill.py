@@ -173,6 +173,9 @@ class PDPrefillWorker:
             for key, reservations in list(self._reservations.items()):
                 if reservations[0].since < horizon:
                     del self._reservations[key]
+                    for reservation in reservations:
+                        self._decline(reservation.offer, f"no request {key!r} came to this "
+                                      f"prefill within {self.lease_seconds:g} s of the offer")
 
     # ---- offers -----------------------------------------------------------------------------
 
@@ -266,8 +269,9 @@ class PDPrefillWorker:
         try:
             return self.agent.stream_to(offer.peer, src, offer.blocks, offer.request_id,
                                         epoch=offer.epoch)
-        except KVMoveError as error:
+        except KVMoveError as error:   # told at once: its load fails now, not at its deadline
             logger.warning("kvmove: cannot stream %s to %s: %s", out.key, offer.peer, error)
+            self._decline(offer, f"the prefill cannot stream into it: {error}")
             return None
 
     def _post_ready(self, out: Outgoing) -> None:
