@@ -70,6 +70,16 @@ void StreamProtocol::refuse(const std::string& sender, const StreamMessage& m,
     }
 }
 
+size_t StreamProtocol::answers_awaited() {
+    if (sending_changed_) {
+        sending_changed_ = false;
+        answers_awaited_ = static_cast<size_t>(
+            std::count_if(sending_.begin(), sending_.end(),
+                          [](const auto& entry) { return entry.second.deadline != kNoDeadline; }));
+    }
+    return answers_awaited_;
+}
+
 void StreamProtocol::drain() {
     std::vector<std::pair<std::string, StreamMessage>> out;
     out.swap(outbox_);
@@ -216,6 +226,7 @@ void StreamProtocol::tick(double now) {
                          : " (nothing was written; the Begin is still unsent here: behind "
                            "earlier transfers to that peer, or not taken by UCX)"));
             it = sending_.erase(it);
+            sending_changed_ = true;
         } else {
             ++it;
         }
@@ -292,6 +303,7 @@ void StreamProtocol::peer_failed(const std::string& peer, ErrorKind kind,
             s->complete(StreamState::Failed, kind,
                         "stream of " + describe(s->request_id(), peer) + " failed: " + reason);
             it = sending_.erase(it);
+            sending_changed_ = true;
         } else {
             ++it;
         }
@@ -361,6 +373,7 @@ void StreamProtocol::close(const std::string& reason) {
         q.load->set_released();
     }
     sending_.clear();
+    sending_changed_ = true;
     leases_.clear();
     quarantined_.clear();
     ending_.clear();

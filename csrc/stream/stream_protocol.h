@@ -143,6 +143,10 @@ public:
     double next_deadline() const;  // the earliest, on the steady clock (infinity: none)
     void drain();                  // sends what callbacks made due
     bool has_deferred() const { return !ending_.empty() || !outbox_.empty(); }
+    // Locked. Streams sent from here that wait for their receiver's answer: a Begin's Go, or
+    // a Final's Ack (the receiver checks the last layers). The hand-off is under way though
+    // no copy of it runs: the agent's less urgent traffic keeps off meanwhile (copier.h).
+    size_t answers_awaited();
 
     // Shutdown: stop_threads() (no lock held) joins the post and verify threads; close()
     // (locked, once the port's connections are closed) fails every open stream with reason
@@ -235,11 +239,13 @@ private:
 
     // Guarded by the port's lock.
     uint64_t next_epoch_;
-    std::map<SendKey, Sending> sending_;               // open streams by (receiver, epoch)
-    std::vector<std::shared_ptr<SaveStream>> ending_;  // Final/Abort due, sent by drain()
-    std::map<uint64_t, Lease> leases_;                 // by epoch
-    std::map<uint64_t, Quarantined> quarantined_;      // by epoch
-    double next_quarantine_check_ = 0;                 // tick(): its senders polled then
+    std::map<SendKey, Sending> sending_;  // open streams by (receiver, epoch)
+    bool sending_changed_ = false;        // since answers_awaited() counted them
+    size_t answers_awaited_ = 0;
+    std::vector<std::shared_ptr<SaveStream>> ending_;            // Final/Abort due, sent by drain()
+    std::map<uint64_t, Lease> leases_;                           // by epoch
+    std::map<uint64_t, Quarantined> quarantined_;                // by epoch
+    double next_quarantine_check_ = 0;                           // tick(): its senders polled then
     std::vector<std::pair<std::string, StreamMessage>> outbox_;  // sent by drain()
     // Aborts that answer a Cancel for a lease with nothing in flight here, held until the
     // peer's old connection has no copy left (StreamPort::peer_quiet).

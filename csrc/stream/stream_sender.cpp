@@ -35,6 +35,7 @@ std::shared_ptr<SaveStream> StreamProtocol::stream_to(const std::string& peer,
         // waiting for ever (nothing is written before the answer).
         sending_.emplace(SendKey{peer, epoch},
                          Sending{stream, steady_seconds() + config_.ack_timeout_seconds});
+        sending_changed_ = true;
         // Ask first: nothing is written before the receiver's Go.
         port_.send(peer,
                    encode(lease_message(MessageKind::Begin, request_id, epoch, stream->ids_hash())),
@@ -212,6 +213,7 @@ void StreamProtocol::send_end(const std::shared_ptr<SaveStream>& s) {
     auto it = sending_.find({s->peer(), s->epoch()});
     if (finish && it != sending_.end()) {
         it->second.deadline = steady_seconds() + config_.ack_timeout_seconds;
+        sending_changed_ = true;
     }
 }
 
@@ -236,6 +238,7 @@ void StreamProtocol::forget(const SaveStream& s) {
     auto it = sending_.find({s.peer(), s.epoch()});
     if (it != sending_.end() && it->second.stream.get() == &s) {
         sending_.erase(it);
+        sending_changed_ = true;
     }
 }
 
@@ -247,6 +250,7 @@ void StreamProtocol::on_go(const std::string& sender, const StreamMessage& m) {
     }
     std::shared_ptr<SaveStream> s = it->second.stream;
     it->second.deadline = kNoDeadline;  // answered: the next deadline is the Final's Ack
+    sending_changed_ = true;
     for (const SavedLayer& saved : s->go()) {
         // A transport callback must not throw: closing, the layer is simply never posted.
         try_queue(Pending{Pending::Kind::Layer, s, saved.layer, saved.event});
@@ -261,6 +265,7 @@ void StreamProtocol::on_refuse(const std::string& sender, const StreamMessage& m
     }
     it->second.stream->refused(m.payload);
     sending_.erase(it);
+    sending_changed_ = true;
 }
 
 void StreamProtocol::on_ack(const std::string& sender, const StreamMessage& m) {
@@ -271,6 +276,7 @@ void StreamProtocol::on_ack(const std::string& sender, const StreamMessage& m) {
     }
     it->second.stream->complete(StreamState::Done);
     sending_.erase(it);
+    sending_changed_ = true;
 }
 
 void StreamProtocol::on_cancel(const std::string& sender, const StreamMessage& m) {

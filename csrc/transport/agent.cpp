@@ -366,6 +366,19 @@ void Agent::drain_deferred() {
         streams_.drain();
         poll_paths();
     }
+    // A stream waiting for its receiver's Go or Ack is a hand-off under way: the less urgent
+    // traffic keeps off, on the copy threads and the paced paths alike.
+    const bool held = streams_.answers_awaited() > 0;
+    if (held != handoff_held_) {
+        handoff_held_ = held;
+        pacer_->held = held;
+        if (!held) {
+            pacer_->handoff_ended = steady_seconds();  // the linger starts
+        }
+        if (copier_) {
+            copier_->hold_background(held);
+        }
+    }
 }
 
 // Lets each path with work pending complete what is done; forgets those with none left.

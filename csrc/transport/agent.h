@@ -246,6 +246,7 @@ private:
     std::vector<std::unique_ptr<MemoryRegistration>> registrations_;  // one per segment
     std::unique_ptr<Copier> copier_;  // started with the first mapped put; signals worker_
     std::shared_ptr<Pacer> pacer_ = std::make_shared<Pacer>();  // its UCX paths' (paced_path.h)
+    bool handoff_held_ = false;  // a stream waits for its receiver's answer (drain_deferred)
     // Where the copier's threads run: the CPUs of the thread that built this agent.
     CpuMask threads_cpus_ = CpuMask::of_this_thread();
     std::vector<uint8_t> metadata_;

@@ -112,6 +112,7 @@ Copier& Agent::copier() {
         copier_ = std::make_unique<Copier>(
             config_.copy_threads > 0 ? config_.copy_threads : default_copy_threads(),
             threads_cpus_);
+        copier_->hold_background(handoff_held_);
     }
     return *copier_;
 }

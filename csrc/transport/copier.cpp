@@ -169,11 +169,22 @@ void Copier::submit(std::shared_ptr<CopyJob> job, TrafficClass traffic) {
     cv_.notify_all();
 }
 
+void Copier::hold_background(bool held) {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (held_ && !held) {
+            urgent_ended_ = Clock::now();  // the linger starts
+        }
+        held_ = held;
+    }
+    cv_.notify_all();
+}
+
 size_t Copier::pick(bool background, Clock::time_point now) {
     // Background threads keep off while hand-off copies run, and for kLinger after: the
     // hand-off's next steps (its checks, its next layer) follow soon.
-    const bool quiet =
-        urgent_running_ == 0 && queues_[kUrgent].empty() && now - urgent_ended_ >= kLinger;
+    const bool quiet = !held_ && urgent_running_ == 0 && queues_[kUrgent].empty() &&
+                       now - urgent_ended_ >= kLinger;
     for (size_t c = kUrgent + 1; c < kTrafficClasses; ++c) {
         if (queues_[c].empty()) {
             continue;
@@ -181,21 +192,15 @@ size_t Copier::pick(bool background, Clock::time_point now) {
         if (background) {
             return quiet ? c : kTrafficClasses;  // the most urgent of the background classes
         }
-        if (passed_over_[c] >= kPassOver) {
-            passed_over_[c] = 0;
-            return c;  // passed over long enough: an urgent thread's turn
+        if (now - background_start_[c] >= kStarved) {
+            if (!queues_[kUrgent].empty()) {
+                background_start_[c] = now;  // hand-offs keep coming: one chunk per kStarved
+            }
+            // (else its background threads get no CPU: urgent threads do it meanwhile)
+            return c;
         }
-        if (queues_[kUrgent].empty() && now - background_start_[c] >= kStarved) {
-            return c;  // its background threads get no CPU: urgent threads do it meanwhile
-        }
     }
-    if (background || queues_[kUrgent].empty()) {
-        return kTrafficClasses;
-    }
-    for (size_t c = kUrgent + 1; c < kTrafficClasses; ++c) {
-        passed_over_[c] += queues_[c].empty() ? 0 : 1;
-    }
-    return kUrgent;
+    return background || queues_[kUrgent].empty() ? kTrafficClasses : kUrgent;
 }
 
 bool Copier::waiting_below_urgent() const {
@@ -217,7 +222,7 @@ void Copier::loop(bool background) {
                 if (!waiting_below_urgent()) {
                     cv_.wait(lock);
                 } else if (background) {  // until the hand-off's copies end, then the linger
-                    if (urgent_running_ > 0 || !queues_[kUrgent].empty()) {
+                    if (held_ || urgent_running_ > 0 || !queues_[kUrgent].empty()) {
                         cv_.wait(lock);
                     } else {
                         cv_.wait_until(lock, urgent_ended_ + kLinger);

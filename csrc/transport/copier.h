@@ -9,10 +9,12 @@
 // run on the urgent threads. The other classes (prefetch before offload) run on as many
 // background threads, which the kernel schedules as SCHED_IDLE: they take only CPU time no
 // other thread wants, so an offload never delays the threads a hand-off needs (its copies,
-// the agents' progress, the receiver's checks, the engine) on a busy machine. Neither waits
-// for ever: an urgent thread runs a less urgent class's chunk when that class was passed over
-// kPassOver chunks of hand-offs, and its chunks while no hand-off waits when its background
-// threads got no CPU for kStarved (a machine busy with other work).
+// the agents' progress, the receiver's checks, the engine) on a busy machine. They keep off
+// while a hand-off is under way: its copies run, or a stream of it waits for its receiver's
+// answer (hold_background), and for kLinger after. Neither waits for ever: a class that
+// started no chunk for kStarved gets one on an urgent thread while hand-offs keep coming (one
+// per kStarved, as a paced UCX path lets one window go), and all of its chunks while none
+// waits (its background threads get no CPU: a machine busy with other work).
 // (Measured by kvmove-bench classes; docs/transfer.md, "Traffic classes".)
 
 #pragma once
@@ -113,12 +115,14 @@ public:
     Copier& operator=(const Copier&) = delete;
 
     void submit(std::shared_ptr<CopyJob> job, TrafficClass traffic = TrafficClass::Handoff);
+    // Whether a hand-off is under way with no copy of it running (a stream waits for its
+    // receiver's answer): background threads keep off as while its copies run, and for
+    // kLinger after it is no longer held.
+    void hold_background(bool held);
 
-    // Hand-off chunks a waiting class lets run before an urgent thread runs one of its own.
-    static constexpr int kPassOver = 8;
-    // How long a waiting class's background threads may go without starting a chunk before
-    // the urgent threads run its chunks while no hand-off waits (they get no CPU: the machine
-    // is busy).
+    // How long a waiting class may go without starting a chunk before the urgent threads run
+    // one (while hand-offs wait) or its chunks (while none does: its background threads get
+    // no CPU, the machine is busy).
     static constexpr std::chrono::milliseconds kStarved{20};
     // How long background threads keep off after a hand-off's copies ended.
     static constexpr std::chrono::microseconds kLinger{1000};
@@ -137,7 +141,7 @@ private:
     std::mutex mu_;
     std::condition_variable cv_;
     std::deque<std::shared_ptr<CopyJob>> queues_[kTrafficClasses];  // by TrafficClass
-    int passed_over_[kTrafficClasses] = {};  // hand-off chunks run since its last one
+    bool held_ = false;                                             // hold_background()
     // When a background thread last started a chunk of it (or it began to wait).
     Clock::time_point background_start_[kTrafficClasses] = {};
     int urgent_running_ = 0;          // hand-off chunks being copied now

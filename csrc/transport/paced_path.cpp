@@ -81,7 +81,7 @@ bool PacedPath::may_post(const Queued& item, double now) const {
     if (item.handoff) {
         return true;
     }
-    if (pacer_->handoffs_in_flight == 0 && now - pacer_->handoff_ended >= kLinger) {
+    if (pacer_->quiet(now, kLinger)) {
         return item.in_flight < kWindowsInFlight;
     }
     return item.in_flight == 0 && now - item.waiting_since >= kStarved;
@@ -136,7 +136,7 @@ double PacedPath::next_deadline() const {
     double next = inner_->next_deadline();
     if (!queue_.empty() && !queue_.front()->windows.empty() && !queue_.front()->handoff) {
         // the linger's end, or a window goes at the latest when a class starves
-        next = std::min(next, pacer_->handoffs_in_flight == 0
+        next = std::min(next, pacer_->handoffs_in_flight == 0 && !pacer_->held
                                   ? pacer_->handoff_ended + kLinger
                                   : queue_.front()->waiting_since + kStarved);
     }

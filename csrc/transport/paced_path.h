@@ -31,7 +31,12 @@ namespace kvmove {
 // landed.
 struct Pacer {
     int handoffs_in_flight = 0;
-    double handoff_ended = 0;  // when the last hand-off batch landed
+    double handoff_ended = 0;  // when the last hand-off batch landed (or stopped being held)
+    bool held = false;         // a hand-off waits for its receiver's answer (Agent sets it)
+
+    bool quiet(double now, double linger) const {
+        return handoffs_in_flight == 0 && !held && now - handoff_ended >= linger;
+    }
 };
 
 class PacedPath : public WrappingPath {
