@@ -9,9 +9,12 @@ namespace kvmove {
 
 namespace {
 
-// Windows of one less urgent batch in flight at once while no hand-off is: two, so that the
-// link stays busy across a window's flush.
-constexpr int kWindowsInFlight = 2;
+// Windows of one less urgent batch in flight at once while no hand-off is: four, so that the
+// link stays busy across a window's flush; one while hand-offs came within kRecent, since a
+// hand-off that starts waits for what is in flight.
+constexpr int kWindowsInFlight = 4;
+constexpr int kWindowsInFlightNearHandoffs = 1;
+constexpr double kRecent = 0.1;  // seconds
 
 }  // namespace
 
@@ -25,6 +28,7 @@ void PacedPath::post(PathBatch batch, PathDone done) {
         inner_->post(std::move(batch),
                      [pacer = pacer_, done = std::move(done)](const PortOutcome& outcome) {
                          --pacer->handoffs_in_flight;
+                         pacer->handoff_ended = steady_seconds();
                          done(outcome);
                      });
         return;
@@ -82,7 +86,8 @@ bool PacedPath::may_post(const Queued& item, double now) const {
         return true;
     }
     if (pacer_->quiet(now, kLinger)) {
-        return item.in_flight < kWindowsInFlight;
+        const bool recent = now - pacer_->handoff_ended < kRecent;
+        return item.in_flight < (recent ? kWindowsInFlightNearHandoffs : kWindowsInFlight);
     }
     return item.in_flight == 0 && now - item.waiting_since >= kStarved;
 }
