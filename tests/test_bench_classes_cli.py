@@ -41,7 +41,7 @@ def test_the_text_report_over_tcp_names_the_path_and_its_pacing() -> None:
     run = bench(*SMALL, "--transports", "tcp", "--same-host", "ucx")
     assert run.returncode == 0, run.stderr
     assert "path: ucx" in run.stdout
-    assert "the offload goes in 2 MiB windows" in run.stdout
+    assert "the offload goes in 1 MiB windows" in run.stdout
 
 
 @pytest.mark.parametrize("flag,value,least", [("--offload-ratio", "9", 10),

@@ -282,6 +282,6 @@ def format_classes(report: ClassesReport) -> str:
                      f"{row.median / idle:.2f}x | {offload} |")
     lines += ["", "With classes the offload's copies run on idle-priority threads and give way "
               "to the hand-off's" if report.path == "mapped" else
-              "With classes the offload goes in 2 MiB windows, none posted while a hand-off "
-              "is in flight"]
+              "With classes the offload goes in 1 MiB windows, none posted while a hand-off "
+              "is under way"]
     return "\n".join(lines)
