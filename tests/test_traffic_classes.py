@@ -129,3 +129,36 @@ def test_an_unknown_class_is_refused_naming_the_classes(trio) -> None:
     with pytest.raises(ConfigError, match=r"traffic must be one of \('handoff', 'prefetch', "
                                           r"'offload'\), got 'bulk'"):
         sender.write("store", [0], [0], traffic="bulk")
+
+
+@pytest.mark.parametrize("path", ["mapped", "ucx"])
+def test_an_offload_waits_while_a_stream_waits_for_its_receivers_go(path) -> None:
+    """A hand-off is under way before its first copy: its stream waits for the receiver's Go
+    (here 300 ms late: the decode's messages are delayed). An offload posted meanwhile gets
+    one 1 MiB chunk or window per 20 ms until the Go comes, then moves at full speed (unheld,
+    64 MiB take tens of ms)."""
+    sender_cache = make_cache(LAYOUT, 388)
+    raw = raw_view(sender_cache)
+    raw[...] = np.random.default_rng(4).integers(0, 256, raw.shape, dtype=np.uint8)
+    kwargs = {} if path == "mapped" else {"same_host": "ucx", "transports": "tcp"}
+    with kvmove.Agent("sender", sender_cache, **kwargs) as sender, \
+            kvmove.Agent("decode", make_cache(LAYOUT, 128), faults="delay_message_ms=300",
+                         **kwargs) as decode, \
+            kvmove.Agent("store", make_cache(LAYOUT, 384), **kwargs) as store:
+        for peer in (decode, store):
+            sender.add_peer(peer.metadata())
+            peer.add_peer(sender.metadata())
+            assert sender.peer_path(peer.name) == path
+        load = decode.expect("sender", "r1", [0, 1, 2, 3], timeout=WAIT).start_load()
+        stream = sender.stream_to("decode", HANDOFF, [0, 1, 2, 3], "r1", epoch=load.epoch)
+        offload = sender.write("store", OFFLOAD[:128], OFFLOAD[:128], traffic="offload")
+        time.sleep(0.15)   # the Go is 300 ms away: at most ~8 of the offload's 64 MiB moved
+        assert offload.state == PENDING, "the offload did not wait for the hand-off's Go"
+        for layer in range(LAYOUT["num_layers"]):
+            stream.save_layer(layer)
+        stream.finish()
+        load.wait_all(WAIT)
+        stream.wait_for_save(WAIT)
+        offload.wait(WAIT)
+        assert np.array_equal(raw_view(decode.cache)[:, :4], raw[:, HANDOFF])
+        assert np.array_equal(raw_view(store.cache)[:, :128], raw[:, :128])

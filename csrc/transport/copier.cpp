@@ -193,8 +193,8 @@ size_t Copier::pick(bool background, Clock::time_point now) {
             return quiet ? c : kTrafficClasses;  // the most urgent of the background classes
         }
         if (now - background_start_[c] >= kStarved) {
-            if (!queues_[kUrgent].empty()) {
-                background_start_[c] = now;  // hand-offs keep coming: one chunk per kStarved
+            if (held_ || !queues_[kUrgent].empty()) {
+                background_start_[c] = now;  // a hand-off is under way: one chunk per kStarved
             }
             // (else its background threads get no CPU: urgent threads do it meanwhile)
             return c;
