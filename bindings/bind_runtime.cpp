@@ -21,6 +21,7 @@ void register_runtime(py::module_& m) {
     m.def("copy_limit_gbytes_per_s", &copy_limit_gbytes_per_s, py::arg("nbytes"),
           py::arg("threads") = 0, py::arg("repeats") = 3, py::call_guard<py::gil_scoped_release>());
     m.def("peer_error_settings", &peer_error_settings);
+    m.def("tcp_settings", &tcp_settings);
     m.def("ucx_library", &ucx_library);
     m.def("ucx_built_version", &ucx_built_version);
     m.def("ucx_resources", [] {

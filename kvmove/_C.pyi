@@ -10,7 +10,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['Agent', 'BlockFile', 'BlockOrder', 'BlockPool', 'BlockShape', 'DType', 'KVCache', 'LoadStream', 'Offer', 'Region', 'SaveStream', 'StreamState', 'StreamStats', 'TrafficClass', 'Transfer', 'TransferState', 'TransferStats', 'block_checksums', 'block_hashes', 'check_timeout', 'convert_blocks', 'copy_blocks', 'copy_limit_gbytes_per_s', 'cuda_status', 'decode_metadata', 'decode_stream_message', 'default_copy_threads', 'encode_stream_message', 'hash_ids', 'log_dropped', 'pack_blocks', 'parse_order', 'peer_error_settings', 'runs', 'set_log_level', 'take_log', 'ucx_built_version', 'ucx_library', 'ucx_resources', 'ucx_version', 'unpack_blocks', 'xxh3', 'xxh64']
+__all__: list[str] = ['Agent', 'BlockFile', 'BlockOrder', 'BlockPool', 'BlockShape', 'DType', 'KVCache', 'LoadStream', 'Offer', 'Region', 'SaveStream', 'StreamState', 'StreamStats', 'TrafficClass', 'Transfer', 'TransferState', 'TransferStats', 'block_checksums', 'block_hashes', 'check_timeout', 'convert_blocks', 'copy_blocks', 'copy_limit_gbytes_per_s', 'cuda_status', 'decode_metadata', 'decode_stream_message', 'default_copy_threads', 'encode_stream_message', 'hash_ids', 'log_dropped', 'pack_blocks', 'parse_order', 'peer_error_settings', 'runs', 'set_log_level', 'take_log', 'tcp_settings', 'ucx_built_version', 'ucx_library', 'ucx_resources', 'ucx_version', 'unpack_blocks', 'xxh3', 'xxh64']
 class BlockPool:
     def __init__(self, num_blocks: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...
@@ -667,6 +667,8 @@ def runs(ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex
 def set_log_level(level: typing.SupportsInt | typing.SupportsIndex) -> None:
     ...
 def take_log(max_records: typing.SupportsInt | typing.SupportsIndex = 1000) -> list:
+    ...
+def tcp_settings() -> list[tuple[str, str]]:
     ...
 def ucx_built_version() -> str:
     ...

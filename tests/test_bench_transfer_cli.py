@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 import kvmove
+from kvmove import _C
 from kvmove.bench import engine_caches, perftest
 from kvmove.bench.against_report import NixlRoundTrip, NixlRow, NixlRun
 from kvmove.bench.mooncake_report import MooncakeRow, MooncakeRun
@@ -819,6 +820,23 @@ def test_perftest_bandwidth_and_latency_run() -> None:
     lat = perftest.put_latency(8, iterations=200, transports="tcp")
     assert lat.available, lat.reason
     assert lat.latency_us > 0
+
+
+def test_baselines_run_with_the_agents_ucx_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ucx_perftest (and NIXL's UCX) get the UCX settings every agent adds for tcp, and PEER
+    mode's with -e, as environment variables; one the user set wins, as it does in an agent."""
+    monkeypatch.delenv("UCX_TCP_TX_SEG_SIZE", raising=False)
+    monkeypatch.delenv("UCX_RNDV_THRESH", raising=False)
+    tcp = {f"UCX_{key}": value for key, value in _C.tcp_settings()}
+    assert {"UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"} <= set(tcp)
+    assert perftest.agent_ucx_env(peer_errors=False) == tcp
+    env = perftest.environment("ucx_perftest", "tcp", error_handling=True)
+    assert env["UCX_TCP_TX_SEG_SIZE"] == tcp["UCX_TCP_TX_SEG_SIZE"]
+    assert env["UCX_RNDV_THRESH"] == "inf"
+    assert "UCX_RNDV_THRESH" not in perftest.environment("ucx_perftest", "tcp", False)
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "64K")
+    assert "UCX_TCP_TX_SEG_SIZE" not in perftest.agent_ucx_env(peer_errors=True)
+    assert perftest.environment("ucx_perftest", "tcp", True)["UCX_TCP_TX_SEG_SIZE"] == "64K"
 
 
 def test_perftest_unavailable_says_why() -> None:

@@ -60,12 +60,16 @@ using RkeyPtr = std::unique_ptr<std::remove_pointer_t<ucp_rkey_h>, RkeyDeleter>;
 // net_devices: UCX_NET_DEVICES syntax ("lo", "eth0,mlx5_0:1"), empty = every device (UCX's
 // tcp transport then listens on every interface).
 // peer_errors: endpoints will use UCP_ERR_HANDLING_MODE_PEER; the context then also gets
-// peer_error_settings(), so that on one host that mode keeps shared memory and cma.
+// peer_error_settings(), so that on one host that mode keeps shared memory and cma. Every context
+// gets tcp_settings().
 ContextPtr make_context(const std::string& transports, double keepalive_seconds,
                         const std::string& net_devices, bool peer_errors);
 // The UCX settings (key without "UCX_", value) kvmove adds for PEER error mode; a UCX_<key>
 // in the environment overrides its entry.
 std::vector<std::pair<std::string, std::string>> peer_error_settings();
+// The UCX settings (key without "UCX_", value) kvmove adds to every context for its tcp
+// transport; a UCX_<key> in the environment overrides its entry.
+std::vector<std::pair<std::string, std::string>> tcp_settings();
 // A worker whose calls the caller serializes (UCS_THREAD_MODE_SERIALIZED).
 WorkerPtr make_worker(ucp_context_h context);
 std::vector<uint8_t> worker_address(ucp_worker_h worker);

@@ -4,10 +4,11 @@ The libucx wheel ships ``bin/ucx_perftest`` next to ``lib/``. We run it the way 
 does for two processes: a server (``ucx_perftest -p PORT``) and a client
 (``ucx_perftest 127.0.0.1 -p PORT -t TEST ...``) on loopback (or, between two machines, the
 server on the far one: ``Server``, ``kvmove.bench.remote``), both with the caller's
-``UCX_TLS`` and, when the kvmove agents detect peer failure, with ``-e`` (endpoints with error
-handling) and the UCX settings kvmove's agents add in that mode (``peer_mode_ucx_env``),
-because that mode changes which transports UCX may use: a baseline on other transports than
-kvmove's would compare two different links.
+``UCX_TLS``, the UCX settings every kvmove agent adds for tcp (``agent_ucx_env``: a get over
+tcp is 4-6x faster with them, and a baseline without them would flatter kvmove's reads) and,
+when the kvmove agents detect peer failure, with ``-e`` (endpoints with error handling) and
+the UCX settings kvmove's agents add in that mode, because that mode changes which transports
+UCX may use: a baseline on other transports than kvmove's would compare two different links.
 
 Units: ``ucx_perftest`` reports bandwidth in MB/s with MB = 2**20 bytes (``UCS_MBYTE``);
 we convert to GB/s with GB = 1e9 bytes, like the rest of kvmove. Its ``ucp_put_lat`` is a
@@ -38,12 +39,14 @@ __all__ = ["BANDWIDTH_TESTS", "LocalServer", "PerftestResult", "Server", "bandwi
 BANDWIDTH_TESTS = ("ucp_put_bw", "ucp_get")
 
 
-def peer_mode_ucx_env() -> dict[str, str]:
-    """The UCX settings an agent with ``error_mode="peer"`` adds to its UCX configuration, as
-    environment variables (``{"UCX_RNDV_THRESH": "inf", ...}``), less those the environment
-    sets already (they win): so a tool such as ``ucx_perftest -e`` runs with the same
-    transports as the agents. Why each: ``peer_error_settings`` in csrc/transport/ucx.cpp."""
-    settings = {f"UCX_{key}": value for key, value in _C.peer_error_settings()}
+def agent_ucx_env(peer_errors: bool) -> dict[str, str]:
+    """The UCX settings a kvmove agent adds to its UCX configuration (its tcp settings, and
+    with ``error_mode="peer"`` that mode's), as environment variables (``{"UCX_RNDV_THRESH":
+    "inf", ...}``), less those the environment sets already (they win): so that a tool such as
+    ``ucx_perftest`` (``-e``), or another library's UCX, runs as the agents' UCX does. Why
+    each: ``tcp_settings`` and ``peer_error_settings`` in csrc/transport/ucx.cpp."""
+    pairs = [*_C.tcp_settings(), *(_C.peer_error_settings() if peer_errors else [])]
+    settings = {f"UCX_{key}": value for key, value in pairs}
     return {name: value for name, value in settings.items() if name not in os.environ}
 
 _MIB = 1 << 20
@@ -169,10 +172,10 @@ def _median_latency(values: dict[str, float]) -> float:
 def environment(binary: str, transports: str | None, error_handling: bool) -> dict[str, str]:
     """The caller's environment, the wheel's ``lib/`` first on ``LD_LIBRARY_PATH``,
     ``UCX_TLS`` set to ``transports`` (removed for ``None``, so UCX chooses as kvmove's agents
-    do when given none), and with ``error_handling`` the agents' PEER-mode UCX settings."""
+    do when given none), and the agents' own UCX settings (with ``error_handling``, PEER
+    mode's too)."""
     env = dict(os.environ)
-    if error_handling:
-        env.update(peer_mode_ucx_env())
+    env.update(agent_ucx_env(error_handling))
     lib = os.path.join(os.path.dirname(os.path.dirname(binary)), "lib")
     if os.path.isdir(lib):
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
