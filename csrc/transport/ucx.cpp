@@ -78,10 +78,10 @@ std::vector<std::pair<std::string, std::string>> peer_error_settings() {
 std::vector<std::pair<std::string, std::string>> tcp_settings() {
     // UCX's tcp transport has no get: UCX (1.22) serves a get over tcp as an active message
     // whose reply the peer sends back in bcopy segments of TX_SEG_SIZE, 8 KiB by default, each
-    // a copy and a send of its own. Reads over tcp ran at a quarter of writes (ucx_perftest,
-    // loopback, 4 MiB: ucp_get 1.07-1.12 GB/s, ucp_put_bw 5.1-5.4). With 512 KiB segments
-    // (and a receive buffer that holds two) ucp_get ran at 6.5 GB/s in the same session, puts
-    // unchanged (5.3), one-way latency of a 64-byte message unchanged (7.1 us); 64 KiB gets
+    // a copy and a send of its own. Reads over tcp ran at a fifth of writes (ucx_perftest,
+    // loopback, 4 MiB: ucp_get 1.12-1.18 GB/s, ucp_put_bw 5.35-5.61). With 512 KiB segments
+    // (and a receive buffer that holds two) ucp_get ran at 6.8 GB/s in the same session, puts
+    // unchanged (5.55), one-way latency of a 64-byte message unchanged (7.1 us); 64 KiB gets
     // (one outstanding) gain nothing, being a round trip each. A segment is allocated only
     // while a message is in flight, so idle endpoints cost no more.
     return {{"TCP_TX_SEG_SIZE", "512K"}, {"TCP_RX_SEG_SIZE", "1M"}};
