@@ -460,9 +460,11 @@ def test_metrics_count_latencies_queues_and_kv_bytes(servers: ServerPool) -> Non
 
 def test_the_kv_handoff_timeline_is_ordered_and_measured(servers: ServerPool) -> None:
     """Each request's hand-off in ``kvmove_kv_handoff_stage_seconds`` (every moment after the
-    prefill's last layer: non-negative, in causal order: the decode got the last layer after
-    its bytes landed, saw the KV in after that and after the first token was sampled, stepped
-    after) and ``kvmove_kv_handoff_seconds`` (to ``learned``), a share of each TTFT."""
+    prefill's last layer: non-negative, in causal order: the decode saw the KV in after the
+    prefill's last layer message went out (``sent``: its send's completion, which the decode
+    may see first: ``landed`` and ``sent`` come in either order, 75 and 95 us in one CI run),
+    after that message arrived and after the first token was sampled, and stepped after) and
+    ``kvmove_kv_handoff_seconds`` (to ``learned``), a share of each TTFT."""
     server = servers.get("disagg")
     client = server.client()
     before = server.samples()
@@ -481,8 +483,8 @@ def test_the_kv_handoff_timeline_is_ordered_and_measured(servers: ServerPool) ->
     mean = {s: delta("kvmove_kv_handoff_stage_seconds_sum", stage=s) / len(prompts)
             for s in stages}
     assert all(0 <= seconds < 5.0 for seconds in mean.values()), mean
-    assert mean["sent"] <= mean["landed"] <= mean["learned"] <= mean["first_step"], mean
-    assert mean["sampled"] <= mean["learned"], mean
+    assert mean["landed"] <= mean["learned"] <= mean["first_step"], mean
+    assert mean["sent"] <= mean["learned"] and mean["sampled"] <= mean["learned"], mean
     assert delta("kvmove_kv_handoff_seconds_count") == len(prompts)
     assert delta("kvmove_kv_handoff_seconds_sum") == pytest.approx(
         mean["learned"] * len(prompts))
