@@ -117,6 +117,12 @@ def test_an_offer_later_than_the_prompt_streams_every_layer_when_it_comes(pair, 
     pair.step_until(lambda: received.finished and sent.finished, "the request decoded")
     assert sent.finish_reason is FinishReason.HANDED_OFF
     assert received.output == reference
+    # its hand-off is timed from the prompt's last layer (waiting for the offer included), on
+    # both sides, as a streamed one's: kvmove-serve's hand-off timeline counts it
+    last_layer = sent.timings.last_layer
+    assert last_layer is not None and received.timings.last_layer == last_layer
+    assert last_layer < sent.timings.kv_final <= sent.timings.kv_sent
+    assert last_layer < received.timings.kv_landed <= received.timings.kv_end
     pair.idle()
 
 

@@ -213,16 +213,19 @@ class EngineWorker:
                 self.store.wait_fetch(_IDLE_WAIT)  # rather than spin while the store reads
             return ended
         self.num_steps += 1
-        streams = self.handoffs.open([s.request for s in batch if s.samples]) \
-            if self.handoffs is not None else []
+        # A prefill worker hands off every request whose prompt ends in this pass: those whose
+        # offer is here stream each layer as it is written, the others (late offers) stream
+        # every layer once their offer comes; either's hand-off starts at its last layer.
+        handing = [s.request for s in batch if s.samples] if self.handoffs is not None else []
+        streams = self.handoffs.open(handing) if self.handoffs is not None else []
         hook = None
-        if streams:
+        if handing:
             last = self.model.config.num_layers - 1
 
             def hook(layer: int) -> None:
                 if layer == last:
                     now = time.monotonic()
-                    for request, _ in streams:
+                    for request in handing:
                         request.timings.last_layer = now
                 for _, stream in streams:
                     try:
