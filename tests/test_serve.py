@@ -38,10 +38,12 @@ import openai
 import pytest
 
 from kvmove.engine.model import MODEL_PRESETS, LlamaForCausalLM
-from kvmove.engine.request import Request, SamplingParams
+from kvmove.engine.request import FinishReason, Request, SamplingParams
+from kvmove.engine.role import Role
 from kvmove.engine.scheduler import SchedulerConfig
 from kvmove.engine.tokenizer import ByteTokenizer
 from kvmove.engine.worker import EngineWorker
+from kvmove.serve.worker_main import _timeline
 
 from helpers.serve import (
     GONE_SECONDS,
@@ -490,6 +492,27 @@ def test_the_kv_handoff_timeline_is_ordered_and_measured(servers: ServerPool) ->
         mean["learned"] * len(prompts))
     assert delta("kvmove_kv_handoff_ttft_ratio_count") == len(prompts)
     assert 0 < delta("kvmove_kv_handoff_ttft_ratio_sum") < len(prompts)
+
+
+def test_each_worker_reports_its_own_sides_moments_of_a_handoff() -> None:
+    """A prefill reports ``sent`` and ``sampled`` of a request it handed off, and nothing of
+    one whose hand-off failed (its first step came before its last layer: a negative stage);
+    a decode its own three; a request with no hand-off (no last layer) nothing."""
+    sent = Request("r", [1, 2, 3])
+    t = sent.timings
+    t.first_step, t.last_layer, t.kv_sent, t.kv_final = 1.0, 2.0, 2.4, 2.5
+    sent.finish(FinishReason.ABORT, "the decode died")
+    assert _timeline(sent, Role.PREFILL) is None
+    sent.finish(FinishReason.HANDED_OFF)
+    assert _timeline(sent, Role.PREFILL) == {"last_layer": 2.0, "sent": 2.4, "sampled": 2.5}
+    received = Request("r", [1, 2, 3])
+    t = received.timings
+    t.last_layer, t.kv_landed, t.kv_end, t.first_step = 2.0, 2.6, 2.7, 2.8
+    received.finish(FinishReason.LENGTH)
+    assert _timeline(received, Role.DECODE) == {"last_layer": 2.0, "landed": 2.6,
+                                                "learned": 2.7, "first_step": 2.8}
+    received.timings.last_layer = None  # the prefill's clock is another host's
+    assert _timeline(received, Role.DECODE) is None
 
 
 def test_a_workers_kvmove_threads_are_not_pinned_to_its_model_cores(

@@ -236,7 +236,7 @@ class WorkerServer:
                             num_stored=request.num_stored, kv_bytes=request.kv_bytes,
                             kv_seconds=request.kv_seconds,
                             kv_exposed_seconds=request.kv_exposed_seconds,
-                            timeline=_timeline(request)))
+                            timeline=_timeline(request, self.args.role)))
 
     def receive(self, frames: list[bytes]) -> None:
         """One message from the router: a command that does not parse gets an ``error``
@@ -325,15 +325,18 @@ class WorkerServer:
         self.context.term()
 
 
-def _timeline(request: Request) -> Timeline | None:
+def _timeline(request: Request, role: str) -> Timeline | None:
     """This side's moments of the request's KV hand-off (``HANDOFF_STAGES``) that happened,
     with the prefill's last layer (each side's report stands alone); None for a request that
-    had none (colocated, failed before it)."""
+    had none (colocated, failed before it; on a prefill, one whose hand-off failed: its own
+    moments, such as its first step, come before the last layer)."""
     t = request.timings
     if t.last_layer is None:  # no hand-off, or the prefill's clock is not ours
         return None
     stages: dict[HandoffStage, float | None]
-    if request.finish_reason is FinishReason.HANDED_OFF:
+    if role == Role.PREFILL:
+        if request.finish_reason is not FinishReason.HANDED_OFF:
+            return None
         stages = {"sent": t.kv_sent, "sampled": t.kv_final}
     else:  # decode: the prefill's last layer came with the KV
         stages = {"landed": t.kv_landed, "learned": t.kv_end, "first_step": t.first_step}
