@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -114,7 +115,7 @@ def test_json_reports_verified_rows_and_baselines(bench: Bench) -> None:
     assert data["verified"] is True
     assert {"config", "layout", "kv_bytes", "rows", "baselines", "round_trip", "links",
             "wall_seconds"} <= data.keys()
-    assert data["kv_bytes"] == TINY_BYTES and data["against"] is None
+    assert data["kv_bytes"] == TINY_BYTES and data["against"] == []
     # the default, error mode peer, on one host: shared memory and cma (docs/transfer.md)
     assert "cma/memory" in data["transports_used"]
     assert not [tl for tl in data["transports_used"] if tl.startswith("tcp/")]
@@ -218,8 +219,8 @@ def test_against_nixl_reports_nixl_rows_and_ratios(bench: Bench) -> None:
         pytest.skip(f"NIXL does not import here ({_nixl_missing()}): "
                     "pip install --no-deps nixl-cu13")
     data = _json(bench("transfer", *TINY, "--scatter", "--against", "nixl", "--json"))
-    assert data["verified"] is True and data["config"]["against"] == "nixl"
-    against = data["against"]
+    assert data["verified"] is True and data["config"]["against"] == ["nixl"]
+    (against,) = data["against"]
     assert against["library"] == "nixl" and against["verified"] is True
     assert against["version"].startswith("nixl")
     # both ways of preparing NIXL's descriptor lists (NIXL 1.5.1 has strided lists)
@@ -256,7 +257,7 @@ def test_against_nixl_without_nixl_exits_2_saying_how_to_get_it(tmp_path: Path) 
 
 
 def test_text_puts_kvmove_and_nixl_side_by_side() -> None:
-    config = BenchConfig(model="llama-3.2-1b", num_tokens=64, against="nixl")
+    config = BenchConfig(model="llama-3.2-1b", num_tokens=64, against=("nixl",))
     kvmove_row = TransferRow("write", "allocator", 16, 2_000_000, 4, 16, 0.0001, 0.001,
                              0.0009, (0.001,), 0.002, 0)
     nixl_row = NixlRow("write", "allocator", 16, 2_000_000, 4, 16, 0.0001, 0.0001, 0.004,
@@ -287,9 +288,11 @@ def test_text_puts_kvmove_and_nixl_side_by_side() -> None:
     assert both.to_dict()["rows"][0]["nixl_ratio"] == pytest.approx(2.0)
 
 
-def test_config_rejects_unknown_against() -> None:
-    with pytest.raises(ConfigError, match="against must be one of .*'lmcache'"):
-        BenchConfig(against="lmcache")
+@pytest.mark.parametrize("against", [("lmcache",), "nixl", ("nixl", "nixl")])
+def test_config_rejects_unknown_against(against: Any) -> None:
+    with pytest.raises(ConfigError, match="against must be a tuple of distinct names of "
+                       "\\('nixl', 'mooncake'\\), got"):
+        BenchConfig(against=against)
 
 
 # --- --against mooncake ---------------------------------------------------------------------
@@ -312,8 +315,8 @@ def test_against_mooncake_reports_mooncake_rows_and_ratios(bench: Bench) -> None
                     "apt-get install libibverbs1 && pip install --no-deps "
                     "mooncake-transfer-engine-non-cuda")
     data = _json(bench("transfer", *TINY, "--scatter", "--against", "mooncake", "--json"))
-    assert data["verified"] is True and data["config"]["against"] == "mooncake"
-    against = data["against"]
+    assert data["verified"] is True and data["config"]["against"] == ["mooncake"]
+    (against,) = data["against"]
     assert against["library"] == "mooncake" and against["verified"] is True
     assert against["version"].startswith("mooncake")
     assert "batch_transfer_sync" in against["method"]
@@ -366,7 +369,7 @@ def test_against_mooncake_without_mooncake_exits_2_saying_how_to_get_it(
 
 
 def test_text_puts_kvmove_and_mooncake_side_by_side() -> None:
-    config = BenchConfig(model="llama-3.2-1b", num_tokens=64, against="mooncake")
+    config = BenchConfig(model="llama-3.2-1b", num_tokens=64, against=("mooncake",))
     kvmove_row = TransferRow("write", "allocator", 16, 2_000_000, 4, 16, 0.0001, 0.001,
                              0.0009, (0.001,), 0.002, 0)
     mooncake_row = MooncakeRow("write", "allocator", 16, 2_000_000, 4, 16, 0.0001, 0.004,
@@ -389,12 +392,29 @@ def test_text_puts_kvmove_and_mooncake_side_by_side() -> None:
     data = report.to_dict()
     assert data["rows"][0]["mooncake_ratio"] == pytest.approx(4.0)
     assert data["rows"][0]["nixl_ratio"] is None
-    assert data["against"]["library"] == "mooncake"
-    assert data["against"]["round_trip_time_ratio"] == pytest.approx(0.25)
+    assert [run["library"] for run in data["against"]] == ["mooncake"]
+    assert data["against"][0]["round_trip_time_ratio"] == pytest.approx(0.25)
     # a row Mooncake got wrong makes the whole report unverified
     bad = dataclasses.replace(report, mooncake=dataclasses.replace(
         run, rows=(dataclasses.replace(mooncake_row, mismatched_blocks=3),)))
     assert bad.verified is False and "NO" in format_transfer(bad).split()
+
+
+def test_against_both_libraries_in_one_run(bench: Bench) -> None:
+    """``--against nixl --against mooncake``: one report, kvmove's rows against both."""
+    missing = _nixl_missing() or _mooncake_missing()
+    if missing:
+        pytest.skip(f"NIXL or Mooncake does not import here ({missing})")
+    result = bench("transfer", *TINY, "--against", "nixl", "--against", "mooncake")
+    assert result.returncode == 0, result.stderr
+    assert "against nixl" in result.stdout and "against mooncake" in result.stdout
+    data = _json(bench("transfer", *TINY, "--against", "mooncake", "--against", "nixl",
+                       "--json"))
+    assert data["verified"] is True and data["config"]["against"] == ["mooncake", "nixl"]
+    assert [run["library"] for run in data["against"]] == ["nixl", "mooncake"]
+    assert all(run["verified"] for run in data["against"])
+    for row in data["rows"]:
+        assert row["nixl_ratio"] > 0 and row["mooncake_ratio"] > 0
 
 
 # --- stream ---------------------------------------------------------------------------------

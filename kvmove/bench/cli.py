@@ -4,8 +4,8 @@ Subcommands:
     transfer  (default) moves one prompt's KV cache between two processes with kvmove, verifies
               every byte, and compares the bandwidth with memcpy and ``ucx_perftest`` measured
               in the same run, then with the article's links; ``--against nixl`` (or
-              ``mooncake``) runs the same workload through NIXL (or Mooncake's transfer
-              engine) too and prints kvmove / it per row.
+              ``mooncake``, or both: the option twice) runs the same workload through NIXL
+              (or Mooncake's transfer engine) too and prints kvmove / it per row.
     stream    how much of that hand-off layer-wise streaming hides behind a (simulated) prefill:
               bulk vs streamed, between two processes, every byte verified.
     scale     what concurrent leases (1 ... 1,000) and peers (1 ... 32) cost one agent: time

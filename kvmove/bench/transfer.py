@@ -42,9 +42,10 @@ best of ``iters`` runs like the rows: ``ucp_put_bw`` for WRITE rows and ``ucp_ge
 rows, at the row's mean bytes per posted op; ``ucp_put_lat`` at 8 B and at the round trip's
 size for the one-block write + notification round trip.
 
-With ``--against nixl`` (``against``) or ``--against mooncake`` (``against_mooncake``) the
-native rows' workload and the round trip run through that library as well, after kvmove's
-rows and before the baselines, and each row shows kvmove / it.
+With ``--against nixl`` (``against``), ``--against mooncake`` (``against_mooncake``) or both
+(``--against nixl --against mooncake``) the native rows' workload and the round trip run
+through each library as well, one after the other, after kvmove's rows and before the
+baselines, and each row shows kvmove / it.
 """
 
 from __future__ import annotations
@@ -221,7 +222,7 @@ def count_steps(config: BenchConfig) -> int:
     num_rows = 2 * len(config.block_sizes) * len(config.placements) * len(config.caches)
     # rows, ucx_perftest bandwidth per row and extra size, round trip, 2 latencies, memcpy
     steps = 2 * num_rows + len(config.perftest_sizes) + 1 + 2 + len(config.block_sizes)
-    return steps + (_DRIVERS[config.against].count_steps(config) if config.against else 0)
+    return steps + sum(_DRIVERS[name].count_steps(config) for name in config.against)
 
 
 def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
@@ -245,8 +246,8 @@ def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
     try:
         rows, round_trip, registrations, (path, transports) = _measure_transfers(
             config, remote or Peer(config.timeout), progress)
-        nixl = against.run(config, progress) if config.against == "nixl" else None
-        mooncake = against_mooncake.run(config, progress) if config.against == "mooncake" \
+        nixl = against.run(config, progress) if "nixl" in config.against else None
+        mooncake = against_mooncake.run(config, progress) if "mooncake" in config.against \
             else None
         # On one host the peer is gone by now, so nothing competes with the baselines; with
         # another machine, its side runs ucx_perftest's server over the same link.
@@ -374,10 +375,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                      help="also move the same KV between two caches of this engine's own "
                      f"tensors, wrapped with KVCache.wrap, beside the native rows: one of "
                      f"{', '.join(WRAP_FORMATS)} (docs/engines.md)")
-    sub.add_argument("--against", choices=list(AGAINST), default=None,
+    sub.add_argument("--against", choices=list(AGAINST), action="append", default=[],
                      help="also run the same workload (native rows, round trip) through this "
-                     "library in the same run and print kvmove / it per row; nixl needs "
-                     f"'{NIXL_INSTALL}', mooncake '{MOONCAKE_INSTALL}'")
+                     "library in the same run and print kvmove / it per row (give it twice "
+                     f"for both); nixl needs '{NIXL_INSTALL}', mooncake '{MOONCAKE_INSTALL}'")
     two = sub.add_argument_group(
         "between two machines", "one side --listen, the other --connect with the options of the "
         "run; both need the same deployment key (--key-file, or KVMOVE_KEY_FILE / KVMOVE_KEY)")
@@ -412,8 +413,8 @@ def run_command(args: argparse.Namespace) -> int:
     config = _transfer_config(args)
     if args.plot:
         check_plot(args.plot)
-    if config.against:
-        _DRIVERS[config.against].probe(config)
+    for name in config.against:  # each library missing: exit 2 naming its install, at once
+        _DRIVERS[name].probe(config)
     with bar(args, count_steps(config)) as progress:
         report = run(config, progress)
     if args.plot:
@@ -441,7 +442,7 @@ def _transfer_config(args: argparse.Namespace) -> BenchConfig:
         placements=("allocator", "scatter") if args.scatter else ("allocator",),
         transports=args.transports, error_mode=args.error_mode, same_host=args.same_host,
         iters=args.iters, perftest_sizes=SWEEP_MESSAGE_SIZES if args.sweep else (),
-        timeout=args.timeout, wrap=args.wrap, against=args.against, connect=args.connect,
-        host=args.host, memory=args.memory)
+        timeout=args.timeout, wrap=args.wrap, against=tuple(dict.fromkeys(args.against)),
+        connect=args.connect, host=args.host, memory=args.memory)
 
 

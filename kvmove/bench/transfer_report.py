@@ -62,9 +62,9 @@ class BenchConfig:
         wrap: also move the same KV between two caches of this engine's tensors
             (``engine_caches.WRAP_FORMATS``) wrapped with ``KVCache.wrap``, after the native
             rows; "mla" moves it as one latent of the same bytes per token, native rows too.
-        against: also run the native rows' workload and the round trip through this library
-            (``against_report.AGAINST``: "nixl" or "mooncake") in the same run, compared
-            row by row.
+        against: also run the native rows' workload and the round trip through these
+            libraries (some of ``against_report.AGAINST``: "nixl", "mooncake"), each in the
+            same run after kvmove's rows, compared row by row.
         connect: ``"HOST:PORT"`` of a ``kvmove-bench transfer --listen`` on another machine,
             which then hosts the far side (``kvmove.bench.remote``); None: a process here.
         host: the address this side's agents serve on (None: loopback, or with ``connect``
@@ -87,7 +87,7 @@ class BenchConfig:
     timeout: float = 60.0
     seed: int = 0
     wrap: str | None = None
-    against: str | None = None
+    against: tuple[str, ...] = ()
     connect: str | None = None
     host: str | None = None
     memory: str = "host"
@@ -117,17 +117,18 @@ class BenchConfig:
             raise ConfigError(f"timeout must be positive and finite, got {self.timeout!r}")
         if self.wrap is not None and self.wrap not in WRAP_FORMATS:
             raise ConfigError(f"wrap must be one of {WRAP_FORMATS} or None, got {self.wrap!r}")
-        if self.against is not None and self.against not in AGAINST:
-            raise ConfigError(f"against must be one of {AGAINST} or None, got "
+        if (not isinstance(self.against, tuple) or set(self.against) - set(AGAINST)
+                or len(set(self.against)) != len(self.against)):
+            raise ConfigError(f"against must be a tuple of distinct names of {AGAINST}, got "
                               f"{self.against!r}")
         if self.memory not in MEMORIES:
             raise ConfigError(f"memory must be one of {MEMORIES}, got {self.memory!r}")
-        if self.memory == "cuda" and (self.wrap is not None or self.against is not None):
+        if self.memory == "cuda" and (self.wrap is not None or self.against):
             raise ConfigError("memory 'cuda' moves native caches only: not with wrap or "
                               "against")
         if self.connect is not None:
             parse_address(self.connect, "connect")
-            if self.against is not None:
+            if self.against:
                 raise ConfigError(f"against={self.against!r} runs both sides on this host; "
                                   "it cannot run with connect")
 
@@ -227,7 +228,7 @@ class BenchReport:
     perftest_lat: tuple[perftest.PerftestResult, ...]
     wall_seconds: float
     registrations: tuple[Registration, ...] = ()
-    nixl: NixlRun | None = None  # with against="nixl"
+    nixl: NixlRun | None = None  # with "nixl" in against
     # (transport, device) pairs UCX chose between the two agents (Agent.peer_transports).
     transports_used: tuple[tuple[str, str], ...] = ()
     # How the bytes went (Agent.peer_path): "mapped" (one copy into the peer's mapped memory;
@@ -239,7 +240,7 @@ class BenchReport:
     # process (_C.copy_limit_gbytes_per_s): the most a same-host transfer can reach here.
     copy_limit: dict[int, float] = field(default_factory=dict)
     copy_threads: int = 0
-    mooncake: MooncakeRun | None = None  # with against="mooncake"
+    mooncake: MooncakeRun | None = None  # with "mooncake" in against
 
     @property
     def verified(self) -> bool:
@@ -327,10 +328,10 @@ class BenchReport:
             return {"nixl_gbytes_per_s": None, "nixl_ratio": None}
         return {"nixl_gbytes_per_s": nixl.gbytes_per_s, "nixl_ratio": run.ratio(row)}
 
-    def _against(self) -> dict[str, Any] | None:
-        """The other library's run (``against``), or None."""
-        run = self.nixl or self.mooncake
-        return None if run is None else run.to_dict(self.round_trip)
+    def _against(self) -> list[dict[str, Any]]:
+        """The other libraries' runs (``against``), in the order they ran."""
+        return [run.to_dict(self.round_trip) for run in (self.nixl, self.mooncake)
+                if run is not None]
 
     def _vs_mooncake(self, row: TransferRow) -> dict[str, Any]:
         """Mooncake's GB/s for ``row``'s workload and kvmove / Mooncake (None without one)."""

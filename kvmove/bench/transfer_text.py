@@ -96,7 +96,7 @@ def _transfer_table(report: BenchReport) -> list[str]:
 
 
 def _nixl_lines(report: BenchReport) -> list[str]:
-    """With ``against="nixl"``: the comparison and a blank line; else nothing."""
+    """With "nixl" in ``against``: the comparison and a blank line; else nothing."""
     if report.nixl is None:
         return []
     config = report.config
@@ -106,7 +106,7 @@ def _nixl_lines(report: BenchReport) -> list[str]:
 
 
 def _mooncake_lines(report: BenchReport) -> list[str]:
-    """With ``against="mooncake"``: the comparison and a blank line; else nothing."""
+    """With "mooncake" in ``against``: the comparison and a blank line; else nothing."""
     if report.mooncake is None:
         return []
     config = report.config
