@@ -216,8 +216,11 @@ class EngineWorker:
         # A prefill worker hands off every request whose prompt ends in this pass: those whose
         # offer is here stream each layer as it is written, the others (late offers) stream
         # every layer once their offer comes; either's hand-off starts at its last layer.
-        handing = [s.request for s in batch if s.samples] if self.handoffs is not None else []
-        streams = self.handoffs.open(handing) if self.handoffs is not None else []
+        handing: list[Request] = []
+        streams: list[tuple[Request, SaveStream]] = []
+        if self.handoffs is not None:
+            handing = [s.request for s in batch if s.samples]
+            streams = self.handoffs.open(handing)
         hook = None
         if handing:
             last = self.model.config.num_layers - 1
