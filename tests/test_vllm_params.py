@@ -107,7 +107,12 @@ def test_a_pull_prefill_request_is_exactly_vllms_toy_proxys() -> None:
 def test_the_prefill_address_needs_engine_host_and_port() -> None:
     address = KVTransferParams.from_request(ANSWER).prefill_address()
     assert address is not None and address.to_dict() == {
-        "remote_engine_id": "engine-0", "remote_host": "10.0.0.7", "remote_port": 5600}
+        "remote_engine_id": "engine-0", "remote_host": "10.0.0.7", "remote_port": 5600,
+        "tp_size": 1}
+    # the TP travels along when the prefill said it, and is not needed
+    no_tp = {k: v for k, v in ANSWER.items() if k != "tp_size"}
+    address = KVTransferParams.from_request(no_tp).prefill_address()
+    assert address is not None and address.tp_size is None
     for field in ("remote_engine_id", "remote_host", "remote_port"):
         partial = {k: v for k, v in ANSWER.items() if k != field}
         assert KVTransferParams.from_request(partial).prefill_address() is None

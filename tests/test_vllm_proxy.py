@@ -105,8 +105,9 @@ def test_push_falls_back_to_pull_then_sends_decode_first(fleet, push):
         _prefill_checks(p.body, chat=False)
         tid = d.body["kv_transfer_params"]["kvmove_transfer_id"]
         assert len(tid) == 32
+        # its address, and its TP (a decode of another TP needs it to pick its sources)
         address = {k: fleet.servers["p1"].kv_params()[k]
-                   for k in ("remote_engine_id", "remote_host", "remote_port")}
+                   for k in ("remote_engine_id", "remote_host", "remote_port", "tp_size")}
         assert d.body["kv_transfer_params"] == {
             "do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push",
             "kvmove_transfer_id": tid, **address}

@@ -192,11 +192,13 @@ class KVTransferParams:
 
     def prefill_address(self) -> KVTransferParams | None:
         """The prefill instance's kvmove address alone (engine id, host, port), when all
-        three are there: what a proxy keeps to push to that instance later."""
+        three are there, with its ``tp_size`` when it said it: what a proxy keeps to push to
+        that instance later. (The TP spares a decode of another TP a connection to the
+        prefill's rank 0 only to ask how many heads each rank holds.)"""
         values = {name: getattr(self, name) for name in _ADDRESS}
         if any(v is None for v in values.values()):
             return None
-        return KVTransferParams(**values)
+        return KVTransferParams(**values, tp_size=self.tp_size)
 
 
 def mark_handed_off(params: dict[str, Any]) -> None:
