@@ -21,12 +21,17 @@ Environment switches:
 from __future__ import annotations
 
 import glob
+import hashlib
+import json
 import os
 import shutil
 import subprocess
+import sys
 
+import pybind11
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
+from setuptools.modified import newer_group
 
 CUDA_ENABLED = os.environ.get("KVMOVE_CUDA", "0") == "1"
 SANITIZE = os.environ.get("KVMOVE_SANITIZE", "").strip()
@@ -80,21 +85,80 @@ def nvcc_arch_flags() -> list[str]:
     return flags + [f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
 
 
+# Every file the module is compiled from, headers included (setuptools compares only the
+# sources with the module unless told the rest).
+DEPENDS = sorted(f for pattern in ("csrc/**/*", "bindings/**/*", "third_party/**/*")
+                 for f in glob.glob(pattern, recursive=True) if os.path.isfile(f))
+
+
 class BuildExt(build_ext):
     """pybind11's build_ext, plus nvcc for ``.cu`` sources when KVMOVE_CUDA=1.
 
-    Always rebuilds: setuptools skips an extension whose objects are newer than its sources,
-    which would silently keep a CPU-only build after switching KVMOVE_CUDA on.
+    An up-to-date module is kept: none of ``DEPENDS`` is newer than it, and it was built with
+    the same settings (``_settings``: flags, switches, compiler, UCX, pybind11, Python), as a
+    stamp in the build folder records. Anything else rebuilds: setuptools alone would keep a
+    CPU-only build after switching KVMOVE_CUDA on. (CI's two installs of one checkout, the
+    README's, compile once.)
     """
 
-    def finalize_options(self):
-        super().finalize_options()
-        self.force = True
-
     def build_extension(self, ext):
+        stamp = self._stamp_path(ext)
+        settings = self._settings(ext)
+        try:
+            with open(stamp) as f:
+                same = f.read() == settings
+        except OSError:
+            same = False
+        target = self.get_ext_fullpath(ext.name)
+        if same and not self.force and not newer_group(ext.sources + ext.depends, target):
+            self.announce(f"kvmove: {target} is up to date (sources and settings)", level=3)
+            return
+        self.force = True
+        if os.path.exists(stamp):
+            os.remove(stamp)   # an interrupted build is not trusted next time
         if CUDA_ENABLED:
             ext.extra_objects += self._compile_cuda(ext)
         super().build_extension(ext)
+        os.makedirs(os.path.dirname(stamp), exist_ok=True)
+        with open(stamp, "w") as f:
+            f.write(settings)
+
+    def _stamp_path(self, ext) -> str:
+        """The stamp of the module this build writes (one per output path: an in-place build
+        and a wheel's share the build folder)."""
+        target = os.path.abspath(self.get_ext_fullpath(ext.name))
+        digest = hashlib.sha256(target.encode()).hexdigest()[:16]
+        return os.path.join(self.build_temp, f"kvmove-build-{digest}.json")
+
+    def _settings(self, ext) -> str:
+        """What the module is built with, as text. pip builds with pybind11 and libucx
+        installed in a fresh folder each time: paths under them count by version."""
+        packages = [(os.path.dirname(pybind11.__file__), f"pybind11 {pybind11.__version__}")]
+        if "UCX_HOME" not in os.environ:
+            import libucx
+
+            packages.append((os.path.dirname(libucx.__file__), f"libucx {libucx.__version__}"))
+
+        def portable(paths: list[str]) -> list[str]:
+            out = []
+            for path in paths:
+                for root, name in packages:
+                    if path == root or path.startswith(root + os.sep):
+                        path = name + path[len(root):]
+                out.append(path)
+            return out
+
+        return json.dumps({
+            "compiler": list(getattr(self.compiler, "compiler_so", []) or []),
+            "linker": list(getattr(self.compiler, "linker_so", []) or []),
+            "compile_args": ext.extra_compile_args, "link_args": ext.extra_link_args,
+            "macros": ext.define_macros, "libraries": ext.libraries,
+            "library_dirs": portable(ext.library_dirs), "rpaths": ext.runtime_library_dirs,
+            "include_dirs": portable(ext.include_dirs), "python": sys.version,
+            "cuda": [cuda_home(), nvcc_arch_flags()] if CUDA_ENABLED else None,
+            "env": {k: os.environ.get(k) for k in ("CC", "CXX", "CFLAGS", "CXXFLAGS",
+                                                   "CPPFLAGS", "LDFLAGS")},
+        }, sort_keys=True)
 
     def _compile_cuda(self, ext) -> list[str]:
         nvcc = os.path.join(cuda_home(), "bin", "nvcc")
@@ -141,6 +205,7 @@ def extension() -> Pybind11Extension:
         runtime_library_dirs=rpaths,
         define_macros=macros,
         cxx_std=17,
+        depends=DEPENDS,
         extra_compile_args=compile_args,
         extra_link_args=link_args,
     )
