@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -68,10 +69,30 @@ def write_checkpoint(path: str, shape: str = "tiny", seed: int = 0) -> str:
     return path
 
 
+_PORTS = random.Random()   # its own: pytest-randomly reseeds the global one for every test
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below the kernel's ephemeral range, with the 8 after it below it too
+    (a TP prefill's ranks listen on ``kv_port + rank``). A port the kernel hands out (bind to
+    port 0) can be handed out again before the vLLM it is for binds it, a minute later: the
+    other servers starting beside it bind ephemeral ports of their own, and a prefill's agent
+    found its ``kv_port`` taken ("Address already in use")."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    low = min(20000, ephemeral // 2)
+    for _ in range(200):
+        port = _PORTS.randrange(low, ephemeral - 8)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port in [{low}, {ephemeral - 8})")
 
 
 def kv_transfer_config(role: str, *, kv_port: int, **extra: Any) -> str:
