@@ -43,7 +43,7 @@ from kvmove.bootstrap import (
 )
 from kvmove.errors import ConfigError, MetadataError, PeerError
 
-from helpers.checks import WORKDIR, listening_addresses, names
+from helpers.checks import WORKDIR, listening_addresses, names, wait_while_rising
 from helpers.kv import make_cache, raw_view
 from helpers.serve import wait_until
 from helpers.wire import build, parse
@@ -503,6 +503,7 @@ def test_issue_28_a_keyless_flood_leaves_keyed_peers_a_way_in(pair):
     9 of 10 keyed connects get in, and the flood is counted and all but a trickle of it left
     unanswered."""
     address = pair.a.listen()
+    began = time.monotonic()  # refusals are budgeted per second of flood, drain included
     flood = subprocess.Popen([sys.executable, str(FLOOD), *map(str, address)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -527,9 +528,11 @@ def test_issue_28_a_keyless_flood_leaves_keyed_peers_a_way_in(pair):
         assert select.select([flood.stdout], [], [], WAIT)[0], "the flood did not stop"
         sent = int(flood.stdout.readline())
         assert joined >= 9, f"{joined} of 10 keyed connects got in during the flood"
-        # the flood holds its connections open until the listener has read all it sent
-        wait_until(lambda: pair.a.listener_stats().unsigned >= sent, WAIT,
-                   lambda: f"{sent} sent, {pair.a.listener_stats()}")
+        # The flood holds its connections open until the listener has read all it sent:
+        # tens of thousands of messages may still sit in the sockets' buffers, which a
+        # listener under the sanitizers takes more than WAIT to read. It must keep reading.
+        wait_while_rising(lambda: pair.a.listener_stats().unsigned, sent, WAIT)
+        drained = time.monotonic()
         flood.communicate(timeout=WAIT)
     finally:
         if flood.poll() is None:
@@ -539,7 +542,8 @@ def test_issue_28_a_keyless_flood_leaves_keyed_peers_a_way_in(pair):
     print(f"flood: {sent} messages sent; 10 connects took {seconds:.1f} s; {stats}")
     assert stats.unsigned == sent, (sent, stats)
     answered = stats.unsigned - stats.dropped
-    assert answered <= MAX_REFUSALS_PER_SECOND * (seconds + WAIT + 1), (seconds, stats)
+    # a bucket of one second's refusals, refilled at that rate while the flood lasted
+    assert answered <= MAX_REFUSALS_PER_SECOND * (drained - began + 1), (drained - began, stats)
     assert (stats.joined, stats.busy, stats.refused) == (joined, 0, 0), stats
     pair.assert_serving()
 

@@ -104,3 +104,20 @@ def wait_until(predicate: Callable[[], bool], seconds: float,
             message = what if isinstance(what, str) else what()
             raise AssertionError(f"not after {seconds:g} s: {message}")
         time.sleep(POLL_SECONDS)
+
+
+def wait_while_rising(count: Callable[[], int], target: int, stall_seconds: float,
+                      most_seconds: float = 120.0) -> None:
+    """Waits until ``count()`` reaches ``target``; fails once it has not risen for
+    ``stall_seconds`` (or after ``most_seconds`` in all): for a backlog whose size the test
+    does not control, drained at a pace the machine sets."""
+    start = time.monotonic()
+    last, rose = count(), start
+    while last < target:
+        time.sleep(POLL_SECONDS)
+        now, seen = time.monotonic(), count()
+        if seen > last:
+            last, rose = seen, now
+        elif now - rose > stall_seconds or now - start > most_seconds:
+            raise AssertionError(f"{last} of {target} after {now - start:.1f} s, "
+                                 f"none more in the last {now - rose:.1f} s")
