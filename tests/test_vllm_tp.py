@@ -18,6 +18,8 @@ is back to 0 on both sides when idle.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 from test_vllm_connector import BLOCK_SIZE, LOADED, PROMPTS, complete
 
@@ -95,7 +97,17 @@ def test_pd_between_tensor_parallel_sizes_gives_a_plain_vllms_answers(
         expired = [line for line in _kvmove_lines(decode, "failed")
                    if "expired" in line and "no Begin from the sender arrived" in line]
         tolerated = 1 if prefill_tp != decode_tp and len(expired) == 1 else 0
-        assert len(loads) == expected_loads - tolerated, (loads, expired)
+        # Messages over an endpoint with no partner on the receiving side (the core's warning,
+        # printed without "kvmove": a connect retried after a timeout made such pairs, and lost
+        # every message between them; CHANGELOG): none, but beside the tolerated expiry they
+        # are what says where its Begin went.
+        dropped = {server.name: [line for line in server.log_text().splitlines()
+                                 if "no peer's" in line] for server in (prefill, decode)}
+        if tolerated:
+            warnings.warn(f"issue 29: a push lease expired unengaged: {expired}; "
+                          f"dropped as no peer's: {dropped}", stacklevel=1)
+        assert tolerated or not any(dropped.values()), dropped
+        assert len(loads) == expected_loads - tolerated, (loads, expired, dropped)
         assert {mode for _, mode, *_ in loads} == set(modes), loads
         # no load refused or failed (a prefill's late acknowledgement of a Final on the loaded
         # 2-core CI machine is not a wrong pairing: the decode loaded, as counted above)
