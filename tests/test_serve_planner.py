@@ -57,6 +57,9 @@ def test_a_drain_under_load_loses_no_request_and_an_added_worker_serves() -> Non
         name, in_flight = drained.group(1), int(drained.group(2))
         assert in_flight > 0, "the drain found no request to finish: not under load"
         wait_until(lambda: not process_alive(decode_pids[name]), 30.0, f"{name} ending")
+        # its end is seen by the server's monitor a moment later: then /health drops it
+        wait_until(lambda: name not in [w["name"] for w in server.health()["workers"]], 10.0,
+                   lambda: f"{name} retired: {server.health()}")
         wait_until(lambda: [w["name"] for w in server.health()["workers"]
                             if w["role"] == "prefill" and w["ready"]] == ["prefill-0",
                                                                           "prefill-1"],
