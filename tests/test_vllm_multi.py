@@ -22,6 +22,7 @@ from helpers.vllm_servers import (
     free_port,
     kv_transfer_config,
     pd_behind_proxy,
+    plain_answers,
     require_vllm,
     wait_idle,
     write_checkpoint,
@@ -47,15 +48,15 @@ def multi_config() -> str:
 def test_pd_and_offload_through_multiconnector(tmp_path):
     model = write_checkpoint(str(tmp_path / "model"))
     logs = str(tmp_path)
+    prompt = PROMPTS[3]
+    expected = plain_answers(model, [prompt], complete, args=NO_PREFIX_CACHE,
+                             log_dir=logs)[prompt]
     prefill = VLLMServer(model, name="prefill-multi", log_dir=logs, args=NO_PREFIX_CACHE,
                          kv_config=multi_config())
     decode = VLLMServer(model, name="decode", log_dir=logs, args=NO_PREFIX_CACHE,
                         kv_config=kv_transfer_config("kv_consumer", kv_port=free_port(),
                                                      load_timeout=20.0))
-    single = VLLMServer(model, name="single", log_dir=logs, args=NO_PREFIX_CACHE)
-    with pd_behind_proxy(prefill, decode, single, START_SECONDS) as proxy:
-        prompt = PROMPTS[3]
-        expected = complete(single.url, prompt)
+    with pd_behind_proxy(prefill, decode, START_SECONDS) as proxy:
         assert complete(proxy.url, prompt) == expected
         assert STORE_LOADED.findall(prefill.log_text()) == []   # nothing stored before it
         assert complete(proxy.url, prompt) == expected

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 
-from test_vllm_connector import COMMON, LOADED, PROMPTS, complete
+from test_vllm_connector import COMMON, LOADED, PLAIN, PROMPTS, complete
 
 from helpers.vllm_servers import (
     CONNECTOR_MODULE,
     VLLMServer,
     free_port,
     pd_behind_proxy,
+    plain_answers,
     require_vllm,
     write_checkpoint,
 )
@@ -36,15 +37,13 @@ def nixl_style_config() -> str:
 def test_kv_both_on_both_sides_is_pd_as_with_nixlconnector(tmp_path):
     model = write_checkpoint(str(tmp_path / "model"))
     logs = str(tmp_path)
+    expected = plain_answers(model, PROMPTS, complete, args=PLAIN, log_dir=logs)
     first = VLLMServer(model, name="both-a", log_dir=logs, args=COMMON,
                        kv_config=nixl_style_config())
     second = VLLMServer(model, name="both-b", log_dir=logs,
                         args=(*COMMON, "--no-enable-prefix-caching"),
                         kv_config=nixl_style_config())
-    single = VLLMServer(model, name="single", log_dir=logs,
-                        args=(*COMMON, "--no-enable-prefix-caching"))
-    with pd_behind_proxy(first, second, single, START_SECONDS) as proxy:
-        expected = {prompt: complete(single.url, prompt) for prompt in PROMPTS}
+    with pd_behind_proxy(first, second, START_SECONDS) as proxy:
         for prompt in PROMPTS:
             assert complete(proxy.url, prompt) == expected[prompt], prompt
         assert len(LOADED.findall(second.log_text())) == len(PROMPTS), second.log_tail()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from test_vllm_connector import COMMON, PROMPTS, complete, loads
+from test_vllm_connector import COMMON, PLAIN, PROMPTS, complete, loads
 
 from helpers.netns import ROOT, Hosts, hosts
 from helpers.vllm_servers import (
@@ -29,6 +29,7 @@ from helpers.vllm_servers import (
     free_port,
     kv_transfer_config,
     pd_behind_proxy,
+    plain_answers,
     require_vllm,
     wait_idle,
     write_checkpoint,
@@ -73,6 +74,7 @@ def test_prefill_and_decode_on_two_hosts_with_a_key(tmp_path):
     key_file.write_text(secrets.token_hex(32))
     key_file.chmod(0o600)
     logs = str(tmp_path)
+    expected = plain_answers(model, PROMPTS, complete, args=PLAIN, log_dir=logs)
     with hosts(lan) as net:
         prefill = VLLMServer(model, name="prefill-ns", log_dir=logs, args=COMMON,
                              env={"XDG_STATE_HOME": str(tmp_path / "prefill-state")},
@@ -88,10 +90,7 @@ def test_prefill_and_decode_on_two_hosts_with_a_key(tmp_path):
                             kv_config=kv_transfer_config(
                                 "kv_consumer", kv_port=free_port(), host=net.kv_decode,
                                 key_file=str(key_file), transports="tcp", load_timeout=20.0))
-        single = VLLMServer(model, name="single", log_dir=logs,
-                            args=(*COMMON, "--no-enable-prefix-caching"))
-        with pd_behind_proxy(prefill, decode, single, START_SECONDS) as proxy:
-            expected = {prompt: complete(single.url, prompt) for prompt in PROMPTS}
+        with pd_behind_proxy(prefill, decode, START_SECONDS) as proxy:
             rx_before = net.kv_received()
             for prompt in PROMPTS:
                 assert complete(proxy.url, prompt) == expected[prompt], prompt

@@ -9,6 +9,7 @@ environment, so ``tagged_pids`` finds them all.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -194,12 +195,11 @@ class VLLMServer:
 
 
 @contextmanager
-def pd_behind_proxy(prefill: VLLMServer, decode: VLLMServer, single: VLLMServer,
-                    start_seconds: float, mode: str = "pull") -> Iterator[Server]:
-    """Waits for the three servers, and yields a ``kvmove-serve`` proxy in front of
-    ``prefill`` and ``decode`` (``single``, no connector: the ground truth); then stops every
-    one, and fails if a vLLM process is left."""
-    servers = [prefill, decode, single]
+def pd_behind_proxy(prefill: VLLMServer, decode: VLLMServer, start_seconds: float,
+                    mode: str = "pull") -> Iterator[Server]:
+    """Waits for the two servers, and yields a ``kvmove-serve`` proxy in front of them; then
+    stops both, and fails if a vLLM process is left."""
+    servers = [prefill, decode]
     proxy = None
     try:
         for server in servers:
@@ -211,6 +211,41 @@ def pd_behind_proxy(prefill: VLLMServer, decode: VLLMServer, single: VLLMServer,
         if proxy is not None:
             proxy.close()
         stop_all(servers)
+
+
+# (checkpoint's bytes, arguments, environment) -> {prompt: a plain vLLM's answer}
+_PLAIN_ANSWERS: dict[tuple[str, tuple[str, ...], tuple[tuple[str, str], ...]],
+                    dict[str, str]] = {}
+
+
+def _checkpoint_digest(model: str) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(model)):
+        digest.update(name.encode())
+        with open(os.path.join(model, name), "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()
+
+
+def plain_answers(model: str, prompts: Sequence[str], ask: Callable[[str, str], str], *,
+                  args: tuple[str, ...], env: dict[str, str] | None = None,
+                  log_dir: str | None = None,
+                  start_seconds: float = START_SECONDS) -> dict[str, str]:
+    """The ground truth: what a plain vLLM (no connector) on ``model`` with ``args`` answers
+    to each prompt (``ask(url, prompt)``). A run asks one server per checkpoint (by its
+    bytes), arguments and environment, started alone and stopped once it has answered: each
+    test started one of its own beside its prefill and decode, a third vLLM sharing 2 cores
+    through every start-up, to learn the same answers."""
+    key = (_checkpoint_digest(model), tuple(args), tuple(sorted((env or {}).items())))
+    known = _PLAIN_ANSWERS.setdefault(key, {})
+    missing = [prompt for prompt in prompts if prompt not in known]
+    if missing:
+        with VLLMServer(model, name="plain", log_dir=log_dir, args=args, env=env) as server:
+            server.wait_ready(start_seconds)
+            for prompt in missing:
+                known[prompt] = ask(server.url, prompt)
+        assert not server.pids(), f"vLLM processes left behind: {server.pids()}"
+    return {prompt: known[prompt] for prompt in prompts}
 
 
 def stop_all(servers: list[VLLMServer]) -> None:
