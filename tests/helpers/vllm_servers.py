@@ -240,11 +240,13 @@ def plain_answers(model: str, prompts: Sequence[str], ask: Callable[[str, str], 
     known = _PLAIN_ANSWERS.setdefault(key, {})
     missing = [prompt for prompt in prompts if prompt not in known]
     if missing:
-        with VLLMServer(model, name="plain", log_dir=log_dir, args=args, env=env) as server:
+        server = VLLMServer(model, name="plain", log_dir=log_dir, args=args, env=env)
+        try:
             server.wait_ready(start_seconds)
             for prompt in missing:
                 known[prompt] = ask(server.url, prompt)
-        assert not server.pids(), f"vLLM processes left behind: {server.pids()}"
+        finally:
+            stop_all([server])
     return {prompt: known[prompt] for prompt in prompts}
 
 
