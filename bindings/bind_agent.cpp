@@ -44,10 +44,6 @@ void register_agent(py::module_& m) {
         .value("handoff", TrafficClass::Handoff)
         .value("prefetch", TrafficClass::Prefetch)
         .value("offload", TrafficClass::Offload);
-    py::enum_<Join>(m, "Join")  // how a peer's metadata came (transport/agent.h)
-        .value("add", Join::Add)
-        .value("connect", Join::Connect)
-        .value("answer", Join::Answer);
     // The metadata codec, for tests and fuzzing (an Agent decodes only what verified).
     m.def(
         "decode_metadata",
@@ -146,10 +142,10 @@ void register_agent(py::module_& m) {
         .def("metadata", [](const Agent& a) { return to_bytes(a.metadata()); })
         .def(
             "add_peer",
-            [](Agent& a, const std::string& meta, Join join) {
-                return a.add_peer(to_vector(meta), join);
+            [](Agent& a, const std::string& meta, bool rejoin) {
+                return a.add_peer(to_vector(meta), rejoin);
             },
-            py::arg("metadata"), py::arg("join") = Join::Add, release())
+            py::arg("metadata"), py::arg("rejoin") = false, release())
         .def("remove_peer", &Agent::remove_peer, py::arg("name"), release())
         .def_property_readonly("peers", &Agent::peers)
         .def("peer_transports", &Agent::peer_transports, py::arg("name"), release())

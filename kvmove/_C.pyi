@@ -10,7 +10,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['Agent', 'BlockFile', 'BlockOrder', 'BlockPool', 'BlockShape', 'DType', 'Join', 'KVCache', 'LoadStream', 'Offer', 'Region', 'SaveStream', 'StreamState', 'StreamStats', 'TrafficClass', 'Transfer', 'TransferState', 'TransferStats', 'block_checksums', 'block_hashes', 'check_timeout', 'convert_blocks', 'copy_blocks', 'copy_limit_gbytes_per_s', 'cuda_status', 'decode_metadata', 'decode_stream_message', 'default_copy_threads', 'encode_stream_message', 'hash_ids', 'log_dropped', 'pack_blocks', 'parse_order', 'peer_error_settings', 'runs', 'set_log_level', 'take_log', 'tcp_settings', 'ucx_built_version', 'ucx_library', 'ucx_resources', 'ucx_version', 'unpack_blocks', 'xxh3', 'xxh64']
+__all__: list[str] = ['Agent', 'BlockFile', 'BlockOrder', 'BlockPool', 'BlockShape', 'DType', 'KVCache', 'LoadStream', 'Offer', 'Region', 'SaveStream', 'StreamState', 'StreamStats', 'TrafficClass', 'Transfer', 'TransferState', 'TransferStats', 'block_checksums', 'block_hashes', 'check_timeout', 'convert_blocks', 'copy_blocks', 'copy_limit_gbytes_per_s', 'cuda_status', 'decode_metadata', 'decode_stream_message', 'default_copy_threads', 'encode_stream_message', 'hash_ids', 'log_dropped', 'pack_blocks', 'parse_order', 'peer_error_settings', 'runs', 'set_log_level', 'take_log', 'tcp_settings', 'ucx_built_version', 'ucx_library', 'ucx_resources', 'ucx_version', 'unpack_blocks', 'xxh3', 'xxh64']
 class BlockPool:
     def __init__(self, num_blocks: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...
@@ -451,54 +451,6 @@ class TrafficClass:
     @property
     def value(self) -> int:
         ...
-class Join:
-    """
-    Members:
-    
-      add
-    
-      connect
-    
-      answer
-    """
-    __members__: typing.ClassVar[dict[str, Join]]
-    add: typing.ClassVar[Join]
-    answer: typing.ClassVar[Join]
-    connect: typing.ClassVar[Join]
-    @typing.overload
-    def __eq__(self, other: Join) -> bool:
-        ...
-    @typing.overload
-    def __eq__(self, other: typing.Any) -> bool:
-        ...
-    def __getstate__(self) -> int:
-        ...
-    def __hash__(self) -> int:
-        ...
-    def __index__(self) -> int:
-        ...
-    def __init__(self, value: typing.SupportsInt | typing.SupportsIndex) -> None:
-        ...
-    def __int__(self) -> int:
-        ...
-    @typing.overload
-    def __ne__(self, other: Join) -> bool:
-        ...
-    @typing.overload
-    def __ne__(self, other: typing.Any) -> bool:
-        ...
-    def __repr__(self) -> str:
-        ...
-    def __setstate__(self, state: typing.SupportsInt | typing.SupportsIndex) -> None:
-        ...
-    def __str__(self) -> str:
-        ...
-    @property
-    def name(self) -> str:
-        ...
-    @property
-    def value(self) -> int:
-        ...
 class TransferState:
     """
     Members:
@@ -622,7 +574,7 @@ class Agent:
         ...
     def _send_raw_stream_message(self, peer: str, message: bytes) -> None:
         ...
-    def add_peer(self, metadata: str, join: Join = ...) -> str:
+    def add_peer(self, metadata: str, rejoin: bool = False) -> str:
         ...
     def close(self) -> None:
         ...

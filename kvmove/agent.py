@@ -47,9 +47,8 @@ def _weak_add_peer(agent: Agent) -> Callable[[bytes], str]:
         if target is None:
             raise PeerError("the listening agent is gone")
         # A connecting agent we have as a peer asks for fresh endpoints (it may have dropped
-        # ours), unless it never spoke over ours: then its earlier connect timed out before it
-        # saw our answer, and ours is kept for its new one to pair with (_C.Join).
-        return target._core.add_peer(verified, _C.Join.answer)  # type: ignore[arg-type]
+        # ours, or its earlier connect timed out before it saw our answer): take it again.
+        return target._core.add_peer(verified, rejoin=True)  # type: ignore[arg-type]
 
     return add_peer
 
@@ -368,9 +367,9 @@ class Agent:
             raise ConfigError(f"agent {self.name!r} serves on {self.host} (loopback) and cannot "
                               f"reach {host!r}: create it with host=<an address of this host> "
                               "on the network to use")
-        # The same run of a peer we have is taken again, on fresh endpoints both ways.
+        # rejoin: the same run of a peer we have is taken again, on fresh endpoints.
         metadata = self.key.verify(exchange(self.metadata(), host, port, timeout))
-        return self._core.add_peer(metadata, _C.Join.connect)  # type: ignore[arg-type]
+        return self._core.add_peer(metadata, rejoin=True)  # type: ignore[arg-type]
 
     def stream_to(self, peer: str, local_ids: Sequence[int], remote_ids: Sequence[int],
                   request_id: str, *, epoch: int, checksums: bool | None = None) -> SaveStream:

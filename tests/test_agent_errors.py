@@ -310,12 +310,12 @@ def test_reject_wrong_magic(lone, valid_metadata):
     names(excinfo, f"{len(valid_metadata)} bytes")
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 0xFFFF])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 0xFFFF])
 def test_reject_wrong_version(lone, valid_metadata, version):
     blob = valid_metadata[:4] + struct.pack("<H", version) + valid_metadata[6:]
     with pytest.raises(MetadataError, match="format version") as excinfo:
         lone.add_peer(blob)
-    names(excinfo, f"version {version}", "reads 6")
+    names(excinfo, f"version {version}", "reads 5")
 
 
 @pytest.mark.parametrize("suffix", [b"\0", b"KVMV", b"x" * 100], ids=["1", "4", "100"])

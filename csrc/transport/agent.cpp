@@ -103,10 +103,6 @@ Agent::Agent(std::string name, KVCache& cache, BlockShape shape, AgentConfig con
     am.cb = &Agent::on_stream_am;
     KVMOVE_UCX_CHECK(ucp_worker_set_am_recv_handler(worker_.get(), &am),
                      "cannot install the layer stream handler");
-    am.id = kHelloAmId;
-    am.cb = &Agent::on_hello;
-    KVMOVE_UCX_CHECK(ucp_worker_set_am_recv_handler(worker_.get(), &am),
-                     "cannot install the hello handler");
     const auto started = std::chrono::duration_cast<std::chrono::nanoseconds>(
         std::chrono::system_clock::now().time_since_epoch());
     AgentMetadata meta;

@@ -77,21 +77,6 @@ struct Notification {
     std::string payload;
 };
 
-// How a peer's metadata reached add_peer. UCX pairs an endpoint with the peer's by the
-// count of endpoints each side has made to the other; a message that comes over an endpoint
-// with no partner on our side is nobody's, and dropped (Agent::sender_of). So both sides of
-// a connect must make one endpoint each, or the two never hear each other again.
-//   Add: from the user (metadata handed over by any channel); the same run twice is an error.
-//   Connect: the answer to our connect. The same run is taken again on a fresh endpoint
-//     (what was in flight with it fails: it may have dropped ours), and told so by a hello
-//     over the new endpoint.
-//   Answer: a connect our listener answers. Like Connect, except for a run that never
-//     spoke over our endpoint (no hello came): its earlier connect ended before it saw our
-//     answer, so it made no endpoint, and ours is kept for its new one to pair with.
-//     Replacing ours made one more here than there, and the pair deaf for good (a flood
-//     of "no peer's" drops, every lease expiring unengaged).
-enum class Join { Add, Connect, Answer };
-
 class Agent : private StreamPort {
 public:
     Agent(std::string name, KVCache& cache, BlockShape shape, AgentConfig config);
@@ -103,9 +88,10 @@ public:
     uint32_t incarnation() const { return incarnation_; }
     bool closed() const { return closed_; }
     std::vector<uint8_t> metadata() const { return metadata_; }
-    // How a peer's metadata came (Join). Connect and Answer take the same run of a peer
-    // again, where Add says it is added already.
-    std::string add_peer(const std::vector<uint8_t>& metadata, Join join = Join::Add);
+    // rejoin: the same run of a peer announcing itself again (a connect: it may have dropped
+    // our endpoint, or never got our answer) is no error: its old endpoint is replaced by a
+    // fresh one (what was in flight fails).
+    std::string add_peer(const std::vector<uint8_t>& metadata, bool rejoin = false);
     void remove_peer(const std::string& name);
     std::vector<std::string> peers() const;
     // The (transport, device) pairs UCX chose to reach a live peer (Endpoint::transports).
@@ -224,8 +210,6 @@ private:
     static ucs_status_t on_notification(void* arg, const void* header, size_t header_nbytes,
                                         void* data, size_t nbytes,
                                         const ucp_am_recv_param_t* param);
-    static ucs_status_t on_hello(void* arg, const void* header, size_t header_nbytes, void* data,
-                                 size_t nbytes, const ucp_am_recv_param_t* param);
     static ucs_status_t on_stream_am(void* arg, const void* header, size_t header_nbytes,
                                      void* data, size_t nbytes, const ucp_am_recv_param_t* param);
 

@@ -9,10 +9,12 @@
 #include <utility>
 
 #include "transport/agent.h"
-#include "transport/am_ids.h"
 #include "transport/process_watch.h"
 
 namespace kvmove {
+
+constexpr unsigned kNotifyAmId = 0x4B56;  // "KV": notifications of plain transfers
+constexpr unsigned kStreamAmId = 0x4B57;  // layer stream messages (stream/stream_message.h)
 
 struct Agent::Peer {
     Peer(Agent* a, AgentMetadata m) : agent(a), meta(std::move(m)), geometry(meta.geometry()) {}
@@ -21,10 +23,6 @@ struct Agent::Peer {
     AgentMetadata meta;
     KVGeometry geometry;  // of the peer's cache, in its address space
     std::string failure;  // why the peer is dead; empty while alive
-    // How it was added, and whether a message of it came over our endpoint since (then
-    // its endpoint pairs with ours): an answer's endpoint never heard is kept (Join).
-    Join joined = Join::Add;
-    bool heard = false;
     // Its notifying transfers in posting order: a notification leaves only after those
     // before it (a batch may land at once while an earlier one is still pending).
     std::deque<InFlight*> notify_order;

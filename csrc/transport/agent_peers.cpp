@@ -22,7 +22,7 @@ constexpr double kDropSeconds = 2.0;  // how long a dropped peer's connection ma
 // A run of a peer is told from another by its incarnation, never by its clock
 // (transport/peer_runs.h): metadata of a run this agent saw replaced is a replay, refused;
 // any incarnation not seen under the name is a new run, which replaces the known one.
-std::string Agent::add_peer(const std::vector<uint8_t>& metadata, Join join) {
+std::string Agent::add_peer(const std::vector<uint8_t>& metadata, bool rejoin) {
     AgentMetadata meta = decode(metadata);
     WorkerLock lock(*this);
     check_open();
@@ -36,23 +36,16 @@ std::string Agent::add_peer(const std::vector<uint8_t>& metadata, Join join) {
         const AgentMetadata& known = old->second->meta;
         const bool same =
             known.incarnation == meta.incarnation && known.worker_address == meta.worker_address;
-        // A connect (either side of it): the peer asks for fresh endpoints both ways. It may
-        // have dropped ours (a disconnect, a remove_peer) while ours looks alive here, and
-        // messages between an old endpoint and a new one are nobody's.
-        KVMOVE_CHECK(join != Join::Add || !old->second->failure.empty() || !same, Peer,
+        // rejoin (connect, and a listener answering one): the peer asks for fresh endpoints
+        // both ways. It may have dropped ours (a disconnect, a remove_peer) while ours looks
+        // alive here, and messages between an old endpoint and a new one are nobody's.
+        KVMOVE_CHECK(rejoin || !old->second->failure.empty() || !same, Peer,
                      "peer '" << meta.name << "' is already added to agent '" << name_ << "'");
         // One run has one worker address: the same incarnation elsewhere is no run of it.
         KVMOVE_CHECK(same || meta.incarnation != known.incarnation, Peer,
                      "metadata of '" << meta.name << "' names the run agent '" << name_
                                      << "' knows (incarnation " << meta.incarnation
                                      << ") with another worker address");
-        // It never spoke over our endpoint, so it made none to pair with ours (its connect
-        // ended before our answer came): ours is kept for its new one (Join).
-        const Peer& known_peer = *old->second;
-        if (join == Join::Answer && same && known_peer.failure.empty() &&
-            known_peer.joined == Join::Answer && !known_peer.heard) {
-            return meta.name;
-        }
         // It came back (a new incarnation), or reconnects: its old connection goes first, and
         // everything of the old one fails.
         drop_peer(old, true, ErrorKind::Peer,
@@ -65,7 +58,6 @@ std::string Agent::add_peer(const std::vector<uint8_t>& metadata, Join join) {
                  "agent '" << name_ << "' has " << peers_.size() << " peers, its limit "
                            << "(max_peers): cannot add '" << meta.name << "'");
     auto peer = std::make_unique<Peer>(this, meta);
-    peer->joined = join;
     peer->path = make_path(peer->meta, peer.get());
     std::string unwatched;
     peer->process = PidfdWatch::open(peer->meta.host, unwatched);
@@ -74,11 +66,6 @@ std::string Agent::add_peer(const std::vector<uint8_t>& metadata, Join join) {
     peers_.emplace(peer_name, std::move(peer));
     runs_.added(peer_name, meta.incarnation,
                 [this](const std::string& name) { return peers_.count(name) > 0; });
-    if (join == Join::Connect) {  // our endpoint exists: the listener may replace its own
-        const std::shared_ptr<Path>& path = peers_.at(peer_name)->path;
-        path->send(kHelloAmId, std::string(), false, [](const PortOutcome&) {});
-        polling_.push_back(path);
-    }
     return peer_name;
 }
 
@@ -274,7 +261,6 @@ const Agent::Peer* Agent::sender_of(const ucp_am_recv_param_t* param, size_t nby
                              << " bytes from an endpoint that is no peer's");
         return nullptr;
     }
-    it->second->heard = true;
     return it->second;
 }
 
@@ -289,12 +275,6 @@ ucs_status_t Agent::on_notification(void* arg, const void*, size_t, void* data, 
             {peer->meta.name, std::string(static_cast<const char*>(data), nbytes)})) {
         ++agent->messages_dropped_;
     }
-    return UCS_OK;
-}
-
-ucs_status_t Agent::on_hello(void* arg, const void*, size_t, void*, size_t nbytes,
-                             const ucp_am_recv_param_t* param) {
-    static_cast<Agent*>(arg)->sender_of(param, nbytes, 0);  // marks the peer heard
     return UCS_OK;
 }
 

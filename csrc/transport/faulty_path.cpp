@@ -1,7 +1,6 @@
 #include "transport/faulty_path.h"
 
 #include "stream/layer_stream.h"
-#include "transport/am_ids.h"
 
 namespace kvmove {
 
@@ -35,10 +34,6 @@ void FaultyPath::corrupt(PathBatch& batch, PathDone& done) {
 }
 
 void FaultyPath::send(unsigned am_id, std::string message, bool rendezvous, PathDone done) {
-    if (am_id == kHelloAmId) {  // a connect's handshake, reliable as UCX's own wireup
-        inner_->send(am_id, std::move(message), rendezvous, std::move(done));
-        return;
-    }
     if (faults_.drop_message()) {
         done({});  // lost on the way, as far as the sender can tell
         return;

@@ -1,6 +1,6 @@
 // AgentMetadata: what one agent tells another to reach its KV cache, as versioned bytes.
 //
-// Wire format (little-endian), version 6:
+// Wire format (little-endian), version 5:
 //
 //   "KVMV" | u16 version | u16 reserved (0) | u32 body_nbytes | body | u64 xxh64(body)
 //   body = str8 name | u32 incarnation | u64 started_ns | bytes32 worker_address
@@ -31,20 +31,13 @@
 // not offer mapping) with the file's (st_dev, st_ino), so a reused pid or fd number never maps
 // another file. boot_id is printable, at most 64 bytes ("" when unknown: never mapped).
 //
-// Version 6 has version 5's fields. A version 6 agent says hello over the endpoint its
-// connect made (transport/agent.h, Join): a listener tells by it a client whose endpoint pairs
-// with its own from one whose connect ended before the answer came, and keeps its endpoint
-// only for the latter. A version 5 agent never says hello, so a version 6 listener would take
-// each of its connects for one that ended early, and its reconnects would leave the two deaf
-// to each other: version 5 peers are refused.
-//
 // incarnation: a random nonzero number an agent picks when it starts, the high 32 bits of the
 // epochs of the leases it grants. A peer that comes back under the same name has another, so
 // its survivors tell a restart from a duplicate, a new run from a replay of a run it replaced
 // (transport/peer_runs.h), and a lease of the old run from one of the new
 // (stream/stream_protocol.h). started_ns (the agent's start, wall clock) is informational
 // only: nothing orders runs by it, since a host's clock may be behind another's or step back
-// (issue 27). It stayed on the wire so that version 5 peers kept reading each other.
+// (issue 27). It stays on the wire so that version 5 peers keep reading each other.
 //
 // decode() checks every length against what is left, every count against its limit, the
 // checksum and that nothing trails, and throws MetadataError naming the field. The checksum
@@ -98,7 +91,7 @@ struct AgentMetadata {
     KVGeometry geometry() const { return KVGeometry(num_layers, num_blocks, num_parts, planes); }
 };
 
-constexpr uint16_t kMetadataVersion = 6;
+constexpr uint16_t kMetadataVersion = 5;
 constexpr size_t kMaxBootIdBytes = 64;
 constexpr size_t kMaxAgentNameBytes = 255;
 // Bounds on what a peer may announce: a model has at most a few hundred layers, and a wrapped

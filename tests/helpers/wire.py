@@ -1,6 +1,6 @@
 """Agent metadata built field by field (csrc/transport/metadata.h), for tests that forge it.
 
-Wire format (version 6), little-endian:
+Wire format (version 5), little-endian:
   "KVMV" | u16 version | u16 reserved | u32 body_nbytes | body | u64 xxh64(body)
   body = name | incarnation | started_ns | worker_address | boot_id | netns_ino | pidns_ino
        | pid | u32 num_segments | segment*
