@@ -101,9 +101,9 @@ def test_pd_between_tensor_parallel_sizes_gives_a_plain_vllms_answers(
                    if "expired" in line and "no Begin from the sender arrived" in line]
         tolerated = 1 if prefill_tp != decode_tp and len(expired) == 1 else 0
         # Messages over an endpoint with no partner on the receiving side (the core's warning,
-        # printed without "kvmove": a connect retried after a timeout made such pairs, and lost
-        # every message between them; CHANGELOG): none, but beside the tolerated expiry they
-        # are what says where its Begin went.
+        # printed without "kvmove": a connect retried after a timeout makes such pairs, which
+        # lose every message between them, a known fault; CHANGELOG): none, but beside the
+        # tolerated expiry they are what says where its Begin went.
         dropped = {server.name: [line for line in server.log_text().splitlines()
                                  if "no peer's" in line] for server in (prefill, decode)}
         if tolerated:
